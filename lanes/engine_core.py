@@ -1,0 +1,249 @@
+"""The co-located engine: prefill, draft and verify lanes over shared pools in one process.
+
+`step()` is schedule, run, postprocess (as in nano-vllm): draft + verify for every running request,
+then a bounded chunk of prefill. One device-to-host copy per decode step brings the accepted tokens
+back; everything before it stays on the device.
+"""
+
+import copy
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lanes.detokenizer import IncrementalDetokenizer
+from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal
+from lanes.kv_pool import KVPool, PoolShape
+from lanes.model_runner import ModelRunner
+from lanes.models import LoadedModel, check_compatible
+from lanes.outputs import RequestOutput
+from lanes.params import ParamError, SamplingParams
+from lanes.prefill import PrefillChunk, PrefillLane
+from lanes.rollback import rollback_after_verify
+from lanes.sampling import SamplingTensors
+from lanes.scheduler import Scheduler
+from lanes.sequence import Sequence
+from lanes.spec_stats import SpecDecodeStats
+from lanes.verify import VerifyLane
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 1024  # prompt + output tokens per request
+    max_num_seqs: int = 32  # KV slots per model = requests decoded at once
+    num_speculative_tokens: int = 4  # default draft length L
+    max_draft_len: int = 8  # bound on any request's L (sizes the pool's slack)
+    prefill_chunk_tokens: int = 256  # prefill budget per step while requests are decoding
+    idle_prefill_tokens: int = 2048  # prefill budget per step when nothing is decoding
+
+    def __post_init__(self):
+        if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
+            raise ValueError("num_speculative_tokens must be in [0, max_draft_len]")
+        if self.prefill_chunk_tokens < 1 or self.idle_prefill_tokens < self.prefill_chunk_tokens:
+            raise ValueError("need 1 <= prefill_chunk_tokens <= idle_prefill_tokens")
+        if self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs >= 1 and max_model_len >= 2 required")
+
+    @property
+    def slot_capacity_tokens(self) -> int:
+        # Padded rows of a batched forward write past their own length; leave room for the widest.
+        return self.max_model_len + max(self.idle_prefill_tokens, self.max_draft_len + 2, CATCH_UP_CHUNK)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
+        if draft is not None:
+            check_compatible(draft, target)
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+        self.target = self._runner(target.model)
+        self.draft = self._runner(draft.model) if draft is not None else None
+        self.prefill_lane = PrefillLane(self.target, self.draft)
+        self.draft_lane = DraftLane(self.draft) if self.draft is not None else None
+        self.verify_lane = VerifyLane(self.target)
+        self.scheduler = Scheduler(self.target.pool, self.draft.pool if self.draft else None)
+        self.eos_ids = _eos_ids(target.model, self.tokenizer)
+        self.default_draft_len = config.num_speculative_tokens if draft is not None else 0
+        self.total_stats = SpecDecodeStats()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def _runner(self, model: torch.nn.Module) -> ModelRunner:
+        shape = PoolShape.for_model(model.config, self.config.max_num_seqs, self.config.slot_capacity_tokens)
+        device = next(model.parameters()).device
+        return ModelRunner(model, KVPool(shape, model.dtype, device))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Validate and queue a request. Raises ParamError naming the field; nothing is queued then."""
+        params.validate()
+        if request_id in self.scheduler.by_id:
+            raise ParamError("request_id", f"{request_id!r} is already in flight")
+        prompt_ids = self._prompt_ids(prompt)
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ParamError("prompt", f"{len(prompt_ids)} tokens; the context holds {limit} (prompt + output)")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ParamError("max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len)
+        self.scheduler.add(seq)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return seq
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParamError("prompt", "this engine has no tokenizer: send token ids")
+            prompt = self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ParamError("prompt", "must be a non-empty string or list of token ids")
+        vocab = self.target.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise ParamError("prompt", f"token ids must be integers in [0, {vocab})")
+        return prompt
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.by_id.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        self._detok.pop(request_id, None)
+        return self._output(seq, [], "")
+
+    def set_draft_lengths(self, default_len: int, per_request: dict[str, int] | None = None) -> None:
+        """Change L (the controller's action). Bounded by max_draft_len; 0 turns speculation off."""
+        bound = self.config.max_draft_len if self.draft is not None else 0
+        self.default_draft_len = max(0, min(default_len, bound))
+        for seq in self.scheduler.by_id.values():
+            wanted = (per_request or {}).get(seq.request_id, default_len)
+            seq.draft_len = max(0, min(wanted, bound))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self.scheduler.admit()
+        outputs = []
+        running = list(self.scheduler.running)
+        if running:
+            outputs += self._guarded(running, lambda: self._decode(running))
+        budget = self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens
+        chunks = self.scheduler.prefill_chunks(budget)
+        if chunks:
+            outputs += self._guarded([c.seq for c in chunks], lambda: self._prefill(chunks))
+        return outputs
+
+    def _guarded(self, seqs: list[Sequence], run) -> list[RequestOutput]:
+        # A failing batch fails its own requests and frees their slots; the engine keeps serving.
+        try:
+            return run()
+        except Exception as exc:
+            log.exception("engine step failed for %d requests", len(seqs))
+            outputs = []
+            for seq in seqs:
+                self.scheduler.finish(seq, "error")
+                self._detok.pop(seq.request_id, None)
+                outputs.append(self._output(seq, [], "", error=f"{type(exc).__name__}: {exc}"))
+            return outputs
+
+    def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
+        draft_lens = [s.step_draft_len(self.config.max_draft_len) if self.draft_lane else 0 for s in running]
+        st = self._sampling_tensors(running)
+        if self.draft_lane is not None and any(draft_lens):
+            proposal = self.draft_lane.propose(running, draft_lens, st)
+        else:
+            proposal = DraftProposal.empty(len(running), self.target.vocab_size, self.target.device)
+        result = self.verify_lane.verify(running, proposal, st)
+        # The step's single device-to-host transfer: accepted tokens and their count per row.
+        host = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1).cpu().tolist()
+        outputs = []
+        for seq, num_draft, row in zip(running, draft_lens, host):
+            num_accepted = row[-1]
+            num_before = len(seq.token_ids)
+            rollback_after_verify(self.target.pool, seq.target_slot, num_before, num_accepted)
+            if self.draft is not None:
+                rollback_after_verify(self.draft.pool, seq.draft_slot, num_before, num_accepted)
+            seq.stats.observe(num_draft, num_accepted)
+            self.total_stats.observe(num_draft, num_accepted)
+            outputs.append(self._append(seq, row[: num_accepted + 1]))
+        return outputs
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> list[RequestOutput]:
+        seqs = [c.seq for c in chunks]
+        first = self.prefill_lane.run(chunks, self._sampling_tensors(seqs)).cpu().tolist()
+        outputs = []
+        for chunk, token in zip(chunks, first):
+            self.scheduler.mark_prefilled(chunk)
+            if chunk.completes_prompt:
+                outputs.append(self._append(chunk.seq, [token]))
+        return outputs
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.target.device)
+
+    # ---- postprocess --------------------------------------------------------------------
+
+    def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        """Append a step's tokens, stopping at EOS, a stop token, max_tokens or a stop string."""
+        params, reason, emitted, visible = seq.params, None, [], []
+        for token in new_tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+                reason = "stop"
+                break
+            visible.append(token)
+            if seq.num_output_tokens >= params.max_tokens:
+                reason = "length"
+                break
+        text = ""
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            text, hit_stop = detok.append(visible)
+            if hit_stop:
+                reason = "stop"
+            elif reason is not None:
+                text += detok.flush()
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._detok.pop(seq.request_id, None)
+        return self._output(seq, emitted, text)
+
+    def _output(self, seq: Sequence, tokens: list[int], text: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            text=text,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            stats=copy.deepcopy(seq.stats),
+            error=error,
+        )
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

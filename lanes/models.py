@@ -1,0 +1,67 @@
+"""Loading the draft and target models, and checking that they can speculate together."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class IncompatibleModelsError(ValueError):
+    """Draft and target cannot be paired: speculation needs one shared vocabulary."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    """Load any HF causal LM and its tokenizer by hub id or local path."""
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=resolve_dtype(dtype))
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return LoadedModel(_prepare(model, device), tokenizer, name_or_path)
+
+
+def build_random_model(
+    config: PretrainedConfig | dict, dtype: str | torch.dtype = "float32", device: str = "cpu", seed: int = 0
+) -> LoadedModel:
+    """A model with random weights built from a config (tests, shape-faithful benchmarks)."""
+    if isinstance(config, dict):
+        config = AutoConfig.for_model(**config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
+    return LoadedModel(_prepare(model, device), None, f"random-{config.model_type}")
+
+
+def _prepare(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    # sdpa takes our additive 4D mask as-is and is the fast path on both CPU and GPU.
+    model.config._attn_implementation = "sdpa"
+    return model.to(device).eval().requires_grad_(False)
+
+
+def check_compatible(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse a pair whose token ids do not mean the same thing."""
+    draft_vocab = draft.model.get_output_embeddings().weight.shape[0]
+    target_vocab = target.model.get_output_embeddings().weight.shape[0]
+    if draft_vocab != target_vocab:
+        raise IncompatibleModelsError(
+            f"draft {draft.name!r} has {draft_vocab} output logits, target {target.name!r} has {target_vocab}"
+        )
+    if draft.tokenizer is None or target.tokenizer is None:
+        return  # random models built from configs share ids by construction
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise IncompatibleModelsError(f"tokenizers of draft {draft.name!r} and target {target.name!r} differ")
+    if draft.tokenizer.eos_token_id != target.tokenizer.eos_token_id:
+        raise IncompatibleModelsError("draft and target tokenizers disagree on the EOS token")

@@ -1,0 +1,66 @@
+"""Per-request sampling parameters, validated once at the boundary."""
+
+from dataclasses import dataclass, field
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid. `field` names the offending parameter."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples.
+
+    temperature == 0 means greedy (argmax), which speculative decoding reproduces token for token.
+    top_k == 0 and top_p == 1.0 disable those filters. A seed makes the sampled output reproducible
+    and independent of which other requests share the batch.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens <= 0:
+            raise ParamError("max_tokens", f"must be > 0, got {self.max_tokens}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ParamError("temperature", f"must be a number, got {type(self.temperature).__name__}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ParamError("temperature", f"must be >= 0, got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ParamError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ParamError("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ParamError("stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(name, f"must be an integer, got {type(value).__name__}")

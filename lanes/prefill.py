@@ -1,0 +1,52 @@
+"""Prefill lane: write prompt chunks of many requests into both models' caches in one forward each."""
+
+from dataclasses import dataclass
+
+import torch
+
+from lanes.batching import pad_tokens
+from lanes.model_runner import ModelRunner
+from lanes.sampling import STREAM_TARGET, SamplingTensors, logits_to_probs, sample_from, uniform_noise
+from lanes.sequence import Sequence
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int  # first prompt position in this chunk
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == self.seq.num_prompt_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.prompt_ids[self.start : self.start + self.length]
+
+
+class PrefillLane:
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None):
+        self.target = target
+        self.draft = draft
+
+    def run(self, chunks: list[PrefillChunk], st: SamplingTensors) -> torch.Tensor:
+        """Prefill `chunks`; return the target's first output token per row [B] (meaningful only
+        for rows whose chunk completes the prompt). Stays on the device."""
+        rows = [c.token_ids for c in chunks]
+        starts = [c.start for c in chunks]
+        ids, last = pad_tokens(rows, self.target.device)
+        if self.draft is not None:
+            self._write(self.draft, [c.seq.draft_slot for c in chunks], ids, starts, chunks, last)
+        logits = self._write(self.target, [c.seq.target_slot for c in chunks], ids, starts, chunks, last)
+        probs = logits_to_probs(logits[:, None], st)  # [B, 1, V]
+        # The first output token sits at absolute position len(prompt).
+        positions = torch.tensor([[c.seq.num_prompt_tokens] for c in chunks], device=probs.device)
+        return sample_from(probs, uniform_noise(st.seeds, positions, STREAM_TARGET, probs.shape[-1]))[:, 0]
+
+    @staticmethod
+    def _write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, last) -> torch.Tensor:
+        logits = runner.forward(slots, ids, starts, keep=last)  # [B, V]
+        for slot, chunk in zip(slots, chunks):
+            runner.pool.lengths[slot] = chunk.start + chunk.length
+        return logits

@@ -1,0 +1,76 @@
+"""Who runs next: decode work first, prefill in bounded chunks after it.
+
+Every engine step drafts and verifies ALL running sequences, then spends at most a token budget on
+prompt prefill. A long prompt therefore delays a decode step by one chunk at most: decode is never
+starved by prefill.
+"""
+
+from collections import deque
+
+from lanes.kv_pool import KVPool
+from lanes.prefill import PrefillChunk
+from lanes.sequence import SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, target_pool: KVPool, draft_pool: KVPool | None):
+        self.target_pool = target_pool
+        self.draft_pool = draft_pool
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def admit(self) -> None:
+        """Give waiting requests KV slots, in arrival order, while slots are free."""
+        while self.waiting and self.target_pool.num_free and (self.draft_pool is None or self.draft_pool.num_free):
+            seq = self.waiting.popleft()
+            seq.target_slot = self.target_pool.allocate()
+            if self.draft_pool is not None:
+                seq.draft_slot = self.draft_pool.allocate()
+            seq.status = SeqStatus.PREFILLING
+            self.prefilling.append(seq)
+
+    def prefill_chunks(self, budget_tokens: int) -> list[PrefillChunk]:
+        chunks = []
+        for seq in self.prefilling:
+            if budget_tokens <= 0:
+                break
+            length = min(budget_tokens, seq.num_prompt_tokens - seq.num_prefilled)
+            chunks.append(PrefillChunk(seq, seq.num_prefilled, length))
+            budget_tokens -= length
+        return chunks
+
+    def mark_prefilled(self, chunk: PrefillChunk) -> None:
+        chunk.seq.num_prefilled += chunk.length
+        if chunk.completes_prompt:
+            self.prefilling.remove(chunk.seq)
+            chunk.seq.status = SeqStatus.RUNNING
+            self.running.append(chunk.seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release a request's slots, whatever state it is in (finished, aborted, failed)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.PREFILLING:
+            self.prefilling.remove(seq)
+        else:
+            self.running.remove(seq)
+        if seq.target_slot is not None:
+            self.target_pool.free(seq.target_slot)
+        if seq.draft_slot is not None and self.draft_pool is not None:
+            self.draft_pool.free(seq.draft_slot)
+        seq.target_slot = seq.draft_slot = None
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.by_id.pop(seq.request_id, None)

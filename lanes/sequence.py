@@ -1,0 +1,54 @@
+"""The host-side state of one request as it moves through prefill, drafting and verification."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from lanes.params import SamplingParams
+from lanes.spec_stats import SpecDecodeStats
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"  # no KV slot yet
+    PREFILLING = "prefilling"  # slot held, prompt partly in the KV cache
+    RUNNING = "running"  # decoding: draft, verify, repeat
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    draft_len: int  # L this request drafts per step (the controller may change it; 0 = no speculation)
+    token_ids: list[int] = field(default_factory=list)  # prompt followed by the output so far
+    status: SeqStatus = SeqStatus.WAITING
+    target_slot: int | None = None
+    draft_slot: int | None = None
+    num_prefilled: int = 0  # prompt tokens already written to the KV caches
+    finish_reason: str | None = None
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - self.num_output_tokens
+
+    def step_draft_len(self, max_draft_len: int) -> int:
+        """Drafts worth proposing this step: a verify emits up to L + 1 tokens, so never draft past max_tokens."""
+        return max(0, min(self.draft_len, max_draft_len, self.remaining_tokens - 1))
