@@ -1,0 +1,51 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lanes.models import LoadedModel, build_random_model  # noqa: E402
+
+torch.set_num_threads(1)
+
+VOCAB = 128
+_NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+ARCH_CONFIGS = {
+    "llama": dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **_NO_SPECIAL,
+    ),
+    "qwen2": dict(
+        model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **_NO_SPECIAL,
+    ),
+}
+
+
+def perturbed_copy(model: LoadedModel, scale: float, seed: int) -> LoadedModel:
+    """A draft that agrees with the target often but not always: the target with noisy weights."""
+    draft = copy.deepcopy(model.model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale * p.std())
+    return LoadedModel(draft, None, f"{model.name}-perturbed")
+
+
+def make_pair(arch: str, dtype: str = "float64", scale: float = 0.1) -> tuple[LoadedModel, LoadedModel]:
+    target = build_random_model(ARCH_CONFIGS[arch], dtype=dtype, seed=1)
+    return target, perturbed_copy(target, scale, seed=2)
+
+
+@pytest.fixture(scope="session", params=sorted(ARCH_CONFIGS))
+def pair(request) -> tuple[LoadedModel, LoadedModel]:
+    return make_pair(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama_pair() -> tuple[LoadedModel, LoadedModel]:
+    return make_pair("llama")

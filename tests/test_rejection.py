@@ -1,0 +1,111 @@
+"""The rejection rule on constructed distributions: exact cases, then the sampled distribution."""
+
+import torch
+
+from lanes.rejection import rejection_sample
+from lanes.sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, sample_from, uniform_noise
+
+V = 6
+
+
+def one_hot(tokens: list[int]) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).double()
+
+
+def test_perfect_match_accepts_all_and_adds_bonus():
+    drafts = torch.tensor([[1, 2, 3]])
+    q = one_hot([1, 2, 3])[None]
+    p = one_hot([1, 2, 3, 5])[None]  # the target agrees, and its next token is 5
+    out = rejection_sample(drafts, q, p, torch.tensor([3]), torch.full((1, 3), 0.999), torch.rand(1, 4, V))
+    assert out.num_accepted.tolist() == [3]
+    assert out.tokens.tolist() == [[1, 2, 3, 5]]
+
+
+def test_early_mismatch_stops_at_first_rejection_with_target_token():
+    drafts = torch.tensor([[1, 4, 3]])
+    q = one_hot([1, 4, 3])[None]
+    p = one_hot([1, 2, 3, 5])[None]  # disagrees at position 1, agrees again later (must not matter)
+    out = rejection_sample(drafts, q, p, torch.tensor([3]), torch.full((1, 3), 0.5), torch.rand(1, 4, V))
+    assert out.num_accepted.tolist() == [1]
+    assert out.tokens.tolist() == [[1, 2, -1, -1]]
+
+
+def test_rows_with_different_draft_lengths_and_zero():
+    drafts = torch.tensor([[1, 2, 3], [4, 0, 0], [0, 0, 0]])
+    q = torch.stack([one_hot([1, 2, 3]), one_hot([4, 0, 0]), one_hot([0, 0, 0])])
+    p = torch.stack([one_hot([1, 2, 0, 5]), one_hot([4, 1, 0, 0]), one_hot([3, 0, 0, 0])])
+    out = rejection_sample(drafts, q, p, torch.tensor([3, 1, 0]), torch.full((3, 3), 0.5), torch.rand(3, 4, V))
+    assert out.num_accepted.tolist() == [2, 1, 0]
+    # row 0: reject at 2 -> target's 0; row 1: its only draft accepted -> bonus 1; row 2: plain decode -> 3
+    assert out.tokens.tolist() == [[1, 2, 0, -1], [4, 1, -1, -1], [3, -1, -1, -1]]
+
+
+def test_acceptance_probability_is_min_one_p_over_q():
+    # q(x) = 0.8, p(x) = 0.2 -> accept with probability 0.25: u = 0.24 accepts, u = 0.26 rejects.
+    q = torch.tensor([[[0.8, 0.2, 0, 0, 0, 0]]]).double()
+    p = torch.tensor([[[0.2, 0.8, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]]).double()
+    args = (torch.tensor([[0]]), q, p, torch.tensor([1]))
+    assert rejection_sample(*args, torch.tensor([[0.24]]), torch.rand(1, 2, V)).num_accepted.tolist() == [1]
+    rejected = rejection_sample(*args, torch.tensor([[0.26]]), torch.rand(1, 2, V))
+    assert rejected.num_accepted.tolist() == [0]
+    assert rejected.tokens[0, 0].item() == 1  # the residual max(0, p - q) puts all mass on token 1
+
+
+# ---- statistics ------------------------------------------------------------------------------
+
+N = 40_000
+L = 3
+P = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.10, 0.05], [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
+                  [0.40, 0.05, 0.05, 0.05, 0.05, 0.40], [0.10, 0.30, 0.10, 0.30, 0.10, 0.10]]).double()
+Q = torch.tensor([[0.10, 0.10, 0.10, 0.20, 0.30, 0.20], [0.30, 0.30, 0.10, 0.10, 0.10, 0.10],
+                  [0.05, 0.40, 0.40, 0.05, 0.05, 0.05]]).double()
+# Chi-square over 5 degrees of freedom: P(stat > 30) < 1e-5 under the null.
+CHI2_BOUND = 30.0
+
+
+def _draws() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    seeds = torch.arange(N, dtype=torch.long) * 7919 + 17
+    positions = torch.arange(L + 1)[None].expand(N, -1)
+    q = Q[None].expand(N, -1, -1)
+    drafts = sample_from(q, uniform_noise(seeds, positions[:, :L], STREAM_DRAFT, V))
+    return seeds, positions, q, drafts
+
+
+def _chi2(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=V).double()
+    expected = probs * len(tokens)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _column_chi2s(tokens: torch.Tensor) -> list[float]:
+    # Every emitted token at column c was drawn, given its prefix, from P[c] (context-free here),
+    # so the tokens present at each column must follow P[c] whatever happened before.
+    return [_chi2(tokens[:, c][tokens[:, c] >= 0], P[c]) for c in range(L + 1)]
+
+
+def test_sampled_tokens_follow_target_distribution():
+    seeds, positions, q, drafts = _draws()
+    p = P[None].expand(N, -1, -1)
+    out = rejection_sample(drafts, q, p, torch.full((N,), L), uniform_noise(seeds, positions[:, :L], STREAM_ACCEPT),
+                           uniform_noise(seeds, positions, STREAM_TARGET, V))
+    for stat in _column_chi2s(out.tokens):
+        assert stat < CHI2_BOUND, stat
+    # ...and not the draft's distribution, which the draft tokens themselves follow.
+    assert _chi2(out.tokens[:, 0], Q[0]) > 100 * CHI2_BOUND
+    assert _chi2(drafts[:, 0], Q[0]) < CHI2_BOUND
+
+
+def test_the_bound_rejects_wrong_rules():
+    """The same statistic fails for the rules an implementation might get wrong."""
+    seeds, positions, q, drafts = _draws()
+    u_accept = uniform_noise(seeds, positions[:, :L], STREAM_ACCEPT)
+    target_sample = sample_from(P[None].expand(N, -1, -1), uniform_noise(seeds, positions, STREAM_TARGET, V))
+    # (a) no residual: on rejection, sample p itself instead of norm(max(0, p - q)).
+    accept = u_accept[:, 0] * Q[0, drafts[:, 0]] < P[0, drafts[:, 0]]
+    no_residual = torch.where(accept, drafts[:, 0], target_sample[:, 0])
+    assert _chi2(no_residual, P[0]) > 10 * CHI2_BOUND
+    # (b) greedy match only: accept a draft iff it is the target's argmax, else the target's argmax.
+    greedy_match = torch.where(drafts[:, 0] == P[0].argmax(), drafts[:, 0], P[0].argmax().expand(N))
+    assert _chi2(greedy_match, P[0]) > 10 * CHI2_BOUND
+    # (c) always accept the draft.
+    assert _chi2(drafts[:, 0], P[0]) > 10 * CHI2_BOUND
