@@ -1,0 +1,119 @@
+"""`ControllerConfig`: bounds and targets of the draft-length controller, as written in the app YAML.
+
+    controller:
+      interval_s: 1.0
+      max_draft_len: 8
+      target_decode_p95_ms: 40
+      verify_queue_high: 32
+      verify_queue_low: 8
+"""
+
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Past 16 draft tokens even a 0.9 acceptance rate leaves < 20% chance that the tail is reached,
+# while every extra token still costs a drafter step and a slot in the verify batch.
+MAX_DRAFT_LEN_LIMIT = 16
+
+
+class ControllerConfig(BaseModel):
+    """Policy knobs; every field has a safe default, so `controller: {}` is a valid config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        default=True,
+        description="Run the controller. When false, decode replicas keep `initial_draft_len` forever.",
+    )
+    interval_s: float = Field(
+        default=1.0, gt=0, description="Seconds between two decisions (one lane snapshot per decision)."
+    )
+    min_draft_len: int = Field(
+        default=0, ge=0, description="Lowest draft length L. 0 lets the controller turn speculation off."
+    )
+    max_draft_len: int = Field(
+        default=8, ge=1, le=MAX_DRAFT_LEN_LIMIT, description="Highest draft length L the controller may set."
+    )
+    initial_draft_len: int = Field(
+        default=4, ge=0, description="Default L before the first decision; also where the default heads "
+        "(given headroom) while no request's acceptance has been measured."
+    )
+    max_step: int = Field(
+        default=2, ge=1, description="Largest change of any L (default or per request) in one decision."
+    )
+    raise_dwell: int = Field(
+        default=3, ge=1, description="Consecutive decisions that must point up before an L rises."
+    )
+    lower_dwell: int = Field(
+        default=2, ge=1, description="Consecutive decisions that must point down before an L falls. "
+        "Smaller than `raise_dwell` so that overload is shed faster than capacity is taken.",
+    )
+    target_decode_p95_ms: float = Field(
+        default=50.0, gt=0, description="Decode-lane (draft) step latency p95 above which the lanes count "
+        "as saturated and the default L is driven toward `min_draft_len`.",
+    )
+    decode_headroom_frac: float = Field(
+        default=0.8, gt=0, lt=1, description="Decode p95 must be at most this fraction of "
+        "`target_decode_p95_ms` for the lanes to count as having headroom (room to raise L).",
+    )
+    verify_queue_high: int = Field(
+        default=32, ge=1, description="Verify-lane queue depth, in requests waiting for a verify batch slot, "
+        "at or above which the verify lane counts as saturated.",
+    )
+    verify_queue_low: int = Field(
+        default=8, ge=0, description="Verify-lane queue depth, in requests, at or below which there is "
+        "headroom. Between low and high the default L holds (hysteresis band).",
+    )
+    occupancy_high: float = Field(
+        default=0.9, gt=0, le=1, description="Verify batch occupancy (fraction of the batch capacity in use) "
+        "at or above which L is not raised: longer drafts would not fit without a queue forming.",
+    )
+    accept_raise_min: float = Field(
+        default=0.6, gt=0, lt=1, description="Fleet acceptance rate (per draft token) at or above which the "
+        "default L may rise when there is headroom.",
+    )
+    accept_lower_below: float = Field(
+        default=0.3, ge=0, lt=1, description="Fleet acceptance rate below which the default L falls, even "
+        "without saturation, to the longest L any request's acceptance justifies (never below 1: only load "
+        "turns speculation off). Must be below `accept_raise_min` (hysteresis band).",
+    )
+    ewma_alpha: float = Field(
+        default=0.3, gt=0, le=1, description="Weight of the newest sample in the acceptance and arrival-rate "
+        "EWMAs (1 = no smoothing).",
+    )
+    draft_cost_ratio: float = Field(
+        default=0.1, gt=0, lt=1, description="Cost of one drafter step relative to one verify step (the `c` of "
+        "Leviathan et al. 2023). Sets the L that maximises tokens per unit cost for a given acceptance rate.",
+    )
+    min_gain_frac: float = Field(
+        default=0.02, ge=0, description="Relative gain in expected tokens per unit cost a new L must promise "
+        "over the current one before the controller moves toward it; stops flapping between neighbouring L "
+        "whose values are nearly equal.",
+    )
+    arrival_surge_ratio: float = Field(
+        default=1.5, gt=1, description="Arrival rate above this multiple of its EWMA counts as a surge: L is "
+        "not raised while one is in progress, because the queue signals lag the arrivals.",
+    )
+    request_ttl_decisions: int = Field(
+        default=10, ge=1, description="Decisions a request may go unreported before its state is dropped.",
+    )
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> Self:
+        if not self.min_draft_len <= self.initial_draft_len <= self.max_draft_len:
+            raise ValueError(
+                f"need min_draft_len <= initial_draft_len <= max_draft_len, got "
+                f"{self.min_draft_len} <= {self.initial_draft_len} <= {self.max_draft_len}"
+            )
+        if self.verify_queue_low >= self.verify_queue_high:
+            raise ValueError(
+                f"verify_queue_low ({self.verify_queue_low}) must be below verify_queue_high "
+                f"({self.verify_queue_high})"
+            )
+        if self.accept_lower_below >= self.accept_raise_min:
+            raise ValueError(
+                f"accept_lower_below ({self.accept_lower_below}) must be below accept_raise_min "
+                f"({self.accept_raise_min})"
+            )
+        return self

@@ -1,0 +1,370 @@
+"""Policy tests on scripted signal traces (issue 5). Pure functions only: no Ray, no models.
+
+Most traces are closed loop: each request drafts, at the L the previous decision gave it, with a true
+per-token acceptance rate, and the policy only sees the resulting spec-decode counters.
+"""
+
+import random
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+from pydantic import ValidationError
+
+from controller.config import ControllerConfig
+from controller.policy import Decision, Load, PolicyState, decide, optimal_draft_len
+from controller.signals import LaneSignals, RequestDraftStats, estimate_acceptance_rate, expected_tokens_per_step
+
+VERIFY_STEPS_PER_DECISION = 20
+
+# Spelled out so that a change of the config defaults does not silently change what these tests mean.
+BASE_CONFIG = dict(
+    min_draft_len=0,
+    max_draft_len=8,
+    initial_draft_len=4,
+    max_step=2,
+    raise_dwell=3,
+    lower_dwell=2,
+    target_decode_p95_ms=50.0,
+    decode_headroom_frac=0.8,
+    verify_queue_high=32,
+    verify_queue_low=8,
+    occupancy_high=0.9,
+    accept_raise_min=0.6,
+    accept_lower_below=0.3,
+    ewma_alpha=0.3,
+    draft_cost_ratio=0.1,
+    min_gain_frac=0.02,
+    arrival_surge_ratio=1.5,
+    request_ttl_decisions=10,
+)
+
+
+def _config(**overrides) -> ControllerConfig:
+    return ControllerConfig(**(BASE_CONFIG | overrides))
+
+
+def _lane(queue: int = 4, occupancy: float = 0.5, p95_ms: float = 20.0, arrival_rps: float = 10.0) -> LaneSignals:
+    """Defaults are headroom under BASE_CONFIG."""
+    return LaneSignals(queue, occupancy, p95_ms, arrival_rps)
+
+
+def _draft(rng: random.Random, accept_rate: float, draft_len: int) -> RequestDraftStats:
+    if draft_len == 0:
+        return RequestDraftStats(0, 0, 0)
+    accepted = 0
+    for _ in range(VERIFY_STEPS_PER_DECISION):
+        for _ in range(draft_len):  # the draft stops at its first rejection
+            if rng.random() >= accept_rate:
+                break
+            accepted += 1
+    return RequestDraftStats(VERIFY_STEPS_PER_DECISION, VERIFY_STEPS_PER_DECISION * draft_len, accepted)
+
+
+def _run(
+    config: ControllerConfig,
+    lane_at: Callable[[int], LaneSignals],
+    true_accept: dict[str, float],
+    num_decisions: int,
+    seed: int = 0,
+    state: PolicyState | None = None,
+) -> tuple[PolicyState, list[Decision]]:
+    rng = random.Random(seed)
+    state = state or PolicyState.initial(config)
+    per_request, default_len = {rid: r.knob.draft_len for rid, r in state.requests.items()}, state.default.draft_len
+    decisions = []
+    for i in range(num_decisions):
+        requests = {rid: _draft(rng, a, per_request.get(rid, default_len)) for rid, a in true_accept.items()}
+        state, decision = decide(state, replace(lane_at(i), requests=requests), config)
+        per_request, default_len = decision.per_request_draft_len, decision.default_draft_len
+        decisions.append(decision)
+    return state, decisions
+
+
+def _defaults(decisions: list[Decision]) -> list[int]:
+    return [d.default_draft_len for d in decisions]
+
+
+# --- the cost model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accept_rate", [0.0, 0.3, 0.8, 1.0])
+def test_expected_tokens_per_step_is_the_geometric_series(accept_rate: float):
+    for draft_len in range(9):
+        series = sum(accept_rate**i for i in range(draft_len + 1))
+        assert expected_tokens_per_step(accept_rate, draft_len) == pytest.approx(series)
+
+
+@pytest.mark.parametrize(("accept_rate", "draft_len"), [(0.3, 2), (0.8, 8), (0.95, 4), (0.5, 1)])
+def test_acceptance_estimate_inverts_the_accepted_prefix(accept_rate: float, draft_len: int):
+    num_drafts = 10**6
+    mean_accepted = expected_tokens_per_step(accept_rate, draft_len) - 1.0
+    stats = RequestDraftStats(num_drafts, num_drafts * draft_len, round(mean_accepted * num_drafts))
+    assert estimate_acceptance_rate(stats) == pytest.approx(accept_rate, abs=1e-4)
+
+
+def test_acceptance_estimate_is_not_the_accepted_fraction():
+    # a = 0.8, L = 8: 3.33 of 8 tokens accepted per draft, a fraction of 0.42.
+    stats = RequestDraftStats(1000, 8000, 3329)
+    assert 3329 / 8000 < 0.42
+    assert estimate_acceptance_rate(stats) == pytest.approx(0.8, abs=1e-3)
+
+
+def test_acceptance_estimate_edge_cases():
+    assert estimate_acceptance_rate(RequestDraftStats(0, 0, 0)) is None
+    assert estimate_acceptance_rate(RequestDraftStats(5, 20, 20)) == 1.0
+    assert estimate_acceptance_rate(RequestDraftStats(5, 20, 0)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_optimal_draft_len_matches_hand_values_and_grows_with_acceptance():
+    # c = 0.1: a <= c never pays for a draft; values checked against tokens/(1 + c L) by hand.
+    assert optimal_draft_len(0.05, 0.1, 0, 16) == 0
+    assert optimal_draft_len(0.3, 0.1, 0, 16) == 1
+    assert optimal_draft_len(0.7, 0.1, 0, 16) == 4
+    assert optimal_draft_len(0.9, 0.1, 0, 16) == 10
+    assert optimal_draft_len(0.9, 0.1, 0, 8) == 8
+    lens = [optimal_draft_len(a / 100, 0.1, 0, 16) for a in range(100)]
+    assert lens == sorted(lens)
+
+
+# --- load ---------------------------------------------------------------------------------------------
+
+
+def test_rising_verify_queue_drives_default_to_zero():
+    """After warming up to L = 8, the verify queue grows by 4 per decision from 8. L holds inside the
+    band (queue < 32), then, with lower_dwell = 2 and max_step = 2, reaches 0 exactly
+    lower_dwell + 8 / max_step - 1 = 5 decisions after the queue crosses the high mark."""
+    config = _config()
+    accept = {"a": 0.95, "b": 0.95}
+    state, warmup = _run(config, lambda i: _lane(), accept, 8)
+    assert warmup[-1].default_draft_len == 8
+
+    state, ramp = _run(config, lambda i: _lane(queue=8 + 4 * i, occupancy=0.95), accept, 14, seed=1, state=state)
+    queues = [d.signals.verify_queue_depth for d in ramp]
+    assert queues.index(32) == 6
+    assert _defaults(ramp) == [8] * 7 + [6, 4, 2, 0] + [0] * 3
+    assert all(d.load is Load.SATURATED for d in ramp[6:])
+    assert all(set(d.per_request_draft_len.values()) == {0} for d in ramp[10:])
+
+
+def test_saturation_holds_inside_band_and_recovers_with_headroom():
+    config = _config()
+    accept = {"a": 0.95, "b": 0.95}
+    state, _ = _run(config, lambda i: _lane(queue=40), accept, 6)
+    assert state.default.draft_len == 0
+
+    # Queue back inside the band: no evidence of headroom, so L stays off.
+    state, band = _run(config, lambda i: _lane(queue=20), accept, 10, state=state)
+    assert _defaults(band) == [0] * 10
+
+    # Headroom: the requests' remembered acceptance (0.95) justifies the bound; raise_dwell = 3.
+    state, recover = _run(config, lambda i: _lane(queue=2), accept, 8, state=state)
+    assert _defaults(recover) == [0, 0, 2, 4, 6, 8, 8, 8]
+
+
+def test_decode_p95_above_target_drives_default_to_zero():
+    config = _config()
+    _, decisions = _run(config, lambda i: _lane(queue=0, p95_ms=60.0), {"a": 0.9}, 5)
+    assert _defaults(decisions) == [4, 2, 0, 0, 0]
+    assert "decode_step_p95_ms=60.0 > target=50.0" in decisions[1].reason
+
+
+def test_one_decision_spike_does_not_move_draft_len():
+    config = _config()
+    queues = [20, 20, 45, 20, 20, 45, 20, 20]
+    _, decisions = _run(config, lambda i: _lane(queue=queues[i]), {"a": 0.7}, len(queues))
+    assert _defaults(decisions) == [4] * len(queues)
+
+
+def test_reason_names_the_signal_that_caused_the_cut():
+    config = _config()
+    _, decisions = _run(config, lambda i: _lane(queue=40), {"a": 0.7}, 2)
+    assert decisions[1].default_draft_len == 2
+    assert "verify_queue_depth=40 >= verify_queue_high=32" in decisions[1].reason
+    assert "default L 4 -> 2" in decisions[1].reason
+    assert decisions[1].signals.verify_queue_depth == 40
+
+
+# --- acceptance ---------------------------------------------------------------------------------------
+
+
+def test_high_acceptance_with_headroom_reaches_max_and_stays():
+    config = _config()
+    _, decisions = _run(config, lambda i: _lane(), {"a": 0.95, "b": 0.95}, 40)
+    # raise_dwell = 3 decisions of headroom, then max_step = 2 per decision: 4 -> 6 -> 8.
+    assert _defaults(decisions)[:4] == [4, 4, 6, 8]
+    assert _defaults(decisions)[3:] == [8] * 37
+    # Per-request L follows the cap with its own dwell, then stays at the bound.
+    assert all(d.per_request_draft_len == {"a": 8, "b": 8} for d in decisions[5:])
+
+
+def test_occupancy_at_high_mark_blocks_the_raise():
+    config = _config()
+    _, decisions = _run(config, lambda i: _lane(occupancy=0.95), {"a": 0.95}, 10)
+    assert _defaults(decisions) == [4] * 10
+    assert all(d.load is Load.STEADY for d in decisions)
+
+
+def test_low_acceptance_request_gets_shorter_draft():
+    config = _config()
+    accept = {"low": 0.2, "high1": 0.95, "high2": 0.95}
+    _, decisions = _run(config, lambda i: _lane(), accept, 30)
+    final = decisions[-1].per_request_draft_len
+    # c = 0.1: L* = 1 for a = 0.2 (1.09 tokens per cost vs 1.03 at L = 2); L* > 8 for a = 0.95.
+    assert final == {"low": 1, "high1": 8, "high2": 8}
+    assert all(d.per_request_draft_len["low"] < d.per_request_draft_len["high1"] for d in decisions[10:])
+
+
+def test_low_fleet_acceptance_lowers_default_but_keeps_speculation_on():
+    config = _config()
+    _, decisions = _run(config, lambda i: _lane(), {"a": 0.05, "b": 0.08}, 12)
+    # With a < c = 0.1 the cost model alone would pick L = 0; acceptance alone stops at L = 1, because at
+    # 0 the requests could never show better acceptance again.
+    assert _defaults(decisions)[-1] == 1
+    assert min(_defaults(decisions)) == 1
+    assert decisions[-1].per_request_draft_len == {"a": 1, "b": 1}
+    assert all(d.fleet_accept_rate < config.accept_lower_below for d in decisions)
+
+
+def test_fleet_acceptance_below_raise_min_blocks_the_raise():
+    config = _config()
+    # The best request alone would justify L = 8, but the fleet mostly rejects.
+    _, decisions = _run(config, lambda i: _lane(), {"good": 0.95, "bad1": 0.35, "bad2": 0.35}, 15)
+    assert _defaults(decisions) == [4] * 15
+    assert decisions[-1].per_request_draft_len["good"] == 4
+
+
+def test_arrival_surge_blocks_the_raise_until_the_ewma_catches_up():
+    config = _config()
+    state, _ = _run(config, lambda i: _lane(arrival_rps=10.0), {"a": 0.95}, 1)
+    # Arrivals double. The EWMA (alpha 0.3) reaches 20 / 1.5 = 13.3 after 2 decisions, so 2 decisions
+    # count as a surge; then raise_dwell = 3 decisions of headroom.
+    _, decisions = _run(config, lambda i: _lane(arrival_rps=20.0), {"a": 0.95}, 7, state=state)
+    assert "surging" in decisions[0].reason and "surging" in decisions[1].reason
+    assert _defaults(decisions) == [4, 4, 4, 4, 6, 8, 8]
+
+
+# --- stability and bounds -----------------------------------------------------------------------------
+
+
+def _noisy_steady_lane(rng: random.Random) -> Callable[[int], LaneSignals]:
+    # Mid-band steady state: queue 20 +- 6 (band 8..32), decode p95 30 +- 5 ms (target 50, headroom 40).
+    def lane_at(_: int) -> LaneSignals:
+        return LaneSignals(
+            verify_queue_depth=max(0, round(rng.gauss(20, 6))),
+            verify_batch_occupancy=min(1.0, max(0.0, rng.gauss(0.7, 0.1))),
+            decode_step_p95_ms=max(0.0, rng.gauss(30, 5)),
+            arrival_rate_rps=max(0.0, rng.gauss(10, 1)),
+        )
+
+    return lane_at
+
+
+def _num_changes(decisions: list[Decision], rid: str | None) -> int:
+    def draft_len(d: Decision) -> int:
+        return d.default_draft_len if rid is None else d.per_request_draft_len[rid]
+
+    return sum(draft_len(a) != draft_len(b) for a, b in zip(decisions, decisions[1:]))
+
+
+def test_noisy_steady_trace_does_not_oscillate():
+    """Oscillation bound: over 200 decisions of a noisy steady trace (seeded Gaussian noise around a
+    mid-band state, four requests with acceptance 0.5..0.8 drafting closed loop), the default L changes
+    at most 2 times and each request's L at most 6 times (convergence moves included). Over 200 seeds
+    the observed maxima were 2 and 5 (the a = 0.5 request wanders between L = 2 and 3, which are within
+    1% of each other in tokens per cost). The same trace without dwell and gain deadband breaks both."""
+    max_default_changes, max_request_changes = 2, 6
+    accept = {"r50": 0.5, "r60": 0.6, "r70": 0.7, "r80": 0.8}
+
+    _, decisions = _run(_config(), _noisy_steady_lane(random.Random(7)), accept, 200, seed=7)
+    assert _num_changes(decisions, None) <= max_default_changes
+    assert all(_num_changes(decisions, rid) <= max_request_changes for rid in accept)
+
+    no_hysteresis = _config(raise_dwell=1, lower_dwell=1, min_gain_frac=0.0)
+    _, naive = _run(no_hysteresis, _noisy_steady_lane(random.Random(7)), accept, 200, seed=7)
+    assert _num_changes(naive, None) > max_default_changes
+    assert all(_num_changes(naive, rid) > max_request_changes for rid in accept)
+
+
+def _random_lane(rng: random.Random) -> Callable[[int], LaneSignals]:
+    def lane_at(_: int) -> LaneSignals:
+        return LaneSignals(rng.randrange(0, 60), rng.random(), rng.uniform(0, 80), rng.uniform(0, 40))
+
+    return lane_at
+
+
+@pytest.mark.parametrize(("seed", "min_draft_len"), [(0, 0), (1, 0), (2, 1), (3, 1)])
+def test_step_and_bounds_hold_on_random_traces(seed: int, min_draft_len: int):
+    config = _config(min_draft_len=min_draft_len, max_draft_len=6, initial_draft_len=3, raise_dwell=1, lower_dwell=2)
+    rng = random.Random(seed)
+    lane_at = _random_lane(rng)
+    state = PolicyState.initial(config)
+    running = {}  # the L each request ran at: per-request L, else the default
+    for _ in range(300):
+        # Requests come and go; some are reported with no drafts.
+        alive = {f"r{k}": rng.random() for k in rng.sample(range(12), rng.randrange(0, 8))}
+        requests = {rid: _draft(rng, a, running.get(rid, state.default.draft_len)) for rid, a in alive.items()}
+        requests |= {rid: RequestDraftStats(0, 0, 0) for rid in requests if rng.random() < 0.2}
+        prev_default = state.default.draft_len
+        state, decision = decide(state, replace(lane_at(0), requests=requests), config)
+        assert abs(decision.default_draft_len - prev_default) <= config.max_step
+        assert config.min_draft_len <= decision.default_draft_len <= config.max_draft_len
+        for rid, draft_len in decision.per_request_draft_len.items():
+            assert abs(draft_len - running.get(rid, prev_default)) <= config.max_step
+            assert config.min_draft_len <= draft_len <= decision.default_draft_len
+        running = dict(decision.per_request_draft_len)
+
+
+def test_unreported_requests_are_dropped_after_ttl():
+    config = _config(request_ttl_decisions=3)
+    state, _ = _run(config, lambda i: _lane(), {"gone": 0.7, "stays": 0.7}, 2)
+    state, decisions = _run(config, lambda i: _lane(), {"stays": 0.7}, 5, state=state)
+    # Last reported at decision 2; kept while index - last_seen <= 3, i.e. through decision 5.
+    assert ["gone" in d.per_request_draft_len for d in decisions] == [True, True, True, False, False]
+    assert set(state.requests) == {"stays"}
+
+
+# --- config and signal validation ---------------------------------------------------------------------
+
+
+def test_default_config_is_valid_and_loads_from_a_yaml_dict():
+    assert ControllerConfig() == ControllerConfig.model_validate({})
+    config = ControllerConfig.model_validate({"max_draft_len": 12, "verify_queue_high": 64, "interval_s": 0.5})
+    assert (config.max_draft_len, config.verify_queue_high, config.interval_s) == (12, 64, 0.5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"verify_queue_low": 32, "verify_queue_high": 32},
+        {"verify_queue_low": 40, "verify_queue_high": 32},
+        {"min_draft_len": 5, "initial_draft_len": 4},
+        {"initial_draft_len": 9, "max_draft_len": 8},
+        {"max_draft_len": 17, "initial_draft_len": 4},
+        {"min_draft_len": -1},
+        {"max_step": 0},
+        {"accept_lower_below": 0.6, "accept_raise_min": 0.6},
+        {"ewma_alpha": 0.0},
+        {"ewma_alpha": 1.5},
+        {"occupancy_high": 1.2},
+        {"arrival_surge_ratio": 1.0},
+        {"decode_headroom_frac": 1.0},
+        {"raise_dwell": 0},
+        {"interval_s": 0},
+        {"max_draft_length": 8},  # typo: unknown fields are rejected, not ignored
+    ],
+)
+def test_config_rejects_bad_values(bad: dict):
+    with pytest.raises(ValidationError):
+        ControllerConfig.model_validate(bad)
+
+
+@pytest.mark.parametrize("counts", [(-1, 0, 0), (2, 1, 0), (0, 3, 0), (1, 4, 5)])
+def test_draft_stats_reject_impossible_counters(counts: tuple[int, int, int]):
+    with pytest.raises(ValueError):
+        RequestDraftStats(*counts)
+
+
+def test_lane_signals_reject_occupancy_outside_unit_interval():
+    with pytest.raises(ValueError):
+        LaneSignals(0, 1.5, 10.0, 1.0)
