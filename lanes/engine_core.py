@@ -1,8 +1,8 @@
-"""The co-located engine: prefill, draft and verify lanes over shared pools in one process.
+"""The decode loop: draft, verify, append; prefill and verify reached through injected backends.
 
 `step()` is schedule, run, postprocess (as in nano-vllm): draft + verify for every running request,
-then a bounded chunk of prefill. One device-to-host copy per decode step brings the accepted tokens
-back; everything before it stays on the device.
+then a bounded amount of prefill. In the co-located modes (`EngineCore.colocated`) the backends are
+the local lanes; the deployments inject proxies to other replicas for the disaggregated modes.
 """
 
 import copy
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lanes.backends import LocalPrefiller, LocalVerifier, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal
 from lanes.kv_pool import KVPool, PoolShape
@@ -20,13 +21,13 @@ from lanes.model_runner import ModelRunner
 from lanes.models import LoadedModel, check_compatible
 from lanes.outputs import RequestOutput
 from lanes.params import ParamError, SamplingParams
-from lanes.prefill import PrefillChunk, PrefillLane
+from lanes.prefill import PrefillLane
 from lanes.rollback import rollback_after_verify
 from lanes.sampling import SamplingTensors
 from lanes.scheduler import Scheduler
 from lanes.sequence import Sequence
 from lanes.spec_stats import SpecDecodeStats
-from lanes.verify import VerifyLane
+from lanes.verify import VerifyBatch, VerifyLane
 
 log = logging.getLogger(__name__)
 
@@ -57,30 +58,45 @@ class EngineConfig:
 class EngineCore:
     def __init__(
         self,
-        target: LoadedModel,
-        draft: LoadedModel | None,
         config: EngineConfig,
-        tokenizer: PreTrainedTokenizerBase | None = None,
+        vocab_size: int,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_ids: set[int],
+        draft: ModelRunner | None,
+        verifier: Verifier,
+        prefiller: Prefiller,
     ):
-        if draft is not None:
-            check_compatible(draft, target)
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
-        self.target = self._runner(target.model)
-        self.draft = self._runner(draft.model) if draft is not None else None
-        self.prefill_lane = PrefillLane(self.target, self.draft)
-        self.draft_lane = DraftLane(self.draft) if self.draft is not None else None
-        self.verify_lane = VerifyLane(self.target)
-        self.scheduler = Scheduler(self.target.pool, self.draft.pool if self.draft else None)
-        self.eos_ids = _eos_ids(target.model, self.tokenizer)
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.draft = draft
+        self.draft_lane = DraftLane(draft) if draft is not None else None
+        self.verifier = verifier
+        self.prefiller = prefiller
+        self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None)
         self.default_draft_len = config.num_speculative_tokens if draft is not None else 0
         self.total_stats = SpecDecodeStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
-    def _runner(self, model: torch.nn.Module) -> ModelRunner:
-        shape = PoolShape.for_model(model.config, self.config.max_num_seqs, self.config.slot_capacity_tokens)
-        device = next(model.parameters()).device
-        return ModelRunner(model, KVPool(shape, model.dtype, device))
+    @classmethod
+    def colocated(
+        cls,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> "EngineCore":
+        """All three lanes in this process over its own pools (modes unified, spec, nospec)."""
+        if draft is not None:
+            check_compatible(draft, target)
+        tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+        target_runner = build_runner(target.model, config)
+        draft_runner = build_runner(draft.model, config) if draft is not None else None
+        return cls(
+            config, target_runner.vocab_size, tokenizer, eos_token_ids(target.model, tokenizer), draft_runner,
+            LocalVerifier(VerifyLane(target_runner)), LocalPrefiller(PrefillLane(target_runner, draft_runner)),
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -94,7 +110,10 @@ class EngineCore:
         if len(prompt_ids) >= limit:
             raise ParamError("prompt", f"{len(prompt_ids)} tokens; the context holds {limit} (prompt + output)")
         if len(prompt_ids) + params.max_tokens > limit:
-            raise ParamError("max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens")
+            raise ParamError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens",
+            )
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len)
         self.scheduler.add(seq)
@@ -109,17 +128,15 @@ class EngineCore:
             prompt = self.tokenizer.encode(prompt)
         if not isinstance(prompt, list) or not prompt:
             raise ParamError("prompt", "must be a non-empty string or list of token ids")
-        vocab = self.target.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise ParamError("prompt", f"token ids must be integers in [0, {vocab})")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt):
+            raise ParamError("prompt", f"token ids must be integers in [0, {self.vocab_size})")
         return prompt
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.by_id.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
-        self._detok.pop(request_id, None)
+        self._finish(seq, "abort")
         return self._output(seq, [], "")
 
     def set_draft_lengths(self, default_len: int, per_request: dict[str, int] | None = None) -> None:
@@ -143,9 +160,9 @@ class EngineCore:
         if running:
             outputs += self._guarded(running, lambda: self._decode(running))
         budget = self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens
-        chunks = self.scheduler.prefill_chunks(budget)
-        if chunks:
-            outputs += self._guarded([c.seq for c in chunks], lambda: self._prefill(chunks))
+        prefilling = list(self.scheduler.prefilling)
+        if prefilling:
+            outputs += self._guarded(prefilling, lambda: self._prefill(budget))
         return outputs
 
     def _guarded(self, seqs: list[Sequence], run) -> list[RequestOutput]:
@@ -156,45 +173,43 @@ class EngineCore:
             log.exception("engine step failed for %d requests", len(seqs))
             outputs = []
             for seq in seqs:
-                self.scheduler.finish(seq, "error")
-                self._detok.pop(seq.request_id, None)
-                outputs.append(self._output(seq, [], "", error=f"{type(exc).__name__}: {exc}"))
+                if seq.finish_reason is None:
+                    self._finish(seq, "error")
+                    outputs.append(self._output(seq, [], "", error=f"{type(exc).__name__}: {exc}"))
             return outputs
 
     def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
         draft_lens = [s.step_draft_len(self.config.max_draft_len) if self.draft_lane else 0 for s in running]
-        st = self._sampling_tensors(running)
-        if self.draft_lane is not None and any(draft_lens):
-            proposal = self.draft_lane.propose(running, draft_lens, st)
-        else:
-            proposal = DraftProposal.empty(len(running), self.target.vocab_size, self.target.device)
-        result = self.verify_lane.verify(running, proposal, st)
-        # The step's single device-to-host transfer: accepted tokens and their count per row.
-        host = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1).cpu().tolist()
+        proposal = self._propose(running, draft_lens)
+        batch = VerifyBatch(
+            target_slots=[s.target_slot for s in running],
+            num_tokens=[len(s.token_ids) for s in running],
+            last_tokens=[s.token_ids[-1] for s in running],
+            draft_tokens=proposal.tokens,
+            draft_probs=proposal.probs,
+            num_draft=draft_lens,
+            params=[s.params for s in running],
+            seeds=[s.seed for s in running],
+        )
+        result = self.verifier.verify(batch)
         outputs = []
-        for seq, num_draft, row in zip(running, draft_lens, host):
-            num_accepted = row[-1]
-            num_before = len(seq.token_ids)
-            rollback_after_verify(self.target.pool, seq.target_slot, num_before, num_accepted)
+        for seq, num_draft, tokens, num_accepted in zip(running, draft_lens, result.tokens, result.num_accepted):
             if self.draft is not None:
-                rollback_after_verify(self.draft.pool, seq.draft_slot, num_before, num_accepted)
+                rollback_after_verify(self.draft.pool, seq.draft_slot, len(seq.token_ids), num_accepted)
             seq.stats.observe(num_draft, num_accepted)
             self.total_stats.observe(num_draft, num_accepted)
-            outputs.append(self._append(seq, row[: num_accepted + 1]))
+            outputs.append(self._append(seq, tokens))
         return outputs
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> list[RequestOutput]:
-        seqs = [c.seq for c in chunks]
-        first = self.prefill_lane.run(chunks, self._sampling_tensors(seqs)).cpu().tolist()
-        outputs = []
-        for chunk, token in zip(chunks, first):
-            self.scheduler.mark_prefilled(chunk)
-            if chunk.completes_prompt:
-                outputs.append(self._append(chunk.seq, [token]))
-        return outputs
+    def _propose(self, running: list[Sequence], draft_lens: list[int]) -> DraftProposal:
+        if self.draft_lane is None or not any(draft_lens):
+            device = self.draft.device if self.draft is not None else "cpu"
+            return DraftProposal.empty(len(running), self.vocab_size, device)
+        st = SamplingTensors.build([s.params for s in running], [s.seed for s in running], self.draft.device)
+        return self.draft_lane.propose(running, draft_lens, st)
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.target.device)
+    def _prefill(self, budget_tokens: int) -> list[RequestOutput]:
+        return [self._append(seq, [token]) for seq, token in self.prefiller.step(self.scheduler, budget_tokens)]
 
     # ---- postprocess --------------------------------------------------------------------
 
@@ -220,9 +235,12 @@ class EngineCore:
             elif reason is not None:
                 text += detok.flush()
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._detok.pop(seq.request_id, None)
+            self._finish(seq, reason)
         return self._output(seq, emitted, text)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._detok.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, error: str | None = None) -> RequestOutput:
         return RequestOutput(
@@ -238,10 +256,14 @@ class EngineCore:
         )
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
+    shape = PoolShape.for_model(model.config, config.max_num_seqs, config.slot_capacity_tokens)
+    return ModelRunner(model, KVPool(shape, model.dtype, next(model.parameters()).device))
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is not None:
         ids.update(eos if isinstance(eos, list) else [eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -6,15 +6,19 @@ starved by prefill.
 """
 
 from collections import deque
+from typing import TYPE_CHECKING
 
-from lanes.kv_pool import KVPool
+from lanes.kv_pool import KVPool, PoolFullError
 from lanes.prefill import PrefillChunk
 from lanes.sequence import SeqStatus, Sequence
 
+if TYPE_CHECKING:
+    from lanes.backends import Verifier
+
 
 class Scheduler:
-    def __init__(self, target_pool: KVPool, draft_pool: KVPool | None):
-        self.target_pool = target_pool
+    def __init__(self, verifier: "Verifier", draft_pool: KVPool | None):
+        self.verifier = verifier  # hands out and takes back target slots
         self.draft_pool = draft_pool
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
@@ -31,9 +35,13 @@ class Scheduler:
 
     def admit(self) -> None:
         """Give waiting requests KV slots, in arrival order, while slots are free."""
-        while self.waiting and self.target_pool.num_free and (self.draft_pool is None or self.draft_pool.num_free):
+        while self.waiting and (self.draft_pool is None or self.draft_pool.num_free):
+            try:
+                target_slot = self.verifier.allocate()
+            except PoolFullError:
+                return
             seq = self.waiting.popleft()
-            seq.target_slot = self.target_pool.allocate()
+            seq.target_slot = target_slot
             if self.draft_pool is not None:
                 seq.draft_slot = self.draft_pool.allocate()
             seq.status = SeqStatus.PREFILLING
@@ -67,7 +75,7 @@ class Scheduler:
         else:
             self.running.remove(seq)
         if seq.target_slot is not None:
-            self.target_pool.free(seq.target_slot)
+            self.verifier.release(seq.target_slot)
         if seq.draft_slot is not None and self.draft_pool is not None:
             self.draft_pool.free(seq.draft_slot)
         seq.target_slot = seq.draft_slot = None

@@ -1,43 +1,81 @@
-"""Verify lane: the target scores every sequence's drafts in ONE forward and applies the rejection rule."""
+"""Verify lane: the target scores every sequence's drafts in ONE forward and applies the rejection rule.
+
+The lane owns the target's KV pool. Its input is a `VerifyBatch` (token ids and draft
+probabilities, the only things that travel from the decode lane) and its output is host lists.
+"""
+
+from dataclasses import dataclass
 
 import torch
 
-from lanes.draft import DraftProposal
 from lanes.model_runner import ModelRunner
-from lanes.rejection import RejectionOutput, rejection_sample
+from lanes.params import SamplingParams
+from lanes.rejection import rejection_sample
+from lanes.rollback import rollback_after_verify
 from lanes.sampling import STREAM_ACCEPT, STREAM_TARGET, SamplingTensors, logits_to_probs, uniform_noise
-from lanes.sequence import Sequence
+
+
+@dataclass
+class VerifyBatch:
+    target_slots: list[int]
+    num_tokens: list[int]  # T per row: committed tokens, the last of which the target has not seen
+    last_tokens: list[int]
+    draft_tokens: torch.Tensor  # [B, L] int64
+    draft_probs: torch.Tensor  # [B, L, V] q
+    num_draft: list[int]  # drafts per row, 0 <= n <= L
+    params: list[SamplingParams]
+    seeds: list[int]
+
+    def to(self, device) -> "VerifyBatch":
+        return VerifyBatch(
+            self.target_slots, self.num_tokens, self.last_tokens, self.draft_tokens.to(device),
+            self.draft_probs.to(device), self.num_draft, self.params, self.seeds,
+        )
+
+
+@dataclass
+class VerifyResult:
+    tokens: list[list[int]]  # per row: accepted drafts then the recovered or bonus token
+    num_accepted: list[int]
 
 
 class VerifyLane:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def verify(self, seqs: list[Sequence], proposal: DraftProposal, st: SamplingTensors) -> RejectionOutput:
-        """Score [last token, drafts...] for every row; returns accepted tokens on the device.
+    @property
+    def pool(self):
+        return self.runner.pool
 
-        With no drafts (L = 0 everywhere) this is one ordinary decode step of the target.
-        """
+    def verify(self, batch: VerifyBatch) -> VerifyResult:
+        """Score [last token, drafts...] of every row in one forward, accept by the rejection rule,
+        and roll the target cache back to the committed tokens. With no drafts this is one
+        ordinary decode step of the target."""
         device = self.runner.device
-        pool = self.runner.pool
-        slots = [s.target_slot for s in seqs]
-        kv_lens = [pool.lengths[slot] for slot in slots]
-        assert all(n == len(s.token_ids) - 1 for n, s in zip(kv_lens, seqs)), "target must lag by exactly one token"
-        last = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long).to(device, non_blocking=True)
-        ids = torch.cat([last, proposal.tokens.to(device)], dim=1)  # [B, L + 1]
-        logits = self.runner.forward(slots, ids, kv_lens)  # [B, L + 1, V]
-        p = logits_to_probs(logits, st)
-        max_draft = proposal.tokens.shape[1]
-        # Row b's token at column c lands at absolute position len(token_ids) + c.
-        positions = torch.tensor([[len(s.token_ids)] for s in seqs], device=device) + torch.arange(max_draft + 1, device=device)
+        slots, num_tokens = batch.target_slots, batch.num_tokens
+        kv_lens = [self.pool.lengths[slot] for slot in slots]
+        assert kv_lens == [t - 1 for t in num_tokens], "target must lag by exactly one token"
+        st = SamplingTensors.build(batch.params, batch.seeds, device)
+        last = torch.tensor(batch.last_tokens, dtype=torch.long)[:, None].to(device, non_blocking=True)
+        drafts = batch.draft_tokens.to(device)
+        ids = torch.cat([last, drafts], dim=1)  # [B, L + 1]
+        p = logits_to_probs(self.runner.forward(slots, ids, kv_lens), st)  # [B, L + 1, V]
+        max_draft = drafts.shape[1]
+        # Row b's token at column c lands at absolute position T_b + c.
+        positions = torch.tensor(num_tokens, device=device)[:, None] + torch.arange(max_draft + 1, device=device)
+        num_draft = torch.tensor(batch.num_draft, dtype=torch.long).to(device, non_blocking=True)
         out = rejection_sample(
-            proposal.tokens.to(device),
-            proposal.probs.to(device),
-            p,
-            proposal.num_draft.to(device),
+            drafts, batch.draft_probs.to(device), p, num_draft,
             uniform_noise(st.seeds, positions[:, :max_draft], STREAM_ACCEPT),
             uniform_noise(st.seeds, positions, STREAM_TARGET, p.shape[-1]),
         )
-        for slot, s, n in zip(slots, seqs, proposal.num_draft_host):
-            pool.lengths[slot] = len(s.token_ids) + n  # written and possibly valid; rollback trims
-        return out
+        # The step's single device-to-host transfer: accepted tokens and their count per row.
+        host = torch.cat([out.tokens, out.num_accepted[:, None]], dim=1).cpu().tolist()
+        tokens, accepted = [], []
+        for slot, t, n, row in zip(slots, num_tokens, batch.num_draft, host):
+            k = row[-1]
+            self.pool.lengths[slot] = t + n  # what this forward wrote for the row's real drafts
+            rollback_after_verify(self.pool, slot, t, k)
+            tokens.append(row[: k + 1])
+            accepted.append(k)
+        return VerifyResult(tokens, accepted)

@@ -39,4 +39,4 @@ def small_engine(target: LoadedModel, draft: LoadedModel | None, **overrides) ->
     config = dict(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
                   prefill_chunk_tokens=32, idle_prefill_tokens=64)
     config.update(overrides)
-    return EngineCore(target, draft, EngineConfig(**config))
+    return EngineCore.colocated(target, draft, EngineConfig(**config))

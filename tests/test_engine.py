@@ -70,11 +70,11 @@ def test_rollback_keeps_exactly_the_committed_kv(llama_pair):
     while engine.has_work:
         engine.step()
         for seq in engine.scheduler.running:
-            t_len = engine.target.pool.lengths[seq.target_slot]
+            t_len = engine.verifier.lane.runner.pool.lengths[seq.target_slot]
             d_len = engine.draft.pool.lengths[seq.draft_slot]
             assert t_len == len(seq.token_ids) - 1
             assert len(seq.token_ids) - 2 <= d_len <= len(seq.token_ids) - 1
-            for runner, slot, n in ((engine.target, seq.target_slot, t_len), (engine.draft, seq.draft_slot, d_len)):
+            for runner, slot, n in ((engine.verifier.lane.runner, seq.target_slot, t_len), (engine.draft, seq.draft_slot, d_len)):
                 pool_keys = runner.pool.kv[0, :, slot, :, :n]
                 ref = _reference_kv(runner.model, seq.token_ids[:n])
                 torch.testing.assert_close(pool_keys, ref, rtol=1e-9, atol=1e-9)
@@ -149,7 +149,7 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(llama_pair, fiel
             assert len(await good) == 20
         finally:
             engine.shutdown()
-        assert engine.core.target.pool.num_used == 0
+        assert engine.core.verifier.lane.runner.pool.num_used == 0
 
     asyncio.run(main())
 
@@ -184,7 +184,7 @@ def test_cancelled_and_finished_requests_never_leak_slots(llama_pair):
                 if not engine.core.has_work:
                     break
                 await asyncio.sleep(0.02)
-            stats = await engine.call(lambda core: (core.target.pool.num_used, core.draft.pool.num_used, core.has_work))
+            stats = await engine.call(lambda core: (core.verifier.lane.runner.pool.num_used, core.draft.pool.num_used, core.has_work))
             return results, stats
         finally:
             engine.shutdown()

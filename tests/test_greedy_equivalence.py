@@ -35,7 +35,7 @@ def test_greedy_output_equals_target_greedy(pair, prompts_and_refs, draft_len):
         assert max(stats.accepted_per_pos[:draft_len]) > 0
     else:
         assert stats.num_draft_tokens == 0
-    assert engine.target.pool.num_used == 0 and engine.draft.pool.num_used == 0
+    assert engine.verifier.lane.runner.pool.num_used == 0 and engine.draft.pool.num_used == 0
 
 
 def test_nospec_engine_equals_target_greedy(llama_pair):
