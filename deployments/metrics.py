@@ -1,0 +1,251 @@
+"""Ray metrics exported by every lane and by the ingress.
+
+Each deployment builds one `LaneMetrics(lane, mode)` (prefill / decode / verify lane) or one
+`IngressMetrics(mode)` and calls its methods; the metric objects themselves are created once per
+process, so several lanes hosted in one process share them and differ only in their tags.
+
+As exported (checked against Ray 2.60's `/metrics` endpoint): Ray prefixes every name with `ray_`,
+counters gain `_total`, histograms export `_bucket` / `_sum` / `_count`, and every series carries
+Ray's own labels (`Component`, `NodeAddress`, `SessionName`, `Version`, `WorkerId`), one series per
+worker process, so queries aggregate with `sum by (...)`. Every metric here is tagged with `mode`
+(nospec, spec, pd, pdv, unified) so one Prometheus can hold runs of several modes.
+
+Spec-decode counters follow vLLM's definitions, so a dashboard built for one reads the other:
+
+- `vpd_spec_decode_num_drafts`: draft proposals verified (one per sequence per verify step
+  that carried at least one draft token).
+- `vpd_spec_decode_num_draft_tokens`: draft tokens proposed in those drafts.
+- `vpd_spec_decode_num_accepted_tokens`: draft tokens the target accepted.
+- `vpd_spec_decode_num_accepted_tokens_per_pos{position="i"}`: drafts whose token at position i
+  was accepted (acceptance is a prefix, so these sum to num_accepted_tokens).
+
+PromQL over a window `$w` (as exported):
+
+    acceptance rate =
+        sum(rate(ray_vpd_spec_decode_num_accepted_tokens_total[$w]))
+      / sum(rate(ray_vpd_spec_decode_num_draft_tokens_total[$w]))
+    mean acceptance length (tokens per verify step, bonus token included) =
+        1 + sum(rate(ray_vpd_spec_decode_num_accepted_tokens_total[$w]))
+          / sum(rate(ray_vpd_spec_decode_num_drafts_total[$w]))
+    acceptance at position i =
+        sum(rate(ray_vpd_spec_decode_num_accepted_tokens_per_pos_total{position="i"}[$w]))
+      / sum(rate(ray_vpd_spec_decode_num_drafts_total[$w]))
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+# Status the ingress reports for a request that streamed to its end; latency histograms observe
+# only these, so a fast 4xx does not pull the latency percentiles down (failures show in
+# vpd_requests by status instead).
+COMPLETED = "completed"
+
+STEP_TIME_MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# Draft lengths are small integers; half-integer bounds give each length its own bucket
+# (Ray requires positive bounds, so 0 = "speculation off" lands in le=0.5).
+DRAFT_LENGTH_BUCKETS = [k + 0.5 for k in range(16)]
+TTFT_MS_BUCKETS = [10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000]
+TPOT_MS_BUCKETS = [1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000]
+E2E_MS_BUCKETS = [50, 100, 250, 500, 1000, 2500, 5000, 10000, 20000, 30000, 60000, 120000, 300000]
+
+
+@dataclass(frozen=True)
+class _Registry:
+    """The Ray metric objects of this process (see module docstring for names and labels)."""
+
+    requests: Any
+    generated_tokens: Any
+    num_drafts: Any
+    num_draft_tokens: Any
+    num_accepted_tokens: Any
+    num_accepted_tokens_per_pos: Any
+    queue_depth: Any
+    batch_size: Any
+    step_time_ms: Any
+    draft_length: Any
+    request_draft_length: Any
+    ttft_ms: Any
+    tpot_ms: Any
+    e2e_latency_ms: Any
+    kv_slots_used: Any
+    kv_slots_total: Any
+    gpu_utilization_ratio: Any
+    gpu_memory_used_bytes: Any
+
+
+@functools.cache
+def _registry() -> _Registry:
+    # Imported here so that reading GPU stats (read_gpu_stats) works where Ray is absent.
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    lane_tags = ("mode", "lane")
+    return _Registry(
+        requests=Counter("vpd_requests", "Requests finished at the ingress, by status.",
+                         tag_keys=("mode", "status")),
+        generated_tokens=Counter("vpd_generated_tokens", "Completion tokens sent to clients.",
+                                 tag_keys=("mode",)),
+        num_drafts=Counter("vpd_spec_decode_num_drafts", "Draft proposals verified.",
+                           tag_keys=("mode",)),
+        num_draft_tokens=Counter("vpd_spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                 tag_keys=("mode",)),
+        num_accepted_tokens=Counter("vpd_spec_decode_num_accepted_tokens",
+                                    "Draft tokens accepted by the target.", tag_keys=("mode",)),
+        num_accepted_tokens_per_pos=Counter(
+            "vpd_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted.", tag_keys=("mode", "position")),
+        queue_depth=Gauge("vpd_lane_queue_depth", "Sequences waiting for this lane.",
+                          tag_keys=lane_tags),
+        batch_size=Histogram("vpd_lane_batch_size", "Sequences in one lane step.",
+                             boundaries=BATCH_SIZE_BUCKETS, tag_keys=lane_tags),
+        step_time_ms=Histogram("vpd_lane_step_time_ms", "Wall time of one lane step (ms).",
+                               boundaries=STEP_TIME_MS_BUCKETS, tag_keys=lane_tags),
+        draft_length=Gauge("vpd_draft_length", "Current default draft length L.",
+                           tag_keys=lane_tags),
+        request_draft_length=Histogram("vpd_request_draft_length",
+                                       "Draft length used for a sequence in one step.",
+                                       boundaries=DRAFT_LENGTH_BUCKETS, tag_keys=lane_tags),
+        ttft_ms=Histogram("vpd_ttft_ms", "Time to first token of completed requests (ms).",
+                          boundaries=TTFT_MS_BUCKETS, tag_keys=("mode",)),
+        tpot_ms=Histogram("vpd_tpot_ms", "Time per output token after the first (ms).",
+                          boundaries=TPOT_MS_BUCKETS, tag_keys=("mode",)),
+        e2e_latency_ms=Histogram("vpd_e2e_latency_ms", "End-to-end latency (ms).",
+                                 boundaries=E2E_MS_BUCKETS, tag_keys=("mode",)),
+        kv_slots_used=Gauge("vpd_kv_slots_used", "KV cache slots in use.",
+                            tag_keys=("mode", "lane", "model")),
+        kv_slots_total=Gauge("vpd_kv_slots_total", "KV cache slots allocated.",
+                             tag_keys=("mode", "lane", "model")),
+        gpu_utilization_ratio=Gauge("vpd_gpu_utilization_ratio",
+                                    "GPU busy fraction over NVML's last sample period (0..1).",
+                                    tag_keys=("mode", "lane", "gpu")),
+        gpu_memory_used_bytes=Gauge("vpd_gpu_memory_used_bytes",
+                                    "GPU memory in use on the device, all processes (bytes).",
+                                    tag_keys=("mode", "lane", "gpu")),
+    )
+
+
+@dataclass(frozen=True)
+class GpuStats:
+    gpu: str  # the device's UUID: indices restart at 0 in every process Ray gives one GPU
+    utilization_ratio: float | None  # None where NVML (nvidia-ml-py) is not installed
+    memory_used_bytes: int
+
+
+def read_gpu_stats() -> GpuStats | None:
+    """Utilisation and memory of this process's current CUDA device; None without a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", device)
+    return GpuStats(gpu=str(uuid), utilization_ratio=_nvml_utilization_ratio(torch, device),
+                    memory_used_bytes=total_bytes - free_bytes)
+
+
+def _nvml_utilization_ratio(torch: Any, device: int) -> float | None:
+    # torch maps the device through CUDA_VISIBLE_DEVICES (indices or UUIDs, as Ray sets it) to
+    # NVML's numbering; it needs nvidia-ml-py, without which there is no utilisation to read.
+    try:
+        return torch.cuda.utilization(device) / 100.0
+    except Exception:  # nvidia-ml-py missing, or NVML refusing (e.g. a sandboxed GPU): no reading
+        return None
+
+
+class LaneMetrics:
+    """Metrics of one lane (prefill, decode = draft, verify = target) in one mode."""
+
+    def __init__(self, lane: str, mode: str):
+        self._metrics = _registry()
+        self._mode = mode
+        self._tags = {"mode": mode, "lane": lane}
+
+    def observe_step(self, step_time_ms: float, batch_size: int) -> None:
+        """One lane step: its wall time and the number of sequences it carried."""
+        self._metrics.step_time_ms.observe(step_time_ms, tags=self._tags)
+        self._metrics.batch_size.observe(batch_size, tags=self._tags)
+
+    def set_queue_depth(self, n: int) -> None:
+        """Sequences waiting for this lane now."""
+        self._metrics.queue_depth.set(n, tags=self._tags)
+
+    def set_kv_slots(self, used: int, total: int, model: str) -> None:
+        """KV cache slots in use and allocated for `model` (draft or target) in this lane."""
+        tags = {**self._tags, "model": model}
+        self._metrics.kv_slots_used.set(used, tags=tags)
+        self._metrics.kv_slots_total.set(total, tags=tags)
+
+    def record_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                    accepted_per_pos: list[int]) -> None:
+        """Counts of one or more verify steps, with vLLM's definitions (module docstring)."""
+        _check_spec_counts(num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos)
+        mode_tags = {"mode": self._mode}
+        # Ray counters refuse increments of 0, and an absent increment is the same count.
+        for counter, value in ((self._metrics.num_drafts, num_drafts),
+                               (self._metrics.num_draft_tokens, num_draft_tokens),
+                               (self._metrics.num_accepted_tokens, num_accepted_tokens)):
+            if value > 0:
+                counter.inc(value, tags=mode_tags)
+        for position, accepted in enumerate(accepted_per_pos):
+            if accepted > 0:
+                self._metrics.num_accepted_tokens_per_pos.inc(
+                    accepted, tags={**mode_tags, "position": str(position)})
+
+    def set_draft_length(self, default_len: int) -> None:
+        """The draft length L the controller currently applies by default."""
+        self._metrics.draft_length.set(default_len, tags=self._tags)
+
+    def observe_request_draft_length(self, length: int) -> None:
+        """The draft length one sequence used in one step (0 = not speculated)."""
+        self._metrics.request_draft_length.observe(length, tags=self._tags)
+
+    def sample_gpu(self) -> None:
+        """Export the current device's utilisation and memory; does nothing without a GPU."""
+        stats = read_gpu_stats()
+        if stats is None:
+            return
+        tags = {**self._tags, "gpu": stats.gpu}
+        self._metrics.gpu_memory_used_bytes.set(stats.memory_used_bytes, tags=tags)
+        if stats.utilization_ratio is not None:
+            self._metrics.gpu_utilization_ratio.set(stats.utilization_ratio, tags=tags)
+
+
+def _check_spec_counts(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                       accepted_per_pos: list[int]) -> None:
+    # A wrong count would silently skew every acceptance panel, so a caller's bug fails loudly.
+    if min(num_drafts, num_draft_tokens, num_accepted_tokens, *accepted_per_pos, 0) < 0:
+        raise ValueError("spec-decode counts must be non-negative")
+    if num_accepted_tokens > num_draft_tokens or num_drafts > num_draft_tokens:
+        raise ValueError(f"inconsistent spec-decode counts: drafts={num_drafts}, "
+                         f"draft_tokens={num_draft_tokens}, accepted={num_accepted_tokens}")
+    if sum(accepted_per_pos) != num_accepted_tokens:
+        raise ValueError(f"accepted_per_pos {accepted_per_pos} does not sum to "
+                         f"num_accepted_tokens={num_accepted_tokens}")
+
+
+class IngressMetrics:
+    """Request-level metrics recorded by the ingress for one mode."""
+
+    def __init__(self, mode: str):
+        self._metrics = _registry()
+        self._tags = {"mode": mode}
+
+    def observe_request(self, status: str, ttft_ms: float | None, tpot_ms: float | None,
+                        e2e_ms: float, completion_tokens: int) -> None:
+        """One finished request. Latencies are observed only for status "completed"."""
+        self._metrics.requests.inc(1, tags={**self._tags, "status": status})
+        if completion_tokens > 0:
+            self._metrics.generated_tokens.inc(completion_tokens, tags=self._tags)
+        if status != COMPLETED:
+            return
+        self._metrics.e2e_latency_ms.observe(e2e_ms, tags=self._tags)
+        if ttft_ms is not None:
+            self._metrics.ttft_ms.observe(ttft_ms, tags=self._tags)
+        if tpot_ms is not None:
+            self._metrics.tpot_ms.observe(tpot_ms, tags=self._tags)

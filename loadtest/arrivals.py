@@ -1,0 +1,66 @@
+"""When requests are sent: open-loop arrivals at a rate, or a fixed number in flight.
+
+Open loop sends on a schedule whatever the server does (the way users arrive), so an overloaded
+server shows up as queueing in TTFT rather than as a lower send rate. Gaps are gamma-distributed
+with shape = burstiness and mean 1 / rate, as in `vllm bench serve`: burstiness 1 is a Poisson
+process, below 1 burstier, above 1 more regular. Closed loop keeps `concurrency` requests in
+flight, each sent as soon as one finishes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    rate_rps: float  # mean requests per second; math.inf sends every request at once
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson
+
+    def __post_init__(self):
+        if self.rate_rps <= 0 or self.burstiness <= 0:
+            raise ValueError(f"rate and burstiness must be > 0: {self}")
+
+    def gaps_s(self, rng: np.random.Generator) -> Iterator[float]:
+        """Endless gaps in seconds between one request and the next."""
+        if math.isinf(self.rate_rps):
+            while True:
+                yield 0.0
+        scale_s = 1.0 / (self.rate_rps * self.burstiness)
+        while True:
+            yield float(rng.gamma(shape=self.burstiness, scale=scale_s))
+
+    @property
+    def label(self) -> str:
+        return f"rate={self.rate_rps:g}" + (f",burst={self.burstiness:g}"
+                                            if self.burstiness != 1.0 else "")
+
+    @property
+    def load(self) -> float:
+        """The load axis of sweep plots: offered requests per second."""
+        return self.rate_rps
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    concurrency: int
+
+    def __post_init__(self):
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+    @property
+    def label(self) -> str:
+        return f"concurrency={self.concurrency}"
+
+    @property
+    def load(self) -> float:
+        """The load axis of sweep plots: requests in flight."""
+        return float(self.concurrency)
+
+
+Arrivals = OpenLoop | ClosedLoop

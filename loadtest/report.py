@@ -1,0 +1,159 @@
+"""Results on disk: JSON and CSV per run, a side-by-side table, and plots.
+
+Layout under the output directory:
+
+    <label>/<load>/result.json    config, summary and every request record (ITLs included)
+    <label>/<load>/requests.csv   one row per submitted request (itl_ms as a JSON list)
+    compare.csv, compare.txt      metrics as rows, one column per (label, load)
+    latency_cdf.png               CDFs of TTFT, TPOT, ITL and E2E, one line per (label, load)
+    load_curve.png                throughput and p95 latencies against load (several loads only)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers or CI
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
+from loadtest.runner import RunResult  # noqa: E402
+from loadtest.summary import LATENCY_METRICS, Summary, latency_values  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of a comparison or sweep: which target, at which load."""
+
+    label: str  # the target's name, e.g. a mode: nospec, spec, pd, pdv, unified
+    result: RunResult
+    summary: Summary
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} {self.result.arrivals.label}"
+
+
+def point_dir(output_dir: Path, point: Point) -> Path:
+    return output_dir / _slug(point.label) / _slug(point.result.arrivals.label)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def write_point(output_dir: Path, point: Point, config: dict) -> Path:
+    """result.json and requests.csv of one run; returns their directory."""
+    directory = point_dir(output_dir, point)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [r.to_row() for r in point.result.records]
+    document = {"label": point.label, "base_url": point.result.base_url,
+                "model": point.result.model, "arrivals": point.result.arrivals.label,
+                "started_unix_s": point.result.started_unix_s, "config": config,
+                "summary": point.summary.to_dict(), "requests": rows}
+    (directory / "result.json").write_text(json.dumps(document, indent=2))
+    frame = pd.DataFrame(rows)
+    if not frame.empty:
+        frame["itl_ms"] = frame["itl_ms"].map(json.dumps)
+    frame.to_csv(directory / "requests.csv", index=False)
+    return directory
+
+
+def comparison_table(points: list[Point]) -> pd.DataFrame:
+    """Metrics as rows, one column per point, for printing side by side."""
+    return pd.DataFrame({p.name: _table_column(p.summary) for p in points})
+
+
+def _table_column(s: Summary) -> dict[str, float | int | None]:
+    column: dict[str, float | int | None] = {
+        "submitted": s.submitted, "completed": s.completed, "failed": s.failed,
+        "timed_out": s.timed_out, "warmup_requests": s.warmup_requests, "wall_s": s.wall_s,
+        "request_throughput_rps": s.request_throughput_rps,
+        "output_token_throughput_tps": s.output_token_throughput_tps,
+        "goodput_rps": s.goodput_rps,
+    }
+    for metric in LATENCY_METRICS:
+        stats = s.latency_ms[metric]
+        column |= {f"{metric} mean": stats.mean, f"{metric} p50": stats.p50,
+                   f"{metric} p95": stats.p95, f"{metric} p99": stats.p99}
+    spec = s.spec_decode
+    column["acceptance_rate"] = spec.acceptance_rate if spec else None
+    column["mean_acceptance_length"] = spec.mean_acceptance_length if spec else None
+    return column
+
+
+def write_comparison(output_dir: Path, points: list[Point]) -> pd.DataFrame:
+    """compare.csv, compare.txt and the plots; returns the table."""
+    table = comparison_table(points)
+    table.to_csv(output_dir / "compare.csv")
+    (output_dir / "compare.txt").write_text(table.to_string(float_format=_fmt, na_rep="n/a") + "\n")
+    plot_latency_cdfs(points, output_dir / "latency_cdf.png")
+    if len({p.result.arrivals for p in points}) > 1:
+        plot_load_curves(points, output_dir / "load_curve.png")
+    return table
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def plot_latency_cdfs(points: list[Point], path: Path) -> None:
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for axis, metric in zip(axes.flat, LATENCY_METRICS):
+        for point in points:
+            values = np.sort(latency_values(point.result.records, metric))
+            if values.size:
+                axis.plot(values, np.arange(1, values.size + 1) / values.size, label=point.name)
+        axis.set_xlabel(f"{metric} (completed requests)")
+        axis.set_ylabel("fraction")
+        axis.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_load_curves(points: list[Point], path: Path) -> None:
+    """Throughput and p95 latencies against load, one line per label."""
+    panels = [("output_token_throughput_tps", "output tokens/s"),
+              ("request_throughput_rps", "completed requests/s"),
+              ("ttft_ms", "p95 TTFT (ms)"), ("tpot_ms", "p95 TPOT (ms)"),
+              ("e2e_ms", "p95 E2E (ms)"), ("goodput_rps", "goodput (requests/s)")]
+    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for axis, (key, title) in zip(axes.flat, panels):
+        for label in dict.fromkeys(p.label for p in points):
+            mine = sorted((p for p in points if p.label == label),
+                          key=lambda p: p.result.arrivals.load)
+            axis.plot([p.result.arrivals.load for p in mine],
+                      [_curve_value(p.summary, key) for p in mine], marker="o", label=label)
+        axis.set_title(title)
+        axis.set_xlabel(_load_axis_name(points))
+        axis.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _curve_value(summary: Summary, key: str) -> float:
+    if key in summary.latency_ms:
+        value = summary.latency_ms[key].p95
+    else:
+        value = getattr(summary, key)
+    return np.nan if value is None else value  # nan leaves a gap instead of a fake point
+
+
+def _load_axis_name(points: list[Point]) -> str:
+    kinds = {type(p.result.arrivals) for p in points}
+    if kinds == {OpenLoop}:
+        return "offered load (requests/s)"
+    if kinds == {ClosedLoop}:
+        return "concurrency (requests in flight)"
+    return "load (requests/s or concurrency)"
