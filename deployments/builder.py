@@ -1,0 +1,63 @@
+"""`build_app(args) -> Application`: validate the config once, then bind the graph of its mode."""
+
+from functools import partial
+
+import ray
+from ray.serve import Application
+from transformers import AutoConfig, AutoTokenizer
+
+from deployments.config import AppConfig
+from deployments.engine_replica import EngineDeployment
+from deployments.factories import build_engine, build_prompt_prefiller, build_verify_lane
+from deployments.ingress import IngressDeployment
+from deployments.prefill_replica import PrefillDeployment
+from deployments.verify_replica import VerifyDeployment
+
+
+class ConfigError(ValueError):
+    """The app config cannot run here (checked before anything is deployed)."""
+
+
+def build_app(args: dict | AppConfig | None = None) -> Application:
+    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    check_pair(cfg)
+    check_gpus(cfg)
+    verify = prefill = None
+    if cfg.mode == "pdv":
+        verify = VerifyDeployment.options(**cfg.verify_lane.deployment_options()).bind(
+            partial(build_verify_lane, cfg), cfg.engine.max_num_seqs)
+    if cfg.mode in ("pd", "pdv"):
+        prefill = PrefillDeployment.options(**cfg.prefill_lane.deployment_options()).bind(
+            partial(build_prompt_prefiller, cfg), verify)
+    engine = EngineDeployment.options(**cfg.decode_lane.deployment_options()).bind(
+        partial(build_engine, cfg), prefill=prefill, verify=verify)
+    return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump())
+
+
+def check_pair(cfg: AppConfig) -> None:
+    """Refuse, before loading weights anywhere, a draft whose token ids mean something else."""
+    if cfg.draft is None:
+        return
+    target_tok, draft_tok = AutoTokenizer.from_pretrained(cfg.target.path), AutoTokenizer.from_pretrained(cfg.draft.path)
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ConfigError(f"tokenizers of target {cfg.target.path!r} and draft {cfg.draft.path!r} differ")
+    target_vocab = AutoConfig.from_pretrained(cfg.target.path).get_text_config().vocab_size
+    draft_vocab = AutoConfig.from_pretrained(cfg.draft.path).get_text_config().vocab_size
+    if target_vocab != draft_vocab:
+        raise ConfigError(f"target has {target_vocab} logits, draft {draft_vocab}")
+
+
+def check_gpus(cfg: AppConfig) -> None:
+    """A lane that asks for GPUs the cluster lacks would wait forever to be placed: fail now instead."""
+    wanted = [(lane, getattr(cfg, lane).num_gpus) for lane in cfg.lanes if getattr(cfg, lane).num_gpus > 0]
+    if not wanted or not cfg.require_gpus_present:
+        return
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)
+    have = ray.cluster_resources().get("GPU", 0)
+    largest = max(g for _, g in wanted)
+    if have == 0 or largest > have:
+        asks = ", ".join(f"{lane}.num_gpus={g}" for lane, g in wanted)
+        raise ConfigError(f"config asks for GPUs ({asks}) but the Ray cluster has {have:g} GPU(s). Set every "
+                          "num_gpus to 0 to run on CPU, or require_gpus_present: false on an autoscaling cluster "
+                          "whose GPU nodes start on demand.")

@@ -1,0 +1,130 @@
+"""The app config users write (YAML `args:` of `serve run`), validated once by pydantic.
+
+    mode: pdv
+    model_name: vpd-python
+    target: {path: models/vpd-target, dtype: float32}
+    draft:  {path: models/vpd-draft,  dtype: float32}
+    engine: {max_model_len: 1024, max_num_seqs: 16, num_speculative_tokens: 4}
+    prefill_lane: {num_gpus: 0.2}
+    decode_lane:  {num_gpus: 0.2, num_replicas: 2}
+    verify_lane:  {num_gpus: 0.5}
+"""
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controller.config import ControllerConfig
+from lanes.engine_core import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TARGET = str(REPO_ROOT / "models" / "vpd-target")
+DEFAULT_DRAFT = str(REPO_ROOT / "models" / "vpd-draft")
+
+Mode = Literal["pdv", "pd", "spec", "unified", "nospec"]
+MODE_LANES: dict[str, tuple[str, ...]] = {
+    "pdv": ("prefill_lane", "decode_lane", "verify_lane"),  # three lane deployments
+    "pd": ("prefill_lane", "decode_lane"),  # prefill apart; the decode lane drafts and verifies
+    "spec": ("decode_lane",),  # plain speculative decoding in one replica: whole prompts first
+    "unified": ("decode_lane",),  # the co-located lane engine: decode first, chunked prefill
+    "nospec": ("decode_lane",),  # target only
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    path: str = Field(description="HF hub id or local directory (AutoModelForCausalLM / AutoTokenizer).")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(default="float32")
+
+
+class LaneConfig(_Strict):
+    """Placement and scaling of one lane's deployment."""
+
+    num_replicas: int | None = Field(default=1, ge=1, description="Fixed replica count (None with autoscaling).")
+    num_gpus: float = Field(default=0, ge=0, description="GPU share per replica: a fraction shares one GPU, "
+                            "1 or more gives whole GPUs. 0 runs the lane on the CPU.")
+    num_cpus: float = Field(default=0.25, ge=0, description="CPU share per replica (Ray scheduling).")
+    max_ongoing_requests: int = Field(default=256, ge=1, description="Concurrent calls a replica accepts.")
+    autoscaling_config: dict | None = Field(default=None, description="Ray Serve autoscaling_config; "
+                                            "replaces num_replicas.")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
+    def deployment_options(self) -> dict:
+        opts = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+        }
+        if self.autoscaling_config is not None:
+            opts["autoscaling_config"] = self.autoscaling_config
+        else:
+            opts["num_replicas"] = self.num_replicas
+        return opts
+
+
+class EngineArgs(_Strict):
+    max_model_len: int = Field(default=1024, ge=2, description="Prompt + output tokens per request.")
+    max_num_seqs: int = Field(default=16, ge=1, description="KV slots per model per replica.")
+    num_speculative_tokens: int = Field(default=4, ge=0, description="Default draft length L.")
+    max_draft_len: int = Field(default=8, ge=0, le=16, description="Bound on any request's L.")
+    prefill_chunk_tokens: int = Field(default=128, ge=1, description="Prefill tokens per step while decoding.")
+    idle_prefill_tokens: int = Field(default=1024, ge=1, description="Prefill tokens per step when idle.")
+
+    def engine_config(self, mode: str) -> EngineConfig:
+        values = self.model_dump()
+        if mode == "nospec":
+            values["num_speculative_tokens"] = 0
+        if mode == "spec":
+            # Plain speculative decoding: every waiting prompt is prefilled whole before decoding
+            # resumes, as an engine without lane priorities does.
+            values["prefill_chunk_tokens"] = values["idle_prefill_tokens"] = self.max_num_seqs * self.max_model_len
+        return EngineConfig(**values)
+
+
+class AppConfig(_Strict):
+    """Everything `build_app` needs. Unknown keys are errors, so typos fail at deploy time."""
+
+    mode: Mode = "unified"
+    model_name: str = Field(default="vpd-python", description="The id clients pass as `model`.")
+    target: ModelSpec = Field(default_factory=lambda: ModelSpec(path=DEFAULT_TARGET))
+    draft: ModelSpec | None = Field(default_factory=lambda: ModelSpec(path=DEFAULT_DRAFT))
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    ingress: LaneConfig = Field(default_factory=lambda: LaneConfig(num_cpus=0.1))
+    prefill_lane: LaneConfig = Field(default_factory=LaneConfig)
+    decode_lane: LaneConfig = Field(default_factory=LaneConfig)
+    verify_lane: LaneConfig = Field(default_factory=LaneConfig)
+    controller: ControllerConfig = Field(default_factory=lambda: ControllerConfig(enabled=False))
+    max_queued_requests: int = Field(default=256, ge=1, description="Requests in flight at the ingress "
+                                     "beyond which new ones get 429 with Retry-After.")
+    request_timeout_s: float = Field(default=600, gt=0, description="A request still running after this "
+                                     "is aborted in every lane.")
+    require_gpus_present: bool = Field(default=True, description="Fail at build time when a lane asks for "
+                                       "GPUs the cluster does not have (set false on an autoscaling cluster "
+                                       "whose GPU nodes start on demand).")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.mode != "nospec" and self.draft is None:
+            raise ValueError(f"mode {self.mode!r} needs a draft model")
+        if self.verify_lane.num_replicas != 1 or self.verify_lane.autoscaling_config is not None:
+            # A request's target KV lives in one verify replica; routing every verify call of that
+            # request back to it needs replica affinity that Serve's router does not offer yet.
+            raise ValueError("verify_lane must have exactly one replica (scale the decode lane, or use mode 'pd')")
+        if self.engine.num_speculative_tokens > self.engine.max_draft_len:
+            raise ValueError("engine.num_speculative_tokens must be <= engine.max_draft_len")
+        if self.controller.enabled and self.controller.max_draft_len > self.engine.max_draft_len:
+            raise ValueError("controller.max_draft_len must be <= engine.max_draft_len")
+        return self
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        return MODE_LANES[self.mode]
+
+    def gpus_requested(self) -> float:
+        return sum(getattr(self, lane).num_gpus for lane in self.lanes)

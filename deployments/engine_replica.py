@@ -1,0 +1,61 @@
+"""Decode lane deployment (pd, pdv), or the whole engine in one replica (unified, spec, nospec)."""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ray import serve
+
+from lanes.async_engine import AsyncEngine
+from lanes.outputs import RequestOutput
+from lanes.params import ParamError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateError:
+    """A request the engine refused; yielded as a value so that the stream ends cleanly."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+
+class EngineServer:
+    def __init__(self, engine_factory, prefill=None, verify=None):
+        # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.
+        loop = asyncio.get_event_loop()
+        self.engine = AsyncEngine(engine_factory(loop=loop, prefill=prefill, verify=verify))
+
+    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput | GenerateError]:
+        """Stream a request's chunks. Cancelling the call (client gone) aborts it and frees its slots."""
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                yield out
+        except ParamError as exc:
+            yield GenerateError(400, str(exc), exc.field)
+
+    async def set_draft_lengths(self, default_len: int, per_request: dict[str, int] | None = None) -> None:
+        self.engine.set_draft_lengths(default_len, per_request)
+
+    async def stats(self) -> dict:
+        """Slot usage and spec-decode totals of this replica, read between engine steps."""
+        def read(core):
+            s = core.scheduler
+            return {
+                "kv_slots_used": s.draft_pool.num_used if s.draft_pool is not None else None,
+                "waiting": len(s.waiting), "prefilling": len(s.prefilling), "running": len(s.running),
+                "default_draft_len": core.default_draft_len,
+                "spec_decode": core.total_stats.to_dict(),
+                "target_slots_used": getattr(getattr(core.verifier, "pool", None), "num_used", None),
+            }
+        return await self.engine.call(read)
+
+    def __del__(self):
+        self.engine.shutdown()
+
+
+EngineDeployment = serve.deployment(EngineServer, name="DecodeLane")

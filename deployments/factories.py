@@ -1,0 +1,66 @@
+"""Building each lane's objects from the app config. The builder binds these (as partials) into the
+deployments, which call them in their replicas; tests can bind their own."""
+
+import asyncio
+import uuid
+from dataclasses import replace
+
+from deployments.config import AppConfig
+from deployments.kv_transfer import Placement
+from deployments.remote import RemotePrefiller, RemoteVerifier
+from lanes.backends import LocalVerifier
+from lanes.engine_core import EngineCore, build_runner, eos_token_ids
+from lanes.models import LoadedModel, check_compatible, load_model
+from lanes.prompt_prefiller import PromptPrefiller
+from lanes.verify import VerifyLane
+
+PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lane's scratch slots
+
+
+def _target(cfg: AppConfig, device: str) -> LoadedModel:
+    return load_model(cfg.target.path, cfg.target.dtype, device)
+
+
+def _draft(cfg: AppConfig, device: str) -> LoadedModel:
+    return load_model(cfg.draft.path, cfg.draft.dtype, device)
+
+
+def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None) -> EngineCore:
+    """The engine of the decode-lane replica (or of the only replica, in one-deployment modes)."""
+    device = cfg.decode_lane.device
+    config = cfg.engine.engine_config(cfg.mode)
+    if cfg.mode in ("unified", "spec", "nospec"):
+        draft = _draft(cfg, device) if cfg.mode != "nospec" else None
+        return EngineCore.colocated(_target(cfg, device), draft, config)
+    draft = _draft(cfg, device)
+    draft_runner = build_runner(draft.model, config)
+    placement = Placement.here(device)
+    owner = f"decode-{uuid.uuid4().hex[:8]}"
+    if cfg.mode == "pd":
+        target = _target(cfg, device)
+        check_compatible(draft, target)
+        target_runner = build_runner(target.model, config)
+        verifier, target_pool = LocalVerifier(VerifyLane(target_runner)), target_runner.pool
+    else:  # pdv: the target lives in the verify lane
+        verifier, target_pool = RemoteVerifier(verify, loop, cfg.request_timeout_s), None
+    prefiller = RemotePrefiller(prefill, loop, draft_runner.pool, target_pool, placement, owner)
+    return EngineCore(config, draft_runner.vocab_size, draft.tokenizer, eos_token_ids(draft.model, draft.tokenizer),
+                      draft_runner, verifier, prefiller)
+
+
+def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
+    device = cfg.prefill_lane.device
+    target, draft = _target(cfg, device), _draft(cfg, device)
+    check_compatible(draft, target)
+    # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8).
+    config = replace(cfg.engine.engine_config(cfg.mode), max_num_seqs=PREFILL_BATCH_MAX)
+    return PromptPrefiller(build_runner(target.model, config), build_runner(draft.model, config),
+                           cfg.engine.idle_prefill_tokens)
+
+
+def build_verify_lane(cfg: AppConfig) -> VerifyLane:
+    config = cfg.engine.engine_config(cfg.mode)
+    # One verify replica serves every decode replica: size its pool for all of them.
+    replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)
+    config = replace(config, max_num_seqs=config.max_num_seqs * replicas)
+    return VerifyLane(build_runner(_target(cfg, cfg.verify_lane.device).model, config))

@@ -1,0 +1,182 @@
+"""OpenAI-compatible HTTP ingress: validates input once, streams chunks as server-sent events."""
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from transformers import AutoTokenizer
+
+from deployments.config import AppConfig
+from deployments.engine_replica import GenerateError
+from deployments.metrics import IngressMetrics
+from deployments.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, chat_body, completion_body, error_body, new_id, usage, usage_chunk,
+)
+from lanes.outputs import RequestOutput
+from lanes.params import ParamError
+from lanes.spec_stats import SpecDecodeStats
+
+log = logging.getLogger(__name__)
+api = FastAPI(title="Verify-PD")
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None, headers: dict | None = None):
+    return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
+
+
+class Ingress:
+    def __init__(self, engine, config: dict):
+        self.engine = engine
+        self.cfg = AppConfig.model_validate(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.target.path)
+        self.in_flight = 0
+        self.totals = SpecDecodeStats()  # over requests served by this ingress replica
+        self.metrics = IngressMetrics(self.cfg.mode)
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "verify-pd",
+                                            "max_model_len": self.cfg.engine.max_model_len, "mode": self.cfg.mode}]}
+
+    @api.get("/v1/spec_decode/stats")
+    async def spec_decode_stats(self) -> dict:
+        """Spec-decode counters summed over every finished request (vLLM's definitions)."""
+        return self.totals.to_dict()
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    # ---- the one path every request takes ----------------------------------------------------
+
+    async def _serve(self, request: Request, schema, chat: bool):
+        try:
+            body = schema.model_validate(await request.json())
+        except json.JSONDecodeError as exc:
+            return _error(400, f"malformed JSON: {exc}", "invalid_request_error")
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            return _error(422, f"{param}: {first['msg']}", "invalid_request_error", param)
+        if body.model != self.cfg.model_name:
+            return _error(404, f"model {body.model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                          "not_found_error", "model")
+        if self.in_flight >= self.cfg.max_queued_requests:
+            return _error(429, "too many requests in flight; retry shortly", "rate_limit_error",
+                          headers={"Retry-After": "1"})
+        try:
+            params = body.sampling_params()
+            prompt = self._chat_prompt(body) if chat else body.prompt
+        except ParamError as exc:
+            return _error(400, str(exc), "invalid_request_error", exc.field)
+        return await self._respond(body, prompt, params, chat)
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ParamError("messages", "the served model has no chat template")
+        ids = self.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def _respond(self, body, prompt, params, chat: bool):
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        self.in_flight += 1
+        stream = self._stream(prompt, params, rid)
+        try:
+            first = await anext(stream)
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if isinstance(first, GenerateError):
+            self.in_flight -= 1
+            return _error(first.status, first.message, "invalid_request_error", first.param)
+        if body.stream:
+            sse = self._sse(body, rid, chat, first, stream)
+            return StreamingResponse(sse, media_type="text/event-stream")
+        try:
+            outs = [first] + [out async for out in stream]
+        finally:
+            self.in_flight -= 1
+        return self._final(body, rid, chat, outs)
+
+    async def _stream(self, prompt, params, rid: str) -> AsyncIterator[RequestOutput | GenerateError]:
+        """The engine's chunks, with the request timeout; leaving early cancels it in every lane."""
+        start, first_token_at, last = time.perf_counter(), None, None
+        gen = self.engine.options(stream=True).generate.remote(prompt, params, rid)
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                async for out in gen:
+                    if isinstance(out, RequestOutput) and out.token_ids and first_token_at is None:
+                        first_token_at = time.perf_counter()
+                    last = out
+                    yield out
+        except TimeoutError:
+            yield RequestOutput(rid, [], "", True, "error", error=f"timed out after {self.cfg.request_timeout_s} s")
+        finally:
+            gen.cancel()
+            self._record(last, start, first_token_at)
+
+    def _record(self, last, start: float, first_token_at: float | None) -> None:
+        if not isinstance(last, RequestOutput):
+            return
+        status = "completed" if last.finished and not last.error else ("failed" if last.error else "cancelled")
+        if last.finished:
+            self.totals.merge(last.stats)
+        end = time.perf_counter()
+        ttft_ms = (first_token_at - start) * 1e3 if first_token_at else None
+        tpot_ms = ((end - first_token_at) * 1e3 / (last.num_output_tokens - 1)
+                   if first_token_at and last.num_output_tokens > 1 else None)
+        self.metrics.observe_request(status, ttft_ms, tpot_ms, (end - start) * 1e3, last.num_output_tokens)
+
+    async def _sse(self, body, rid: str, chat: bool, first: RequestOutput, rest) -> AsyncIterator[str]:
+        make = chat_body if chat else completion_body
+        try:
+            out, is_first = first, True
+            while True:
+                if out.error:
+                    yield _event(error_body(out.error, "server_error", 500))
+                    return
+                yield _event(make(rid, self.cfg.model_name, out.text, out.finish_reason, None, True,
+                                  **({"first": is_first} if chat else {})))
+                is_first = False
+                if out.finished:
+                    break
+                out = await anext(rest)
+            if body.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _event(usage_chunk(rid, self.cfg.model_name, obj,
+                                         usage(out.num_prompt_tokens, out.num_output_tokens, out.stats)))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+            await rest.aclose()
+
+    def _final(self, body, rid: str, chat: bool, outs: list[RequestOutput]):
+        last = outs[-1]
+        if last.error:
+            return _error(500, last.error, "server_error")
+        text = "".join(o.text for o in outs)
+        usage_ = usage(last.num_prompt_tokens, last.num_output_tokens, last.stats)
+        make = chat_body if chat else completion_body
+        return JSONResponse(make(rid, self.cfg.model_name, text, last.finish_reason, usage_, False))
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+IngressDeployment = serve.deployment(serve.ingress(api)(Ingress), name="Ingress")

@@ -1,0 +1,64 @@
+"""Prefill lane deployment: prompts of many requests prefilled together, KV handed to the owners."""
+
+import torch
+from ray import serve
+
+from deployments.kv_transfer import Placement, PoolViews
+from deployments.factories import PREFILL_BATCH_MAX
+from deployments.lane_worker import LaneWorker
+from deployments.remote import PrefillDone, PrefillJob
+from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
+
+
+class PrefillServer:
+    def __init__(self, prefiller_factory, verify=None):
+        self.prefiller: PromptPrefiller = prefiller_factory()
+        self.verify = verify  # pdv: the verify lane receives the target KV from here
+        self.worker = LaneWorker("prefill")
+        self.placement_ = Placement.here(self.prefiller.target.device)
+        self.views = PoolViews()
+        self._verify_in_place: bool | None = None
+        self._verify_pool = None
+
+    async def placement(self) -> Placement:
+        return self.placement_
+
+    @serve.batch(max_batch_size=PREFILL_BATCH_MAX, batch_wait_timeout_s=0.002)
+    async def prefill(self, jobs: list[PrefillJob]) -> list[PrefillDone]:
+        """Prefill a batch of prompts; concurrent calls from all decode replicas are merged."""
+        kvs = await self.worker.run(self.prefiller.prefill, [j.request for j in jobs])
+        return [await self._hand_over(job, kv) for job, kv in zip(jobs, kvs)]
+
+    async def _hand_over(self, job: PrefillJob, kv: PrefilledKV) -> PrefillDone:
+        done = PrefillDone(kv.first_token, None, None, None)
+        if job.draft_pool is not None:
+            await self.worker.run(self._write_in_place, job.draft_pool, job.draft_slot, kv.draft_kv)
+        elif kv.draft_kv is not None:
+            done.draft_kv = kv.draft_kv.cpu()
+        if self.verify is not None:
+            done.target_slot = await self._to_verify(kv.target_kv)
+        elif job.target_pool is not None:
+            await self.worker.run(self._write_in_place, job.target_pool, job.target_slot, kv.target_kv)
+        elif job.want_target_kv:
+            done.target_kv = kv.target_kv.cpu()
+        return done
+
+    async def _to_verify(self, target_kv: torch.Tensor) -> int:
+        if self._verify_in_place is None:
+            peer = await self.verify.placement.remote()
+            self._verify_in_place = self.placement_.shares_gpu_with(peer)
+            if self._verify_in_place:
+                self._verify_pool = await self.verify.pool_handle.remote()
+        if not self._verify_in_place:
+            return await self.verify.load_kv.remote(target_kv.cpu())  # a real copy, via the object store
+        slot = await self.verify.allocate.remote()
+        await self.worker.run(self._write_in_place, self._verify_pool, slot, target_kv)
+        await self.verify.commit.remote(slot, target_kv.shape[3])
+        return slot
+
+    def _write_in_place(self, handle, slot: int, kv: torch.Tensor) -> None:
+        self.views.get(handle).write_slot(slot, kv)
+        torch.cuda.synchronize(kv.device)  # the owner reads this memory next, from its own process
+
+
+PrefillDeployment = serve.deployment(PrefillServer, name="PrefillLane")

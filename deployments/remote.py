@@ -1,0 +1,138 @@
+"""Proxies that let the decode loop (running on its engine thread) reach other lanes' replicas.
+
+They implement lanes.backends.Verifier / Prefiller. Each remote call is scheduled on the replica's
+event loop with run_coroutine_threadsafe; the engine thread waits only where the decode step needs
+the answer (verification), never for prefill, whose results are collected between steps.
+"""
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+from lanes.kv_pool import KVPool
+from lanes.prefill import PrefillChunk
+from lanes.prompt_prefiller import PrefillRequest
+from lanes.scheduler import Scheduler
+from lanes.sequence import SeqStatus, Sequence
+from lanes.verify import VerifyBatch, VerifyResult
+from deployments.kv_transfer import Placement, PoolHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillJob:
+    """What a decode replica sends to the prefill lane for one request."""
+
+    request: PrefillRequest
+    draft_slot: int | None
+    draft_pool: PoolHandle | None  # set when the decode replica shares the prefill lane's GPU
+    target_slot: int | None  # set in mode pd (the decode replica owns the target pool)
+    target_pool: PoolHandle | None
+    want_target_kv: bool  # pd over the object store: return the target KV to the caller
+
+
+@dataclass
+class PrefillDone:
+    first_token: int
+    draft_kv: object | None  # torch.Tensor when it travelled by copy
+    target_kv: object | None
+    target_slot: int | None  # pdv: the verify lane's slot that now holds the prompt
+
+
+class RemoteVerifier:
+    def __init__(self, handle, loop: asyncio.AbstractEventLoop, timeout_s: float):
+        self.handle = handle
+        self.loop = loop
+        self.timeout_s = timeout_s
+
+    def verify(self, batch: VerifyBatch) -> VerifyResult:
+        # The whole batch in one call: only ids and probabilities cross the process boundary.
+        call = self._call("verify", batch.to("cpu"))
+        return asyncio.run_coroutine_threadsafe(call, self.loop).result(self.timeout_s)
+
+    def allocate(self) -> int | None:
+        return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane
+
+    def release(self, target_slot: int) -> None:
+        asyncio.run_coroutine_threadsafe(self._call("release", [target_slot]), self.loop)
+
+    async def _call(self, method: str, *args):
+        return await getattr(self.handle, method).remote(*args)
+
+
+class RemotePrefiller:
+    """Sends each admitted request to the prefill lane once and collects finished prefills."""
+
+    def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool, target_pool: KVPool | None,
+                 placement: Placement, owner: str):
+        self.handle = handle
+        self.loop = loop
+        self.draft_pool = draft_pool
+        self.target_pool = target_pool  # pd: local target pool; pdv: None (the verify lane owns it)
+        self.placement = placement
+        self.owner = owner
+        self._submitted: set[str] = set()
+        self._done: list[tuple[Sequence, PrefillDone | BaseException]] = []
+        self._lock = threading.Lock()
+        self._peer: Placement | None = None
+        self._exported: dict[str, PoolHandle] = {}
+
+    def step(self, scheduler: Scheduler, budget_tokens: int) -> list[tuple[Sequence, int | BaseException]]:
+        for seq in scheduler.prefilling:
+            if seq.request_id not in self._submitted:
+                self._submitted.add(seq.request_id)
+                asyncio.run_coroutine_threadsafe(self._prefill(seq), self.loop)
+        with self._lock:
+            done, self._done = self._done, []
+        return [out for seq, result in done if (out := self._land(scheduler, seq, result)) is not None]
+
+    async def _prefill(self, seq: Sequence) -> None:
+        try:
+            if self._peer is None:
+                self._peer = await self.handle.placement.remote()
+            result = await self.handle.prefill.remote(self._job(seq))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
+            result = exc
+        with self._lock:
+            self._done.append((seq, result))
+
+    def _job(self, seq: Sequence) -> PrefillJob:
+        in_place = self._peer is not None and self.placement.shares_gpu_with(self._peer)
+        return PrefillJob(
+            request=PrefillRequest(seq.request_id, seq.prompt_ids, seq.params, seq.seed),
+            draft_slot=seq.draft_slot,
+            draft_pool=self._export("draft", self.draft_pool) if in_place else None,
+            target_slot=seq.target_slot,
+            target_pool=self._export("target", self.target_pool) if in_place and self.target_pool else None,
+            want_target_kv=self.target_pool is not None and not in_place,
+        )
+
+    def _export(self, name: str, pool: KVPool) -> PoolHandle:
+        # Exported once; the prefill lane opens it once and caches the view by owner.
+        if name not in self._exported:
+            self._exported[name] = PoolHandle.export(f"{self.owner}/{name}", pool)
+        return self._exported[name]
+
+    def _land(self, scheduler: Scheduler, seq: Sequence, result) -> tuple[Sequence, int | BaseException] | None:
+        self._submitted.discard(seq.request_id)
+        if seq.status is not SeqStatus.PREFILLING:
+            # Aborted while its prompt was being prefilled: give back the verify slot it was given.
+            if isinstance(result, PrefillDone) and result.target_slot is not None and self.target_pool is None:
+                scheduler.verifier.release(result.target_slot)
+            return None
+        if isinstance(result, BaseException):
+            return seq, result
+        prompt_len = seq.num_prompt_tokens
+        if result.draft_kv is not None:
+            self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.to(self.draft_pool.kv.device))
+        self.draft_pool.lengths[seq.draft_slot] = prompt_len
+        if self.target_pool is not None:
+            if result.target_kv is not None:
+                self.target_pool.write_slot(seq.target_slot, result.target_kv.to(self.target_pool.kv.device))
+            self.target_pool.lengths[seq.target_slot] = prompt_len
+        else:
+            seq.target_slot = result.target_slot
+        scheduler.mark_prefilled(PrefillChunk(seq, 0, prompt_len))
+        return seq, result.first_token

@@ -1,0 +1,93 @@
+"""Verify lane deployment: the target model and its KV pool; scores drafts of many requests per forward."""
+
+import torch
+from ray import serve
+
+from deployments.kv_transfer import Placement, PoolHandle
+from deployments.lane_worker import LaneWorker
+from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
+
+
+class VerifyServer:
+    """Thin wrapper: every pool operation runs on the lane's worker thread, in call order."""
+
+    def __init__(self, lane_factory, max_batch_rows: int):
+        self.lane: VerifyLane = lane_factory()
+        self.worker = LaneWorker("verify")
+        self.placement_ = Placement.here(self.lane.runner.device)
+        self.max_batch_rows = max_batch_rows
+
+    async def placement(self) -> Placement:
+        return self.placement_
+
+    async def pool_handle(self) -> PoolHandle:
+        """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once)."""
+        return PoolHandle.export(f"verify-{id(self)}", self.lane.pool)
+
+    async def allocate(self) -> int:
+        return await self.worker.run(self.lane.pool.allocate)
+
+    async def commit(self, slot: int, length: int) -> None:
+        """A prefill lane wrote `length` tokens of KV into `slot` in place."""
+        def set_length():
+            self.lane.pool.lengths[slot] = length
+        await self.worker.run(set_length)
+
+    async def load_kv(self, kv: torch.Tensor) -> int:
+        """Take a prompt's KV copied from another GPU or node; returns the slot that now holds it."""
+        def load():
+            slot = self.lane.pool.allocate()
+            self.lane.pool.write_slot(slot, kv.to(self.lane.pool.kv.device))
+            return slot
+        return await self.worker.run(load)
+
+    async def release(self, slots: list[int]) -> None:
+        def free():
+            for slot in slots:
+                self.lane.pool.free(slot)
+        await self.worker.run(free)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.001)
+    async def verify(self, batches: list[VerifyBatch]) -> list[VerifyResult]:
+        """Calls from several decode replicas arriving together are merged into ONE target forward."""
+        merged = merge_batches(batches)
+        result = await self.worker.run(self.lane.verify, merged)
+        return split_result(result, [len(b.target_slots) for b in batches])
+
+    async def stats(self) -> dict:
+        return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots}
+
+
+def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.draft_tokens.shape[1] for b in batches)
+    vocab = max(b.draft_probs.shape[-1] for b in batches)
+
+    def pad(t: torch.Tensor, probs: bool) -> torch.Tensor:
+        shape = (t.shape[0], width, vocab) if probs else (t.shape[0], width)
+        out = t.new_zeros(shape)
+        out[:, : t.shape[1]] = t
+        return out
+
+    return VerifyBatch(
+        target_slots=sum((b.target_slots for b in batches), []),
+        num_tokens=sum((b.num_tokens for b in batches), []),
+        last_tokens=sum((b.last_tokens for b in batches), []),
+        draft_tokens=torch.cat([pad(b.draft_tokens, False) for b in batches]),
+        draft_probs=torch.cat([pad(b.draft_probs, True) for b in batches]),
+        num_draft=sum((b.num_draft for b in batches), []),
+        params=sum((b.params for b in batches), []),
+        seeds=sum((b.seeds for b in batches), []),
+    )
+
+
+def split_result(result: VerifyResult, rows: list[int]) -> list[VerifyResult]:
+    out, start = [], 0
+    for n in rows:
+        out.append(VerifyResult(result.tokens[start : start + n], result.num_accepted[start : start + n]))
+        start += n
+    return out
+
+
+VerifyDeployment = serve.deployment(VerifyServer, name="VerifyLane")
