@@ -101,7 +101,9 @@ def query_prometheus(http: httpx.Client, prometheus_url: str, promql: str) -> li
     body = response.json()
     if body.get("status") != "success":
         raise RuntimeError(f"{body.get('errorType')}: {body.get('error')}")
-    return body["data"]["result"]
+    data = body["data"]
+    # A scalar result is one [time, value] pair rather than a list of series.
+    return [{"value": data["result"]}] if data["resultType"] == "scalar" else data["result"]
 
 
 def check(dashboard: dict, prometheus_url: str, rate_interval: str,

@@ -144,7 +144,20 @@ def prometheus_url(metrics_target, tmp_path_factory):
     assert started.returncode == 0, f"Prometheus did not start:\n{started.stderr}"
     pid = int(started.stdout.split()[-1])
     yield f"http://127.0.0.1:{port}"
+    _stop(pid)
+
+
+def _stop(pid: int, timeout_s: float = 15.0) -> None:
+    # The server was started detached (setsid), so it is not our child: poll until it is gone.
     os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
 
 
 def _check_dashboard(prometheus_url: str, gpu_present: bool) -> list[dict]:
