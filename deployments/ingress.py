@@ -150,8 +150,10 @@ class Ingress:
                 if out.error:
                     yield _event(error_body(out.error, "server_error", 500))
                     return
-                yield _event(make(rid, self.cfg.model_name, out.text, out.finish_reason, None, True,
-                                  **({"first": is_first} if chat else {})))
+                event = make(rid, self.cfg.model_name, out.text, out.finish_reason, None, True, first=is_first)
+                if body.return_token_ids:
+                    event["choices"][0]["token_ids"] = out.token_ids
+                yield _event(event)
                 is_first = False
                 if out.finished:
                     break
@@ -172,7 +174,10 @@ class Ingress:
         text = "".join(o.text for o in outs)
         usage_ = usage(last.num_prompt_tokens, last.num_output_tokens, last.stats)
         make = chat_body if chat else completion_body
-        return JSONResponse(make(rid, self.cfg.model_name, text, last.finish_reason, usage_, False))
+        response = make(rid, self.cfg.model_name, text, last.finish_reason, usage_, False)
+        if body.return_token_ids:
+            response["choices"][0]["token_ids"] = [t for o in outs for t in o.token_ids]
+        return JSONResponse(response)
 
 
 def _event(payload: dict) -> str:

@@ -32,6 +32,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = None
+    return_token_ids: bool = Field(default=False, description="Also return the generated token ids "
+                                   "(`choices[0].token_ids`), as vLLM's extension of the same name does.")
 
     def sampling_params(self) -> SamplingParams:
         """Raises lanes.params.ParamError (-> 400) on values out of range."""
@@ -79,7 +81,8 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: SpecDecodeStats) ->
     }
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None, chunk: bool) -> dict:
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None, chunk: bool,
+                    first: bool = False) -> dict:
     body = {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],

@@ -1,0 +1,68 @@
+"""Starting Ray once per test module and deploying apps of every mode on the tiny pair."""
+
+import time
+
+import httpx
+import ray
+from ray import serve
+
+from deployments.builder import build_app
+
+HTTP_PORT = 8000
+ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
+LANE = {"num_cpus": 0.05}
+
+
+def start_ray() -> None:
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+
+
+def app_config(mode: str, target: str, draft: str, **overrides) -> dict:
+    config = {
+        "mode": mode, "target": {"path": target}, "draft": {"path": draft},
+        "engine": {"max_model_len": 256, "max_num_seqs": 8, "num_speculative_tokens": 3, "prefill_chunk_tokens": 32},
+        "ingress": LANE, "prefill_lane": LANE, "verify_lane": LANE,
+        # Two decode replicas in pdv, so that one verify replica merges calls from both.
+        "decode_lane": {**LANE, "num_replicas": 2 if mode == "pdv" else 1},
+    }
+    config.update(overrides)
+    return config
+
+
+def deploy(apps: dict[str, dict]) -> None:
+    """Deploy several apps at once (route prefix = name) and wait until every one answers."""
+    serve.run_many([serve.RunTarget(build_app(config), name=name, route_prefix=f"/{name}")
+                    for name, config in apps.items()], wait_for_applications_running=False)
+    deadline = time.monotonic() + 600
+    pending = set(apps)
+    while pending and time.monotonic() < deadline:
+        for name in list(pending):
+            try:
+                if httpx.get(f"{base_url(name)}/models", timeout=5).status_code == 200:
+                    pending.discard(name)
+            except httpx.HTTPError:
+                pass
+        time.sleep(1)
+    assert not pending, f"apps never became ready: {pending}"
+
+
+def base_url(name: str) -> str:
+    return f"http://127.0.0.1:{HTTP_PORT}/{name}/v1"
+
+
+def lane_stats(app: str, deployment: str) -> list[dict]:
+    """`stats()` of every replica of a deployment."""
+    return serve.get_deployment_handle(deployment, app_name=app).broadcast("stats").results(timeout_s=30)
+
+
+def wait_until_idle(app: str, mode: str, timeout_s: float = 30) -> list[dict]:
+    """Poll until no request holds a KV slot in any lane of the app; return the last stats read."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = lane_stats(app, "DecodeLane") + (lane_stats(app, "VerifyLane") if mode == "pdv" else [])
+        if all(not s.get("kv_slots_used") and not s.get("target_slots_used") and not s.get("running")
+               and not s.get("waiting") and not s.get("prefilling") for s in stats):
+            return stats
+        assert time.monotonic() < deadline, f"slots still held: {stats}"
+        time.sleep(0.2)

@@ -1,0 +1,183 @@
+"""The served product over HTTP, in every mode, on a real Serve instance (CPU, tiny pair)."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import ray
+from openai import OpenAI
+from ray import serve
+
+from deployments.builder import ConfigError, build_app
+from lanes.models import load_model
+from tests.engine_helpers import hf_greedy, random_prompts
+from tests.serve_helpers import ALL_MODES, app_config, base_url, deploy, start_ray, wait_until_idle
+from tests.tiny_pair import save_tiny_pair
+
+MODEL = "vpd-python"
+
+
+@pytest.fixture(scope="module")
+def pair_paths(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def apps(pair_paths):
+    target, draft = pair_paths
+    start_ray()
+    configs = {mode: app_config(mode, target, draft) for mode in ALL_MODES}
+    configs["limited"] = app_config("unified", target, draft, max_queued_requests=2)
+    deploy(configs)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def client(mode: str) -> OpenAI:
+    return OpenAI(base_url=base_url(mode), api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_openai_client_gets_completions_chat_and_streams(mode):
+    c = client(mode)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    done = c.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0)
+    assert done.usage.completion_tokens == 12 and done.choices[0].finish_reason == "length"
+    assert done.usage.spec_decode["num_draft_tokens"] >= (0 if mode == "nospec" else 1)
+    chunks = list(c.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == done.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                     temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
+    streamed = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == chat.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(pair_paths):
+    target = load_model(pair_paths[0])
+    prompts = random_prompts(6, len(target.tokenizer), 1, 80, seed=21)
+    return [(p, hf_greedy(target, p, 24)) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_greedy_output_over_http_equals_target_greedy(mode, greedy_refs):
+    c = client(mode)
+    for prompt, ref in greedy_refs:
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].token_ids == ref
+
+
+async def _complete(http: httpx.AsyncClient, mode: str, i: int) -> dict:
+    r = await http.post(f"{base_url(mode)}/completions", json={
+        "model": MODEL, "prompt": f"for i in range({i}):", "max_tokens": 16 + i % 5, "temperature": 0.8 * (i % 2),
+        "seed": i, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_32_concurrent_requests_complete_and_free_every_slot(mode):
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(_complete(http, mode, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert [r["usage"]["completion_tokens"] for r in results] == [16 + i % 5 for i in range(32)]
+    wait_until_idle(mode, mode, timeout_s=10)
+
+
+@pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])
+def test_cancelled_stream_frees_its_slots(mode):
+    body = {"model": MODEL, "prompt": "class Point:", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url(mode)}/completions", json=body, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # the client goes away mid-stream
+    stats = wait_until_idle(mode, mode, timeout_s=20)
+    assert stats  # every lane answered and none holds a slot
+
+
+BAD = [
+    ("not json", None, 400, None),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, None, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 2}, None, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, None, 422, "frobnicate"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, None, 422, "max_tokens"),
+    ({"model": MODEL, "prompt": list(range(1, 300))}, None, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": 255}, None, 400, "max_tokens"),
+    ({"model": "gpt-4", "prompt": "x"}, None, 404, "model"),
+    ({"model": MODEL, "prompt": "x", "stop": [3]}, None, 422, "stop"),
+]
+
+
+@pytest.mark.parametrize("mode", ["pdv", "unified"])
+@pytest.mark.parametrize(("body", "_", "status", "param"), BAD)
+def test_bad_input_gets_its_status_and_an_openai_error_body(mode, body, _, status, param):
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{base_url(mode)}/completions", timeout=30, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == status
+    if param is not None:
+        assert error["param"].split(".")[0] == param
+
+
+def test_bad_input_does_not_disturb_requests_in_flight():
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            good = [asyncio.create_task(_complete(http, "pdv", i)) for i in range(6)]
+            bad = [http.post(f"{base_url('pdv')}/completions", json=b) for b, *_ in BAD if not isinstance(b, str)]
+            statuses = [r.status_code for r in await asyncio.gather(*bad)]
+            return await asyncio.gather(*good), statuses
+
+    good, statuses = asyncio.run(main())
+    assert all(s >= 400 for s in statuses)
+    assert [g["usage"]["completion_tokens"] for g in good] == [16 + i % 5 for i in range(6)]
+    wait_until_idle("pdv", "pdv")
+
+
+def test_full_admission_queue_answers_429_with_retry_after():
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 120, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(http.post(f"{base_url('limited')}/completions", json=body) for _ in range(8)))
+
+    responses = asyncio.run(main())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 2 and 429 in statuses, statuses
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 120
+
+
+def test_gpu_config_on_a_machine_without_gpus_fails_fast(pair_paths):
+    target, draft = pair_paths
+    config = app_config("pdv", target, draft, verify_lane={"num_gpus": 0.5})
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="verify_lane.num_gpus=0.5"):
+        build_app(config)
+    assert time.monotonic() - start < 10
+
+
+def test_sse_events_are_well_formed():
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{base_url('pdv')}/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    payloads = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert payloads[-1]["usage"]["completion_tokens"] == 5 and payloads[-1]["choices"] == []
