@@ -25,9 +25,9 @@ class Verifier(Protocol):
 
 
 class Prefiller(Protocol):
-    def step(self, scheduler: Scheduler, budget_tokens: int) -> list[tuple[Sequence, int]]:
+    def step(self, scheduler: Scheduler, budget_tokens: int) -> list[tuple[Sequence, int | BaseException]]:
         """Advance prefill of the scheduler's PREFILLING requests; return (request, first token)
-        for each whose prompt is now in both caches."""
+        for each whose prompt is now in both caches, or (request, error) where prefill failed."""
 
 
 class LocalVerifier:

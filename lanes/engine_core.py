@@ -209,7 +209,14 @@ class EngineCore:
         return self.draft_lane.propose(running, draft_lens, st)
 
     def _prefill(self, budget_tokens: int) -> list[RequestOutput]:
-        return [self._append(seq, [token]) for seq, token in self.prefiller.step(self.scheduler, budget_tokens)]
+        outputs = []
+        for seq, first in self.prefiller.step(self.scheduler, budget_tokens):
+            if isinstance(first, BaseException):  # a remote prefill failed: this request only
+                self._finish(seq, "error")
+                outputs.append(self._output(seq, [], "", error=f"prefill failed: {type(first).__name__}: {first}"))
+            else:
+                outputs.append(self._append(seq, [first]))
+        return outputs
 
     # ---- postprocess --------------------------------------------------------------------
 

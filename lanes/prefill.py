@@ -25,6 +25,18 @@ class PrefillChunk:
         return self.seq.prompt_ids[self.start : self.start + self.length]
 
 
+def plan_chunks(seqs: list[Sequence], budget_tokens: int) -> list[PrefillChunk]:
+    """Next prompt chunks, in order, until the token budget of one forward is spent."""
+    chunks = []
+    for seq in seqs:
+        if budget_tokens <= 0:
+            break
+        length = min(budget_tokens, seq.num_prompt_tokens - seq.num_prefilled)
+        chunks.append(PrefillChunk(seq, seq.num_prefilled, length))
+        budget_tokens -= length
+    return chunks
+
+
 class PrefillLane:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None):
         self.target = target

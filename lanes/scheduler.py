@@ -9,7 +9,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from lanes.kv_pool import KVPool, PoolFullError
-from lanes.prefill import PrefillChunk
+from lanes.prefill import PrefillChunk, plan_chunks
 from lanes.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
@@ -48,14 +48,7 @@ class Scheduler:
             self.prefilling.append(seq)
 
     def prefill_chunks(self, budget_tokens: int) -> list[PrefillChunk]:
-        chunks = []
-        for seq in self.prefilling:
-            if budget_tokens <= 0:
-                break
-            length = min(budget_tokens, seq.num_prompt_tokens - seq.num_prefilled)
-            chunks.append(PrefillChunk(seq, seq.num_prefilled, length))
-            budget_tokens -= length
-        return chunks
+        return plan_chunks(self.prefilling, budget_tokens)
 
     def mark_prefilled(self, chunk: PrefillChunk) -> None:
         chunk.seq.num_prefilled += chunk.length

@@ -1,0 +1,69 @@
+"""Prefill of whole prompts for a prefill lane that runs apart from the decode and verify lanes.
+
+Prompts are prefilled in batches into this lane's own scratch slots; each request's KV is then
+handed out as a device tensor, which the deployment copies into the destination pools (a device
+copy into a CUDA IPC view on the same GPU, or through Ray's object store elsewhere).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from lanes.model_runner import ModelRunner
+from lanes.params import SamplingParams
+from lanes.prefill import PrefillLane, plan_chunks
+from lanes.sampling import SamplingTensors
+from lanes.sequence import Sequence
+
+
+@dataclass
+class PrefillRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class PrefilledKV:
+    first_token: int
+    target_kv: torch.Tensor  # [2, layers, kv_heads, prompt_len, head_dim]
+    draft_kv: torch.Tensor | None
+
+
+class PromptPrefiller:
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, chunk_tokens: int):
+        self.target = target  # runners over this lane's own scratch pools
+        self.draft = draft
+        self.chunk_tokens = chunk_tokens
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefilledKV]:
+        """Prefill into scratch slots, copy each request's KV out, free the slots."""
+        t_slots = [self.target.pool.allocate() for _ in requests]
+        d_slots = [self.draft.pool.allocate() for _ in requests] if self.draft else [None] * len(requests)
+        try:
+            first = self._run(requests, self.target, self.draft, t_slots, d_slots)
+            return [
+                PrefilledKV(tok, self.target.pool.read_slot(t).clone(), self.draft.pool.read_slot(d).clone() if self.draft else None)
+                for tok, t, d in zip(first, t_slots, d_slots)
+            ]
+        finally:
+            for t, d in zip(t_slots, d_slots):
+                self.target.pool.free(t)
+                if d is not None:
+                    self.draft.pool.free(d)
+
+    def _run(self, requests, target: ModelRunner, draft: ModelRunner | None, t_slots, d_slots) -> list[int]:
+        seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d)
+                for r, t, d in zip(requests, t_slots, d_slots)]
+        lane = PrefillLane(target, draft)
+        first: dict[str, int] = {}
+        while len(first) < len(seqs):
+            chunks = plan_chunks([s for s in seqs if s.request_id not in first], self.chunk_tokens)
+            st = SamplingTensors.build([c.seq.params for c in chunks], [c.seq.seed for c in chunks], target.device)
+            tokens = lane.run(chunks, st).cpu().tolist()
+            for chunk, token in zip(chunks, tokens):
+                chunk.seq.num_prefilled += chunk.length
+                if chunk.completes_prompt:
+                    first[chunk.seq.request_id] = token
+        return [first[s.request_id] for s in seqs]
