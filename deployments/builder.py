@@ -25,12 +25,12 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     verify = prefill = None
     if cfg.mode == "pdv":
         verify = VerifyDeployment.options(**cfg.verify_lane.deployment_options()).bind(
-            partial(build_verify_lane, cfg), cfg.engine.max_num_seqs)
+            partial(build_verify_lane, cfg), cfg.mode)
     if cfg.mode in ("pd", "pdv"):
         prefill = PrefillDeployment.options(**cfg.prefill_lane.deployment_options()).bind(
-            partial(build_prompt_prefiller, cfg), verify)
+            partial(build_prompt_prefiller, cfg), cfg.mode, verify)
     engine = EngineDeployment.options(**cfg.decode_lane.deployment_options()).bind(
-        partial(build_engine, cfg), prefill=prefill, verify=verify)
+        partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify)
     return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump())
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ray import serve
 
+from deployments.engine_metrics import EngineMetrics
 from lanes.async_engine import AsyncEngine
 from lanes.outputs import RequestOutput
 from lanes.params import ParamError, SamplingParams
@@ -24,10 +25,13 @@ class GenerateError:
 
 
 class EngineServer:
-    def __init__(self, engine_factory, prefill=None, verify=None):
+    def __init__(self, engine_factory, mode: str, prefill=None, verify=None):
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.
         loop = asyncio.get_event_loop()
-        self.engine = AsyncEngine(engine_factory(loop=loop, prefill=prefill, verify=verify))
+        # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
+        self.metrics = EngineMetrics("decode" if mode in ("pd", "pdv") else "engine", mode)
+        core = engine_factory(loop=loop, prefill=prefill, verify=verify)
+        self.engine = AsyncEngine(core, on_step=self.metrics.on_step)
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput | GenerateError]:
@@ -50,6 +54,7 @@ class EngineServer:
                 "waiting": len(s.waiting), "prefilling": len(s.prefilling), "running": len(s.running),
                 "default_draft_len": core.default_draft_len,
                 "spec_decode": core.total_stats.to_dict(),
+                "step_p95_ms": self.metrics.step_p95_ms(),
                 "target_slots_used": getattr(getattr(core.verifier, "pool", None), "num_used", None),
             }
         return await self.engine.call(read)

@@ -1,22 +1,27 @@
 """Prefill lane deployment: prompts of many requests prefilled together, KV handed to the owners."""
 
+import time
+
 import torch
 from ray import serve
 
 from deployments.kv_transfer import Placement, PoolViews
 from deployments.factories import PREFILL_BATCH_MAX
 from deployments.lane_worker import LaneWorker
+from deployments.metrics import LaneMetrics
 from deployments.remote import PrefillDone, PrefillJob
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
 
 
 class PrefillServer:
-    def __init__(self, prefiller_factory, verify=None):
+    def __init__(self, prefiller_factory, mode: str, verify=None):
         self.prefiller: PromptPrefiller = prefiller_factory()
         self.verify = verify  # pdv: the verify lane receives the target KV from here
         self.worker = LaneWorker("prefill")
         self.placement_ = Placement.here(self.prefiller.target.device)
         self.views = PoolViews()
+        self.metrics = LaneMetrics("prefill", mode)
+        self.pending = 0
         self._verify_in_place: bool | None = None
         self._verify_pool = None
 
@@ -26,8 +31,15 @@ class PrefillServer:
     @serve.batch(max_batch_size=PREFILL_BATCH_MAX, batch_wait_timeout_s=0.002)
     async def prefill(self, jobs: list[PrefillJob]) -> list[PrefillDone]:
         """Prefill a batch of prompts; concurrent calls from all decode replicas are merged."""
-        kvs = await self.worker.run(self.prefiller.prefill, [j.request for j in jobs])
-        return [await self._hand_over(job, kv) for job, kv in zip(jobs, kvs)]
+        self.pending += len(jobs)
+        self.metrics.set_queue_depth(self.pending)
+        try:
+            start = time.perf_counter()
+            kvs = await self.worker.run(self.prefiller.prefill, [j.request for j in jobs])
+            self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(jobs))
+            return [await self._hand_over(job, kv) for job, kv in zip(jobs, kvs)]
+        finally:
+            self.pending -= len(jobs)
 
     async def _hand_over(self, job: PrefillJob, kv: PrefilledKV) -> PrefillDone:
         done = PrefillDone(kv.first_token, None, None, None)

@@ -1,21 +1,25 @@
 """Verify lane deployment: the target model and its KV pool; scores drafts of many requests per forward."""
 
+import time
+
 import torch
 from ray import serve
 
 from deployments.kv_transfer import Placement, PoolHandle
 from deployments.lane_worker import LaneWorker
+from deployments.metrics import LaneMetrics
 from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
 
 
 class VerifyServer:
     """Thin wrapper: every pool operation runs on the lane's worker thread, in call order."""
 
-    def __init__(self, lane_factory, max_batch_rows: int):
+    def __init__(self, lane_factory, mode: str):
         self.lane: VerifyLane = lane_factory()
         self.worker = LaneWorker("verify")
         self.placement_ = Placement.here(self.lane.runner.device)
-        self.max_batch_rows = max_batch_rows
+        self.metrics = LaneMetrics("verify", mode)
+        self.pending_rows = 0  # rows waiting for a verify forward: the lane's queue depth
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -51,11 +55,22 @@ class VerifyServer:
     async def verify(self, batches: list[VerifyBatch]) -> list[VerifyResult]:
         """Calls from several decode replicas arriving together are merged into ONE target forward."""
         merged = merge_batches(batches)
-        result = await self.worker.run(self.lane.verify, merged)
+        rows = len(merged.target_slots)
+        self.pending_rows += rows
+        self.metrics.set_queue_depth(self.pending_rows)
+        try:
+            start = time.perf_counter()
+            result = await self.worker.run(self.lane.verify, merged)
+            self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
+        finally:
+            self.pending_rows -= rows
+        pool = self.lane.pool
+        self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
         return split_result(result, [len(b.target_slots) for b in batches])
 
     async def stats(self) -> dict:
-        return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots}
+        return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,
+                "pending_rows": self.pending_rows}
 
 
 def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:

@@ -8,6 +8,7 @@ the event loop never blocks on a forward pass and no lock is held across a step.
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -32,8 +33,9 @@ class _Client:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, on_step: Callable[[EngineCore, float, int], None] | None = None):
         self.core = core
+        self.on_step = on_step  # (core, step_time_ms, batch_size), on the engine thread after each step
         self._inbox: deque[Callable[[], None]] = deque()
         self._clients: dict[str, _Client] = {}
         self._wake = threading.Event()
@@ -116,7 +118,17 @@ class AsyncEngine:
             if not self.core.has_work:
                 self._wake.wait(IDLE_WAIT_S)
                 continue
-            self._guard(lambda: [self._deliver(out) for out in self.core.step()])
+            self._guard(self._step)
+
+    def _step(self) -> None:
+        batch_size = len(self.core.scheduler.running)
+        start = time.perf_counter()
+        outputs = self.core.step()
+        step_ms = (time.perf_counter() - start) * 1e3
+        for out in outputs:
+            self._deliver(out)
+        if self.on_step is not None:
+            self.on_step(self.core, step_ms, batch_size)
 
     @staticmethod
     def _guard(fn: Callable[[], object]) -> None:
