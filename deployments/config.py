@@ -13,7 +13,7 @@
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from controller.config import ControllerConfig
 from lanes.engine_core import EngineConfig
@@ -37,8 +37,16 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str = Field(description="HF hub id or local directory (AutoModelForCausalLM / AutoTokenizer).")
+    path: str = Field(description="HF hub id or local directory (AutoModelForCausalLM / AutoTokenizer). "
+                      "A relative directory is taken from the repository root (replicas need not share the "
+                      "driver's working directory).")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(default="float32")
+
+    @field_validator("path")
+    @classmethod
+    def _anchor(cls, path: str) -> str:
+        local = REPO_ROOT / path
+        return str(local) if not Path(path).is_absolute() and local.exists() else path
 
 
 class LaneConfig(_Strict):

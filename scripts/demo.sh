@@ -12,7 +12,8 @@ export OMP_NUM_THREADS=1 RAY_DEDUP_LOGS=1
 log="$(mktemp -t verify-pd-serve.XXXX.log)"
 .venv/bin/serve run "configs/${mode}.yaml" >"$log" 2>&1 &
 serve_pid=$!
-trap 'kill "$serve_pid" 2>/dev/null; wait "$serve_pid" 2>/dev/null; .venv/bin/ray stop >/dev/null 2>&1 || true' EXIT
+# SIGINT lets `serve run` shut down the app and the local Ray instance it started.
+trap 'kill -INT "$serve_pid" 2>/dev/null; wait "$serve_pid" 2>/dev/null || true' EXIT
 echo "serve run configs/${mode}.yaml (log: $log)"
 for _ in $(seq 1 180); do
   curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1 && break

@@ -1,5 +1,6 @@
 """Starting Ray once per test module and deploying apps of every mode on the tiny pair."""
 
+import socket
 import time
 
 import httpx
@@ -8,7 +9,15 @@ from ray import serve
 
 from deployments.builder import build_app
 
-HTTP_PORT = 8000
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# A port of our own, so that test modules (or other Serve instances) on this machine never collide.
+HTTP_PORT = _free_port()
 ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
 LANE = {"num_cpus": 0.05}
 
