@@ -22,6 +22,7 @@ class PrefillServer:
         self.views = PoolViews()
         self.metrics = LaneMetrics("prefill", mode)
         self.pending = 0
+        self.handed_over = {"in_place": 0, "copied": 0}  # KV hand-overs by transport, for stats()
         self._verify_in_place: bool | None = None
         self._verify_pool = None
 
@@ -41,6 +42,10 @@ class PrefillServer:
         finally:
             self.pending -= len(jobs)
 
+    async def stats(self) -> dict:
+        return {"pending": self.pending, "handed_over": dict(self.handed_over),
+                "verify_in_place": self._verify_in_place}
+
     async def _hand_over(self, job: PrefillJob, kv: PrefilledKV) -> PrefillDone:
         done = PrefillDone(kv.first_token, None, None, None)
         if job.draft_pool is not None:
@@ -53,6 +58,7 @@ class PrefillServer:
             await self.worker.run(self._write_in_place, job.target_pool, job.target_slot, kv.target_kv)
         elif job.want_target_kv:
             done.target_kv = kv.target_kv.cpu()
+        self.handed_over["in_place" if job.draft_pool is not None else "copied"] += 1
         return done
 
     async def _to_verify(self, target_kv: torch.Tensor) -> int:

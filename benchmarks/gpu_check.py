@@ -1,0 +1,219 @@
+"""GPU checks in one device call: correctness of the lanes on CUDA (engine and the three-lane app
+with CUDA IPC hand-over), then per-step timings against HF eager and the memory-bandwidth floor.
+
+    python benchmarks/gpu_check.py --out results/gpu   [--skip-serve] [--skip-steps]
+
+Writes gpu_check.json (and prints a table). Needs a CUDA device; Ray only for the serve part.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lanes.engine_core import EngineConfig, EngineCore, build_runner  # noqa: E402
+from lanes.models import build_random_model  # noqa: E402
+from lanes.params import SamplingParams  # noqa: E402
+from lanes.verify import VerifyBatch, VerifyLane  # noqa: E402
+
+LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
+TINYLLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                 num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096)
+CONTEXT = 512
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy, bytes read + written per second (the floor's denominator)."""
+    src = torch.randn(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 2 / statistics.median(times[2:]) / 1e9
+
+
+def median_ms(fn, repeats: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# ---- correctness ----------------------------------------------------------------------------
+
+def engine_greedy_check() -> dict:
+    from tests.conftest import make_pair
+    from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
+
+    target, draft = make_pair("llama", dtype="float32")
+    target.model.cuda()
+    draft.model.cuda()
+    prompts = random_prompts(16, 128, 1, 150, seed=7)
+    engine = EngineCore.colocated(target, draft, EngineConfig(max_model_len=320, max_num_seqs=8, prefill_chunk_tokens=32,
+                                                                idle_prefill_tokens=64))
+    outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)})
+    equal = sum(outs[str(i)] == hf_greedy(target, p, 24) for i, p in enumerate(prompts))
+    return {"prompts": len(prompts), "equal_to_hf_greedy": equal, "acceptance_rate": engine.total_stats.acceptance_rate}
+
+
+def serve_pdv_check() -> dict:
+    import httpx
+    import ray
+    from ray import serve
+
+    from deployments.builder import build_app
+    from lanes.models import load_model
+    from tests.engine_helpers import hf_greedy, random_prompts
+    from tests.serve_helpers import wait_until_idle
+    from tests.tiny_pair import save_tiny_pair
+
+    target_path, draft_path = save_tiny_pair(Path(tempfile.mkdtemp()))
+    ray.init(include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8011})
+    lane = {"num_gpus": 0.3, "num_cpus": 1}
+    config = {"mode": "pdv", "target": {"path": target_path}, "draft": {"path": draft_path},
+              "engine": {"max_model_len": 256, "max_num_seqs": 8}, "prefill_lane": lane, "decode_lane": lane,
+              "verify_lane": lane}
+    serve.run(build_app(config), name="pdv", route_prefix="/pdv")
+    ref_model = load_model(target_path, device="cuda")
+    prompts = random_prompts(6, len(ref_model.tokenizer), 1, 80, seed=21)
+    equal = 0
+    for p in prompts:
+        r = httpx.post("http://127.0.0.1:8011/pdv/v1/completions", timeout=120, json={
+            "model": "vpd-python", "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        equal += r.json()["choices"][0]["token_ids"] == hf_greedy(ref_model, p, 24)
+    prefill_stats = serve.get_deployment_handle("PrefillLane", app_name="pdv").stats.remote().result()
+    wait_until_idle("pdv", "pdv")
+    serve.shutdown()
+    ray.shutdown()
+    return {"prompts": len(prompts), "equal_to_hf_greedy": equal, "prefill_lane": prefill_stats}
+
+
+# ---- per-step timings -----------------------------------------------------------------------
+
+def fill_pool(runner, batch: int, length: int) -> list[int]:
+    slots = [runner.pool.allocate() for _ in range(batch)]
+    runner.pool.kv.normal_()  # real-looking data, never zeros
+    for s in slots:
+        runner.pool.lengths[s] = length
+    return slots
+
+
+def verify_step_ms(lane: VerifyLane, batch: int, drafts: int) -> float:
+    slots = fill_pool(lane.runner, batch, CONTEXT - 1)
+    vocab = lane.runner.vocab_size
+    tokens = torch.randint(0, vocab, (batch, drafts), device="cuda")
+    vb = VerifyBatch(slots, [CONTEXT] * batch, [1] * batch, tokens,
+                     torch.softmax(torch.randn(batch, drafts, vocab, device="cuda"), -1), [drafts] * batch,
+                     [SamplingParams(max_tokens=16)] * batch, list(range(batch)))
+
+    def step():
+        for s in slots:
+            lane.pool.lengths[s] = CONTEXT - 1
+        lane.verify(vb)
+
+    ms = median_ms(step)
+    for s in slots:
+        lane.pool.free(s)
+    return ms
+
+
+def decode_forward_ms(runner, batch: int) -> float:
+    slots = fill_pool(runner, batch, CONTEXT)
+    ids = torch.randint(0, runner.vocab_size, (batch, 1), device="cuda")
+    ms = median_ms(lambda: runner.forward(slots, ids, [CONTEXT] * batch))
+    for s in slots:
+        runner.pool.free(s)
+    return ms
+
+
+def hf_eager_ms(model, batch: int, q: int) -> float:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(torch.randint(0, 32000, (batch, CONTEXT), device="cuda"), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+        ids = torch.randint(0, 32000, (batch, q), device="cuda")
+
+        def step():
+            model(ids, past_key_values=cache, use_cache=True)
+            cache.crop(CONTEXT)
+
+        return median_ms(step)
+
+
+def floor_ms(model, batch: int, context: int, bandwidth_gbs: float) -> float:
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * batch * context
+    return (weights + kv) / (bandwidth_gbs * 1e9) * 1e3
+
+
+def step_table(bandwidth: float) -> list[dict]:
+    rows = []
+    config = EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=64, prefill_chunk_tokens=64, idle_prefill_tokens=64)
+    for name, shape, q in (("verify Llama-2-7B, 4 drafts", LLAMA2_7B, 5), ("draft TinyLlama, 1 token", TINYLLAMA, 1)):
+        with torch.device("cuda"):
+            model = build_random_model(shape, dtype="bfloat16", device="cuda").model
+        runner = build_runner(model, config)
+        lane = VerifyLane(runner)
+        for batch in (1, 8, 32, 64):
+            ours = verify_step_ms(lane, batch, q - 1) if q > 1 else decode_forward_ms(runner, batch)
+            hf = hf_eager_ms(model, batch, q)
+            floor = floor_ms(model, batch, CONTEXT, bandwidth)
+            rows.append({"step": name, "batch": batch, "ours_ms": round(ours, 2), "hf_eager_ms": round(hf, 2),
+                         "floor_ms": round(floor, 2), "ours_over_floor": round(ours / floor, 2),
+                         "hf_over_ours": round(hf / ours, 2)})
+            print(rows[-1], flush=True)
+        del model, runner, lane
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/gpu")
+    parser.add_argument("--skip-serve", action="store_true")
+    parser.add_argument("--skip-steps", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["engine_greedy"] = engine_greedy_check()
+    print(result, flush=True)
+    if not args.skip_serve:
+        result["serve_pdv_one_gpu"] = serve_pdv_check()
+        print(result["serve_pdv_one_gpu"], flush=True)
+    if not args.skip_steps:
+        result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
+        result["steps"] = step_table(result["copy_bandwidth_gbs"])
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
