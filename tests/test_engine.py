@@ -199,3 +199,19 @@ def test_cancelled_and_finished_requests_never_leak_slots(llama_pair):
             assert len(r) >= 3
         else:
             assert len(r) == 10 + i % 7
+
+
+def test_a_long_prompt_never_stalls_decoding(llama_pair):
+    """Prefill is the lowest priority: while a long prompt is prefilled chunk by chunk, every engine
+    step still gives the running request its decode step."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft, prefill_chunk_tokens=32, max_model_len=320)
+    engine.add_request("short", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # prefill of the short prompt
+    engine.add_request("long", random_prompts(1, VOCAB, 250, 250, seed=1)[0], SamplingParams(max_tokens=4))
+    steps_while_prefilling = 0
+    while engine.scheduler.by_id.get("long") is not None and engine.scheduler.by_id["long"].num_output_tokens == 0:
+        produced = {out.request_id for out in engine.step() if out.token_ids}
+        assert "short" in produced
+        steps_while_prefilling += 1
+    assert steps_while_prefilling >= 250 // 32  # the prompt really took several chunks
