@@ -10,10 +10,18 @@ mode="${1:-pdv}"
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 RAY_DEDUP_LOGS=1
 log="$(mktemp -t verify-pd-serve.XXXX.log)"
+# Job control gives `serve run` its own process group; without it a background job ignores SIGINT.
+set -m
 .venv/bin/serve run "configs/${mode}.yaml" >"$log" 2>&1 &
 serve_pid=$!
-# SIGINT lets `serve run` shut down the app and the local Ray instance it started.
-trap 'kill -INT "$serve_pid" 2>/dev/null; wait "$serve_pid" 2>/dev/null || true' EXIT
+set +m
+stop_serve() {
+  # SIGINT lets `serve run` shut down the app and the local Ray instance it started.
+  kill -INT -- "-$serve_pid" 2>/dev/null || return 0
+  for _ in $(seq 1 60); do kill -0 "$serve_pid" 2>/dev/null || return 0; sleep 1; done
+  kill -TERM -- "-$serve_pid" 2>/dev/null || true
+}
+trap stop_serve EXIT
 echo "serve run configs/${mode}.yaml (log: $log)"
 for _ in $(seq 1 180); do
   curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1 && break
