@@ -2,21 +2,29 @@
 
 import torch
 
+from lanes.attention import POOL_ATTENTION, PoolAttentionMeta
 from lanes.kv_pool import KVPool
 from lanes.pool_cache import PoolCache
 
-KV_BOUND_MULTIPLE = 64  # round the attended length up so shapes repeat (fewer allocator / kernel variants)
+KV_BOUND_MULTIPLE = 64  # round the gathered length up so shapes repeat (fewer allocator / kernel variants)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None):
         self.model = model
         self.pool = pool
         self.device = pool.kv.device
+        model.config._attn_implementation = POOL_ATTENTION
         # Running the decoder and the LM head separately lets us apply the head to chosen rows only.
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
+        self.num_kv_heads = pool.shape.num_kv_heads
+        text = model.config.get_text_config()
+        self._group = text.num_attention_heads // self.num_kv_heads
+        # The in-place kernel needs Triton on a GPU; tests force it on CPU under TRITON_INTERPRET=1.
+        self.attention_kernel = self.device.type == "cuda" if attention_kernel is None else attention_kernel
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self._neg = torch.finfo(model.dtype).min
 
     @torch.inference_mode()
@@ -31,24 +39,37 @@ class ModelRunner:
         assert len(slots) == batch == len(kv_lens), (len(slots), batch, len(kv_lens))
         capacity = self.pool.shape.capacity_tokens
         assert max(kv_lens) + q_len <= capacity, f"row would write past the slot capacity {capacity}"
-        kv_bound = min(capacity, -(-(max(kv_lens) + q_len) // KV_BOUND_MULTIPLE) * KV_BOUND_MULTIPLE)
-
         slot_ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        starts = torch.tensor(kv_lens, dtype=torch.long).to(self.device, non_blocking=True)
-        positions = starts[:, None] + torch.arange(q_len, device=self.device)  # [B, Q]
-        mask = self._causal_mask(positions, kv_bound)
-        cache = PoolCache(self.pool, slot_ids, positions, kv_bound)
+        starts = torch.tensor(kv_lens, dtype=torch.int32).to(self.device, non_blocking=True)
+        positions = starts[:, None].long() + torch.arange(q_len, device=self.device)  # [B, Q]
+        meta = self._meta(slot_ids, starts, positions, max(kv_lens) + q_len)
         hidden = self.decoder(
             input_ids=input_ids.to(self.device),
-            attention_mask=mask,
+            # A prepared 4D mask makes HF skip its own mask building; pool attention ignores it.
+            attention_mask=meta.mask if meta.mask is not None else self._no_mask,
             position_ids=positions,
-            past_key_values=cache,
+            past_key_values=PoolCache(self.pool, slot_ids, positions),
             use_cache=True,
+            pool_meta=meta,
         ).last_hidden_state  # [B, Q, H]
         if keep is not None:
             # Only the rows' last tokens need logits: skip the LM head on the rest (prefill, catch-up).
             hidden = hidden[torch.arange(batch, device=self.device), keep.to(self.device)]  # [B, H]
         return self.lm_head(hidden).float()
+
+    def _meta(self, slot_ids, starts, positions, longest: int) -> PoolAttentionMeta:
+        from lanes.triton_attention import MAX_ROWS, split_count
+
+        batch, q_len = positions.shape
+        if self.attention_kernel and q_len * self._group <= MAX_ROWS:
+            splits = split_count(self.pool.shape.capacity_tokens, batch, self.num_kv_heads, self._num_sms)
+            return PoolAttentionMeta(slot_ids, starts, None, None, splits, True)
+        kv_bound = min(self.pool.shape.capacity_tokens, -(-longest // KV_BOUND_MULTIPLE) * KV_BOUND_MULTIPLE)
+        return PoolAttentionMeta(slot_ids, starts, kv_bound, self._causal_mask(positions, kv_bound), 1, False)
+
+    @property
+    def _no_mask(self) -> torch.Tensor:
+        return torch.zeros(1, 1, 1, 1, dtype=self.model.dtype, device=self.device)
 
     def _causal_mask(self, positions: torch.Tensor, kv_bound: int) -> torch.Tensor:
         # Additive mask [B, 1, Q, kv_bound]: query at absolute position t sees keys 0..t of its own slot.

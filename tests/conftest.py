@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests run on CPU: Triton kernels run in Triton's interpreter. Set before anything imports Triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402
 

@@ -1,0 +1,54 @@
+"""Attention over the KV pool, plugged into unmodified HF models through their AttentionInterface.
+
+PoolCache hands the attention function the whole layer pool instead of a gathered batch copy;
+`PoolAttentionMeta` (passed through the model's forward kwargs) says which slot each row reads and
+how long it is. On CUDA, few-token steps (decode, verify) run the Triton kernel that reads slots in
+place; everything else (prefill, CPU) gathers the rows' slots and runs SDPA with a causal mask.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+POOL_ATTENTION = "vpd_pool"
+
+
+@dataclass
+class PoolAttentionMeta:
+    slot_ids: torch.Tensor  # [B] int64
+    kv_lens: torch.Tensor  # [B] int32: tokens in each slot before this forward's writes
+    kv_bound: int | None  # keys the gather path reads (None: only the in-place kernel may run)
+    mask: torch.Tensor | None  # additive [B, 1, Q, kv_bound] for the gather path
+    splits: int  # key splits of the in-place kernel (fixed per batch size, for CUDA graphs)
+    use_kernel: bool
+
+
+def pool_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                           scaling: float | None = None, pool_meta: PoolAttentionMeta | None = None, **kwargs):
+    """query [B, H, Q, D]; key/value: the layer's pool [slots, kv_heads, capacity, D]. -> [B, Q, H, D].
+
+    Without pool_meta (the model called as a plain HF model, e.g. `generate` with a DynamicCache)
+    this is HF's own SDPA attention, so the model keeps working outside the runner.
+    """
+    if pool_meta is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if pool_meta.use_kernel:
+        from lanes.triton_attention import pool_attention
+
+        return pool_attention(query, key, value, pool_meta.slot_ids, pool_meta.kv_lens, scale, pool_meta.splits), None
+    return _gathered_attention(query, key, value, pool_meta, scale), None
+
+
+def _gathered_attention(query, k_pool, v_pool, meta: PoolAttentionMeta, scale: float) -> torch.Tensor:
+    keys = k_pool[meta.slot_ids, :, : meta.kv_bound]  # [B, kv_heads, kv_bound, D]
+    values = v_pool[meta.slot_ids, :, : meta.kv_bound]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+AttentionInterface.register(POOL_ATTENTION, pool_attention_forward)

@@ -1,0 +1,147 @@
+"""Attention of a few new query tokens per sequence over that sequence's KV slot in the pool.
+
+Used for decode (Q = 1) and verify (Q = L + 1). It reads each row's keys and values straight from
+its slot (no gather into a batch copy), split along the key axis so that small batches still fill
+the GPU (flash-decoding), then merges the splits. Causal: query i of row b sits at absolute
+position kv_lens[b] + i and sees keys 0 .. kv_lens[b] + i. The new tokens' keys and values are
+already in the pool when this runs (PoolCache writes them first).
+
+Shapes and the split count depend only on (batch, Q), never on sequence lengths, so the kernels
+can be captured in CUDA graphs. Runs on CPU under TRITON_INTERPRET=1 (tests).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # keys per inner step
+MAX_ROWS = 128  # Q * (query heads per kv head) handled by one program
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr,
+    stride_qb, stride_qh, stride_qq,
+    stride_ks, stride_kh, stride_kn,
+    scale,
+    KEYS_PER_SPLIT: tl.constexpr, Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slot_ptr + b)
+    kv_len = tl.load(kvlen_ptr + b)
+    total = kv_len + Q  # keys in the slot after this step's writes
+
+    rows = tl.arange(0, BLOCK_M)  # row m = (query index m // GROUP, head kv_head * GROUP + m % GROUP)
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = rows < Q * GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qq + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    row_last_key = kv_len + q_idx  # causal bound per row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    start = split * KEYS_PER_SPLIT
+    stop = tl.minimum(start + KEYS_PER_SPLIT, total)
+    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+    # A static trip count (the split's width): blocks past the row's length load nothing (masked).
+    for block in range(KEYS_PER_SPLIT // BLOCK_N):
+        keys = start + block * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = keys < stop
+        k = tl.load(k_base + keys[:, None] * stride_kn + dims[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        visible = key_ok[None, :] & (keys[None, :] <= row_last_key[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows that have seen no visible key yet keep m = -inf; shift by 0 to avoid inf - inf.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m_i - shift)
+        v = tl.load(v_base + keys[:, None] * stride_kn + dims[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    base = ((b * tl.num_programs(1) + kv_head) * SPLITS + split) * BLOCK_M
+    tl.store(max_ptr + base + rows, m_i)
+    tl.store(sum_ptr + base + rows, l_i)
+    tl.store(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(
+    acc_ptr, max_ptr, sum_ptr, out_ptr,
+    stride_ob, stride_oq, stride_oh,
+    Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    first = (b * tl.num_programs(1) + kv_head) * SPLITS * BLOCK_M
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m_all = tl.maximum(m_all, tl.load(max_ptr + first + s * BLOCK_M + rows))
+    shift = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s in range(SPLITS):
+        base = first + s * BLOCK_M
+        w = tl.exp(tl.load(max_ptr + base + rows) - shift)
+        total += w * tl.load(sum_ptr + base + rows)
+        acc += w[:, None] * tl.load(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :])
+    out = acc / total[:, None]
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    ok = rows < Q * GROUP
+    tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def supports(query: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether the kernel handles this shape (few query tokens; head_dim a power of two >= 16)."""
+    _, heads, q_len, head_dim = query.shape
+    return q_len * (heads // num_kv_heads) <= MAX_ROWS and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def split_count(capacity_tokens: int, batch: int, kv_heads: int, num_sms: int) -> int:
+    """Enough key splits that batch * kv_heads * splits fills the GPU, fixed per (batch, capacity)."""
+    programs = batch * kv_heads
+    wanted = max(1, -(-2 * num_sms // programs))
+    return min(wanted, -(-capacity_tokens // BLOCK_N))
+
+
+def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: torch.Tensor,
+                   kv_lens: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
+    """query [B, H, Q, D]; pools [slots, kv_heads, capacity, D]; returns [B, Q, H, D]."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, capacity = k_pool.shape[1], k_pool.shape[2]
+    assert k_pool.stride(-1) == 1 and query.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
+    group = heads // kv_heads
+    block_m = max(16, triton.next_power_of_2(q_len * group))
+    keys_per_split = -(-capacity // splits // BLOCK_N) * BLOCK_N
+    work = (batch, kv_heads, splits, block_m)
+    acc = torch.empty(*work, head_dim, dtype=torch.float32, device=query.device)
+    row_max = torch.empty(work, dtype=torch.float32, device=query.device)
+    row_sum = torch.empty(work, dtype=torch.float32, device=query.device)
+    out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
+    _split_kernel[(batch, kv_heads, splits)](
+        query, k_pool, v_pool, slot_ids, kv_lens, acc, row_max, row_sum,
+        query.stride(0), query.stride(1), query.stride(2),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        scale,
+        KEYS_PER_SPLIT=keys_per_split, Q=q_len, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
+        # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    _merge_kernel[(batch, kv_heads)](
+        acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2),
+        Q=q_len, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, SPLITS=splits,
+    )
+    return out
