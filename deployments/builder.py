@@ -6,6 +6,7 @@ import ray
 from ray.serve import Application
 from transformers import AutoConfig, AutoTokenizer
 
+from controller.actor import ControllerDeployment
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineDeployment
 from deployments.factories import build_engine, build_prompt_prefiller, build_verify_lane
@@ -22,6 +23,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     check_pair(cfg)
     check_gpus(cfg)
+    check_controller(cfg)
     verify = prefill = None
     if cfg.mode == "pdv":
         verify = VerifyDeployment.options(**cfg.verify_lane.deployment_options()).bind(
@@ -31,7 +33,10 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
             partial(build_prompt_prefiller, cfg), cfg.mode, verify)
     engine = EngineDeployment.options(**cfg.decode_lane.deployment_options()).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify)
-    return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump())
+    controller = None
+    if cfg.controller.enabled:
+        controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)
+    return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump(), controller)
 
 
 def check_pair(cfg: AppConfig) -> None:
@@ -45,6 +50,12 @@ def check_pair(cfg: AppConfig) -> None:
     draft_vocab = AutoConfig.from_pretrained(cfg.draft.path).get_text_config().vocab_size
     if target_vocab != draft_vocab:
         raise ConfigError(f"target has {target_vocab} logits, draft {draft_vocab}")
+
+
+def check_controller(cfg: AppConfig) -> None:
+    # Without a draft model every L is clamped to 0: the controller would push forever and change nothing.
+    if cfg.controller.enabled and cfg.mode == "nospec":
+        raise ConfigError("controller.enabled needs a draft model; mode 'nospec' has none")
 
 
 def check_gpus(cfg: AppConfig) -> None:

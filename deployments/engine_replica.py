@@ -11,6 +11,7 @@ from deployments.engine_metrics import EngineMetrics
 from lanes.async_engine import AsyncEngine
 from lanes.outputs import RequestOutput
 from lanes.params import ParamError, SamplingParams
+from lanes.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,12 @@ class EngineServer:
         self.metrics = EngineMetrics("decode" if mode in ("pd", "pdv") else "engine", mode)
         core = engine_factory(loop=loop, prefill=prefill, verify=verify)
         self.engine = AsyncEngine(core, on_step=self.metrics.on_step)
+        self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput | GenerateError]:
         """Stream a request's chunks. Cancelling the call (client gone) aborts it and frees its slots."""
+        self.num_arrivals += 1
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 yield out
@@ -46,21 +49,32 @@ class EngineServer:
         self.engine.set_draft_lengths(default_len, per_request)
 
     async def stats(self) -> dict:
-        """Slot usage and spec-decode totals of this replica, read between engine steps."""
+        """Slot usage and spec-decode totals of this replica, read between engine steps; `requests` and
+        `num_arrivals` are cumulative counters the controller turns into per-interval deltas."""
         def read(core):
             s = core.scheduler
             return {
                 "kv_slots_used": s.draft_pool.num_used if s.draft_pool is not None else None,
                 "waiting": len(s.waiting), "prefilling": len(s.prefilling), "running": len(s.running),
+                "max_num_seqs": core.config.max_num_seqs,
                 "default_draft_len": core.default_draft_len,
                 "spec_decode": core.total_stats.to_dict(),
                 "step_p95_ms": self.metrics.step_p95_ms(),
                 "target_slots_used": getattr(getattr(core.verifier, "pool", None), "num_used", None),
+                "num_arrivals": self.num_arrivals,
+                "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
             }
         return await self.engine.call(read)
 
     def __del__(self):
         self.engine.shutdown()
+
+
+def request_counters(seq: Sequence) -> dict[str, int]:
+    """The L a request drafts with and its spec-decode counters since it started."""
+    st = seq.stats
+    return {"draft_len": seq.draft_len, "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+            "num_accepted_tokens": st.num_accepted_tokens}
 
 
 EngineDeployment = serve.deployment(EngineServer, name="DecodeLane")

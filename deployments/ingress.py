@@ -31,8 +31,9 @@ def _error(status: int, message: str, err_type: str, param: str | None = None, h
 
 
 class Ingress:
-    def __init__(self, engine, config: dict):
+    def __init__(self, engine, config: dict, controller=None):
         self.engine = engine
+        self.controller = controller  # handle of the Controller deployment, None when it is disabled
         self.cfg = AppConfig.model_validate(config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.target.path)
         self.in_flight = 0
@@ -52,6 +53,13 @@ class Ingress:
     async def spec_decode_stats(self) -> dict:
         """Spec-decode counters summed over every finished request (vLLM's definitions)."""
         return self.totals.to_dict()
+
+    @api.get("/v1/controller")
+    async def controller_state(self):
+        """The draft-length controller's last decision and the signals behind it."""
+        if self.controller is None:
+            return _error(404, "the draft-length controller is disabled in this app", "not_found_error")
+        return await self.controller.state.remote()
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

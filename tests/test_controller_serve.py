@@ -1,0 +1,179 @@
+"""The draft-length controller on a real Serve instance (CPU, tiny models): a change of acceptance or of
+load changes the L that the decode replicas run, within the bounds stated here.
+
+Every app decides every INTERVAL_S = 0.5 s. The policy needs a handful of decisions for each move (a
+first measurement, then `raise_dwell` = 3 or `lower_dwell` = 2 decisions before L moves, `max_step` = 2
+per decision), so each move below is expected within about 3 s; the bound MOVE_BOUND_S = 20 s leaves room
+for a 2-core machine shared with other work. L is read from the replicas' own `stats()`, not from the
+controller: what is asserted is the L the decode lane runs.
+"""
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments.builder import ConfigError, build_app
+from lanes.models import load_model
+from tests.conftest import perturbed_copy
+from tests.serve_helpers import app_config, base_url, deploy, lane_stats, start_ray
+from tests.tiny_pair import save_tiny_pair
+
+MODEL = "vpd-python"
+INTERVAL_S = 0.5
+MOVE_BOUND_S = 20.0
+MAX_DRAFT_LEN = 8
+CONTROLLER = {
+    "interval_s": INTERVAL_S, "max_draft_len": MAX_DRAFT_LEN, "raise_dwell": 3, "lower_dwell": 2, "max_step": 2,
+    # Latency is not under test here: a target no CPU step reaches leaves the queue as the only load signal.
+    "target_decode_p95_ms": 60_000,
+}
+
+
+@pytest.fixture(scope="module")
+def pair_paths(tmp_path_factory) -> tuple[str, str, str]:
+    """Target, a draft equal to the target (acceptance 1), and a draft unrelated to it (acceptance ~0)."""
+    root = tmp_path_factory.mktemp("pair")
+    target, _ = save_tiny_pair(root)
+    loaded = load_model(target)
+    # Noise of 4 standard deviations on every weight leaves nothing of the target.
+    unrelated = perturbed_copy(loaded, 4.0, seed=11)
+    bad = root / "unrelated"
+    unrelated.model.save_pretrained(bad)
+    loaded.tokenizer.save_pretrained(bad)
+    return target, target, str(bad)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def apps(pair_paths):
+    target, same, unrelated = pair_paths
+    start_ray()
+    deploy({
+        "good": app_config("unified", target, same, controller={**CONTROLLER, "initial_draft_len": 2}),
+        # accept_lower_below = 0: the default L never falls for acceptance, so what falls is the
+        # per-request L alone.
+        "bad": app_config("unified", target, unrelated,
+                          controller={**CONTROLLER, "initial_draft_len": 4, "accept_lower_below": 0.0}),
+        # Two decode replicas of 4 slots each: 24 requests in flight leave 16 queued >= verify_queue_high.
+        "load": app_config("pdv", target, same, engine={"max_model_len": 256, "max_num_seqs": 4,
+                                                       "num_speculative_tokens": 4, "prefill_chunk_tokens": 32},
+                           controller={**CONTROLLER, "initial_draft_len": 4, "verify_queue_high": 6,
+                                       "verify_queue_low": 2}),
+    })
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+class Load:
+    """`concurrency` clients sending completions back to back until stopped; every answer is kept."""
+
+    def __init__(self, app: str, concurrency: int, max_tokens: int):
+        self.app, self.concurrency, self.max_tokens = app, concurrency, max_tokens
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> "Load":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_sending()
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive(), "load did not drain"
+
+    def stop_sending(self) -> None:
+        """No new requests; those in flight run to their end."""
+        self._stop.set()
+
+    async def _main(self) -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            await asyncio.gather(*(self._client(http, i) for i in range(self.concurrency)))
+
+    async def _client(self, http: httpx.AsyncClient, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            r = await http.post(f"{base_url(self.app)}/completions", json={
+                "model": MODEL, "prompt": f"def f{worker}_{i}(x):", "max_tokens": self.max_tokens,
+                "temperature": 0, "ignore_eos": True})
+            self.statuses.append(r.status_code)
+            i += 1
+
+
+def wait_for(app: str, condition: Callable[[list[dict]], bool], bound_s: float) -> float:
+    """Seconds until `condition(stats of every decode replica)` holds; fails past `bound_s`."""
+    start = time.monotonic()
+    while True:
+        stats = lane_stats(app, "DecodeLane")
+        if condition(stats):
+            return time.monotonic() - start
+        assert time.monotonic() - start < bound_s, f"not within {bound_s} s: {summary(stats)}"
+        time.sleep(0.2)
+
+
+def summary(stats: list[dict]) -> list[dict]:
+    return [{"default_draft_len": s["default_draft_len"], "waiting": s["waiting"], "running": s["running"],
+             "request_draft_lens": sorted(r["draft_len"] for r in s["requests"].values())} for s in stats]
+
+
+def controller_state(app: str) -> dict:
+    r = httpx.get(f"{base_url(app)}/controller", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_acceptance_one_raises_default_l_to_max():
+    def at_max(stats: list[dict]) -> bool:
+        return all(s["default_draft_len"] == MAX_DRAFT_LEN for s in stats) and any(
+            r["draft_len"] == MAX_DRAFT_LEN and r["num_drafts"] > 0 for s in stats for r in s["requests"].values())
+
+    with Load("good", concurrency=2, max_tokens=160) as load:
+        took_s = wait_for("good", at_max, MOVE_BOUND_S)
+        state = controller_state("good")
+    assert set(load.statuses) == {200}
+    assert state["default_draft_len"] == MAX_DRAFT_LEN and state["load"] == "headroom", state
+    assert state["fleet_accept_rate"] > 0.9, state
+    print(f"default L 2 -> {MAX_DRAFT_LEN} on replicas after {took_s:.1f} s")
+
+
+def test_failing_drafts_shorten_per_request_l_below_the_default():
+    def shortened(stats: list[dict]) -> bool:
+        drafted = [r for s in stats for r in s["requests"].values() if r["num_drafts"] > 0]
+        return all(s["default_draft_len"] == 4 for s in stats) and any(r["draft_len"] == 1 for r in drafted)
+
+    with Load("bad", concurrency=2, max_tokens=200) as load:
+        took_s = wait_for("bad", shortened, MOVE_BOUND_S)
+        state = controller_state("bad")
+    assert set(load.statuses) == {200}
+    assert state["fleet_accept_rate"] < 0.3, state
+    print(f"per-request L 4 -> 1 on replicas after {took_s:.1f} s")
+
+
+def test_queue_over_verify_queue_high_turns_speculation_off_and_back_on():
+    def speculation_off(stats: list[dict]) -> bool:
+        return all(s["default_draft_len"] == 0 for s in stats)
+
+    def speculation_on(stats: list[dict]) -> bool:
+        return all(s["default_draft_len"] >= 1 for s in stats)
+
+    assert len(lane_stats("load", "DecodeLane")) == 2
+    with Load("load", concurrency=24, max_tokens=48) as load:
+        off_s = wait_for("load", speculation_off, MOVE_BOUND_S)
+        assert controller_state("load")["load"] == "saturated"
+        load.stop_sending()
+        # The queue empties as the requests in flight finish (at L = 0); then L must come back.
+        on_s = wait_for("load", speculation_on, MOVE_BOUND_S)
+    assert set(load.statuses) == {200}
+    print(f"L 4 -> 0 after {off_s:.1f} s under load, back to >= 1 {on_s:.1f} s after sending stopped")
+
+
+def test_controller_without_a_draft_model_is_refused(pair_paths):
+    target, _, _ = pair_paths
+    with pytest.raises(ConfigError, match="nospec"):
+        build_app(app_config("nospec", target, target, controller={"enabled": True}))
