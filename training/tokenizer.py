@@ -8,7 +8,7 @@ chat template, so ``AutoTokenizer.from_pretrained(model_dir)`` is all a user nee
 from collections.abc import Iterable
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from training.corpus import EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, SPECIAL_TOKENS
@@ -24,7 +24,15 @@ CHAT_TEMPLATE = (
 def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Train on ``texts`` (in the given order, which makes the merges reproducible)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Every newline is a token of its own: otherwise "\n" + "    return" trains as "\n   " +
+    # " return", and the very common prompt that ends in "\n" (a chat template's "assistant\n",
+    # a line just finished) is one the model has never seen.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
