@@ -35,6 +35,7 @@ PromQL over a window `$w` (as exported):
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ DRAFT_LENGTH_BUCKETS = [k + 0.5 for k in range(16)]
 TTFT_MS_BUCKETS = [10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000]
 TPOT_MS_BUCKETS = [1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000]
 E2E_MS_BUCKETS = [50, 100, 250, 500, 1000, 2500, 5000, 10000, 20000, 30000, 60000, 120000, 300000]
+# A lane reads its GPU at most this often, from observe_step. Ray exports a gauge only while it is
+# being set (a gauge left alone drops out of /metrics after about two report intervals, 10 s
+# each by default), so this must stay well under the report interval.
+GPU_SAMPLE_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -165,11 +170,17 @@ class LaneMetrics:
         self._metrics = _registry()
         self._mode = mode
         self._tags = {"mode": mode, "lane": lane}
+        self._gpu_sampled_at_s = -GPU_SAMPLE_INTERVAL_S
 
     def observe_step(self, step_time_ms: float, batch_size: int) -> None:
-        """One lane step: its wall time and the number of sequences it carried."""
+        """One lane step: its wall time and the number of sequences it carried. Every
+        GPU_SAMPLE_INTERVAL_S it also exports the lane's GPU utilisation and memory."""
         self._metrics.step_time_ms.observe(step_time_ms, tags=self._tags)
         self._metrics.batch_size.observe(batch_size, tags=self._tags)
+        now_s = time.monotonic()
+        if now_s - self._gpu_sampled_at_s >= GPU_SAMPLE_INTERVAL_S:
+            self._gpu_sampled_at_s = now_s
+            self.sample_gpu()
 
     def set_queue_depth(self, n: int) -> None:
         """Sequences waiting for this lane now."""

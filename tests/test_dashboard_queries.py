@@ -1,10 +1,17 @@
 """Every PromQL expression of the Grafana dashboard returns data from a real Prometheus that
-scrapes Ray's metrics endpoint while the lanes' and the ingress's metrics are being driven.
+scrapes Ray's metrics endpoint while a real pdv app (tiny pair, Ray Serve) is under load from the
+load tester.
 
 Prometheus is Debian's package, installed if missing and started by monitoring/start_prometheus.sh;
-if it cannot start, the test fails. The load source is one fixture, `metrics_target`: today a Ray
-actor that drives LaneMetrics / IngressMetrics through the values a pdv deployment produces;
-pointing it at the real app under load changes nothing else here.
+if it cannot start, the test fails. Prometheus finds Ray the way monitoring/prometheus.yml says:
+through a file-based service-discovery file listing each node's metrics export address. Ray's
+dashboard writes that file from the GCS node table; Ray runs here without a dashboard, so the test
+writes the same content from `ray.nodes()`.
+
+GPU-only expressions: those over `ray_vpd_gpu_*` (panels "GPU utilisation" and "GPU memory
+used"). Lanes export them only from a GPU, so on a machine without one they are checked to be
+the only expressions without data; where a GPU is present the lanes are placed on it and every
+expression, GPU ones included, must return data.
 """
 
 from __future__ import annotations
@@ -12,26 +19,36 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import ray
 import yaml
+from ray import serve
 
-from deployments.metrics import IngressMetrics, LaneMetrics, _registry, read_gpu_stats
+from deployments.metrics import _registry, read_gpu_stats
+from loadtest.arrivals import ClosedLoop
+from loadtest.runner import RunResult, run_load
+from loadtest.workload import LogNormal, load_tokenizer, synthetic
+from tests import serve_helpers
+from tests.serve_helpers import app_config, deploy, start_ray
+from tests.tiny_pair import save_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "monitoring" / "grafana" / "verify-pd-dashboard.json"
-SCRAPE_INTERVAL = "1s"  # the repo's config says 5s; 1s keeps this test short
+GPU_ONLY_PANELS = {"GPU utilisation", "GPU memory used"}
+REPORT_INTERVAL_MS = "1000"  # Ray's default is 10 s; 1 s keeps this test short
+SCRAPE_INTERVAL = "1s"  # the repo's config says 5s, for the same reason
 RATE_INTERVAL = "30s"
 QUERY_DEADLINE_S = 120.0
+LOAD_ROUND_S = 5.0  # the load runs in rounds of this length until the checks are done
 
 
 def _free_port() -> int:
@@ -41,96 +58,78 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_metrics_port():
-    """Ray with its metrics export on a known port, exporting every second instead of ten."""
-    if ray.is_initialized():
+def gpu_present() -> bool:
+    return read_gpu_stats() is not None
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory, gpu_present):
+    """A pdv app on the tiny pair, with Ray exporting metrics every second."""
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    lane = {"num_cpus": 0.05, "num_gpus": 0.2 if gpu_present else 0}
+    config = app_config("pdv", target, draft, ingress={"num_cpus": 0.05}, prefill_lane=lane,
+                        verify_lane=lane, decode_lane={**lane, "num_replicas": 2})
+    # Read by the raylet and every worker it starts, so it must be set before Ray starts.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_metrics_report_interval_ms", REPORT_INTERVAL_MS)
+        # Other Serve instances may share this machine; 8000 is `serve run`'s default port.
+        patch.setattr(serve_helpers, "HTTP_PORT", _free_port())
+        start_ray()
+        deploy({"pdv": config})
+        yield serve_helpers.base_url("pdv").removesuffix("/v1"), target
+        serve.shutdown()
         ray.shutdown()
-    port = _free_port()
-    previous = os.environ.get("RAY_metrics_report_interval_ms")
-    os.environ["RAY_metrics_report_interval_ms"] = "1000"
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=port,
-             log_to_driver=False)
-    yield port
-    ray.shutdown()
-    if previous is None:
-        os.environ.pop("RAY_metrics_report_interval_ms")
-    else:
-        os.environ["RAY_metrics_report_interval_ms"] = previous
 
 
-@ray.remote(num_cpus=0)
-class PdvMetricsLoad:
-    """What a pdv deployment's lanes and ingress report, at a steady made-up load."""
+class BackgroundLoad:
+    """The load tester driving the app in rounds, on its own thread, until stopped."""
 
-    def __init__(self, seed: int):
-        self._rng = random.Random(seed)
-        self._lanes = {lane: LaneMetrics(lane, "pdv") for lane in ("prefill", "decode", "verify")}
-        self._ingress = IngressMetrics("pdv")
-        self._running = True
+    def __init__(self, base_url: str, tokenizer_dir: str):
+        tokenizer = load_tokenizer(tokenizer_dir)
+        self.workload = synthetic(tokenizer, 24, seed=0, prompt_lengths=LogNormal(24, 0.5, 4, 96),
+                                  output_lengths=LogNormal(24, 0.5, 4, 64))
+        self.base_url = base_url
+        self.results: list[RunResult] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._rounds()), daemon=True)
 
-    async def run(self, tick_s: float = 0.1) -> None:
-        while self._running:
-            self._tick()
-            await asyncio.sleep(tick_s)
+    async def _rounds(self) -> None:
+        while not self._stop.is_set():
+            self.results.append(await run_load(self.base_url, self.workload, ClosedLoop(3),
+                                               duration_s=LOAD_ROUND_S, timeout_s=60.0,
+                                               progress=False))
+
+    def start(self) -> None:
+        self._thread.start()
 
     def stop(self) -> None:
-        self._running = False
-
-    def _tick(self) -> None:
-        rng = self._rng
-        for lane, median_ms in (("prefill", 40.0), ("decode", 4.0), ("verify", 20.0)):
-            metrics = self._lanes[lane]
-            metrics.observe_step(rng.lognormvariate(0, 0.3) * median_ms, rng.randint(1, 16))
-            metrics.set_queue_depth(rng.randint(0, 6))
-            metrics.sample_gpu()
-        self._lanes["prefill"].set_kv_slots(rng.randint(0, 512), 4096, "target")
-        self._lanes["verify"].set_kv_slots(rng.randint(1024, 3072), 4096, "target")
-        self._lanes["decode"].set_kv_slots(rng.randint(1024, 3072), 4096, "draft")
-        self._verify_step(batch_size=rng.randint(1, 8), draft_len=4, accept_prob=0.7)
-        if rng.random() < 0.5:
-            self._finish_request()
-
-    def _verify_step(self, batch_size: int, draft_len: int, accept_prob: float) -> None:
-        self._lanes["decode"].set_draft_length(draft_len)
-        per_pos = [0] * draft_len
-        for _ in range(batch_size):
-            self._lanes["decode"].observe_request_draft_length(draft_len)
-            for position in range(draft_len):  # acceptance stops at the first rejection
-                if self._rng.random() >= accept_prob:
-                    break
-                per_pos[position] += 1
-        self._lanes["verify"].record_spec(batch_size, batch_size * draft_len, sum(per_pos),
-                                          per_pos)
-
-    def _finish_request(self) -> None:
-        rng = self._rng
-        if rng.random() < 0.1:
-            self._ingress.observe_request("failed", None, None, rng.uniform(1, 50), 0)
-            return
-        tokens = rng.randint(16, 256)
-        ttft_ms, tpot_ms = rng.uniform(50, 600), rng.uniform(8, 40)
-        self._ingress.observe_request("completed", ttft_ms, tpot_ms,
-                                      ttft_ms + tpot_ms * (tokens - 1), tokens)
+        self._stop.set()
+        self._thread.join(timeout=120.0)
+        assert not self._thread.is_alive(), "the load did not stop"
 
 
 @pytest.fixture(scope="module")
-def metrics_target(ray_metrics_port):
-    """The load source: host:port of the Ray metrics endpoint that carries the load's metrics."""
-    load = PdvMetricsLoad.remote(seed=0)
-    running = load.run.remote()
-    yield f"127.0.0.1:{ray_metrics_port}"
-    ray.get(load.stop.remote())
-    ray.get(running)
+def load(app_url):
+    base_url, tokenizer_dir = app_url
+    background = BackgroundLoad(base_url, tokenizer_dir)
+    background.start()
+    yield background
+    background.stop()
+
+
+def ray_service_discovery() -> list[dict]:
+    """What Ray's dashboard writes to prom_metrics_service_discovery.json (node targets)."""
+    targets = [f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"
+               for node in ray.nodes() if node["alive"]]
+    return [{"labels": {"job": "ray"}, "targets": targets}]
 
 
 @pytest.fixture(scope="module")
-def prometheus_url(metrics_target, tmp_path_factory):
+def prometheus_url(load, tmp_path_factory):
     """Prometheus started with the repo's config; only the discovery file and interval differ."""
     workdir = tmp_path_factory.mktemp("prometheus")
-    # Ray writes its service-discovery file only when its dashboard runs; this test runs Ray
-    # without one, so it writes the same file itself.
     sd_file = workdir / "ray_sd.json"
-    sd_file.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [metrics_target]}]))
+    sd_file.write_text(json.dumps(ray_service_discovery()))
     config = yaml.safe_load((REPO / "monitoring" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = SCRAPE_INTERVAL
     config["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(sd_file)]
@@ -170,8 +169,12 @@ def _check_dashboard(prometheus_url: str, gpu_present: bool) -> list[dict]:
     return json.loads(done.stdout)
 
 
-def test_every_dashboard_expression_returns_data(prometheus_url):
-    gpu_present = read_gpu_stats() is not None
+def _panel_title(where: str) -> str:
+    return where.rsplit(" [", 1)[0]
+
+
+def test_every_dashboard_expression_returns_data_from_the_app_under_load(prometheus_url, load,
+                                                                          gpu_present):
     deadline = time.monotonic() + QUERY_DEADLINE_S
     while True:
         outcomes = _check_dashboard(prometheus_url, gpu_present)
@@ -179,13 +182,19 @@ def test_every_dashboard_expression_returns_data(prometheus_url):
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(2.0)
+    load.stop()
     assert not missing, "expressions without data:\n" + "\n".join(
         f"{o['where']}: {o['promql']} ({o['detail']})" for o in missing)
+    gpu_only = {o["where"] for o in outcomes if "ray_vpd_gpu_" in o["promql"]}
+    assert {_panel_title(where) for where in gpu_only} == GPU_ONLY_PANELS
     excused = {o["where"] for o in outcomes if o["status"] == "no_gpu"}
-    gpu_queries = {o["where"] for o in outcomes if "ray_vpd_gpu_" in o["promql"]}
     # Only GPU panels may go without data, and only on a machine without a GPU.
-    assert excused == (set() if gpu_present else gpu_queries)
+    assert excused == (set() if gpu_present else gpu_only)
     assert len(outcomes) >= 20
+    # The data came from real traffic that the app served in full.
+    records = [r for result in load.results for r in result.records]
+    assert records and all(r.status == "completed" for r in records), \
+        {r.error for r in records if r.status != "completed"}
 
 
 def _exported_series() -> dict[str, str]:
@@ -197,7 +206,7 @@ def _exported_series() -> dict[str, str]:
             for suffix in suffixes[type(metric).__name__]}
 
 
-def test_dashboard_uses_exactly_the_exported_metrics(ray_metrics_port):
+def test_dashboard_uses_exactly_the_exported_metrics(app_url):
     used = set(re.findall(r"ray_vpd_[a-z0-9_]+", DASHBOARD.read_text()))
     exported = _exported_series()
     assert used - exported.keys() == set(), "dashboard names series that are not exported"
