@@ -6,16 +6,21 @@ with CUDA IPC hand-over), then per-step timings against HF eager and the memory-
 Writes gpu_check.json (and prints a table). Needs a CUDA device; Ray only for the serve part.
 """
 
-import argparse
-import json
 import os
-import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-import torch
+# tests/conftest.py (imported below for its model helpers) turns on Triton's CPU interpreter for
+# the test suite; here the kernels must compile for the GPU.
+os.environ["TRITON_INTERPRET"] = "0"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -69,8 +74,10 @@ def engine_greedy_check() -> dict:
     target.model.cuda()
     draft.model.cuda()
     prompts = random_prompts(16, 128, 1, 150, seed=7)
+    # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
     engine = EngineCore.colocated(target, draft, EngineConfig(max_model_len=320, max_num_seqs=8, prefill_chunk_tokens=32,
                                                                 idle_prefill_tokens=64))
+    assert engine.draft.graphs is not None and engine.draft.attention_kernel
     outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)})
     equal = sum(outs[str(i)] == hf_greedy(target, p, 24) for i, p in enumerate(prompts))
     return {"prompts": len(prompts), "equal_to_hf_greedy": equal, "acceptance_rate": engine.total_stats.acceptance_rate}
@@ -148,6 +155,29 @@ def decode_forward_ms(runner, batch: int) -> float:
     return ms
 
 
+def draft_propose_ms(runner, batch: int, draft_len: int) -> float:
+    """A whole draft step: L tokens for every row (L forwards, sampling on the device)."""
+    from lanes.draft import DraftLane
+    from lanes.sampling import SamplingTensors
+    from lanes.sequence import Sequence
+
+    slots = fill_pool(runner, batch, CONTEXT - 1)
+    params = SamplingParams(max_tokens=64)
+    seqs = [Sequence(str(i), list(range(1, CONTEXT + 1)), params, i, draft_len, draft_slot=s) for i, s in enumerate(slots)]
+    st = SamplingTensors.build([params] * batch, list(range(batch)), "cuda")
+    lane = DraftLane(runner)
+
+    def step():
+        for s in slots:
+            runner.pool.lengths[s] = CONTEXT - 1
+        lane.propose(seqs, [draft_len] * batch, st).tokens.cpu()
+
+    ms = median_ms(step)
+    for s in slots:
+        runner.pool.free(s)
+    return ms
+
+
 def hf_eager_ms(model, batch: int, q: int) -> float:
     from transformers import DynamicCache
 
@@ -187,6 +217,8 @@ def step_table(bandwidth: float) -> list[dict]:
             rows.append({"step": name, "batch": batch, "ours_ms": round(ours, 2), "hf_eager_ms": round(hf, 2),
                          "floor_ms": round(floor, 2), "ours_over_floor": round(ours / floor, 2),
                          "hf_over_ours": round(hf / ours, 2)})
+            if q == 1:  # the whole draft step at L = 4 (four forwards and sampling)
+                rows[-1]["draft_step_L4_ms"] = round(draft_propose_ms(runner, batch, 4), 2)
             print(rows[-1], flush=True)
         del model, runner, lane
         torch.cuda.empty_cache()

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanes.batching import pad_tokens
+from lanes.batching import pad_tokens, to_device
 from lanes.model_runner import ModelRunner
 from lanes.sampling import STREAM_DRAFT, SamplingTensors, logits_to_probs, sample_from, uniform_noise
 from lanes.sequence import Sequence
@@ -45,7 +45,7 @@ class DraftLane:
         rows = [i for i, n in enumerate(draft_lens) if n > 0]
         sub = [seqs[i] for i in rows]
         self._catch_up(sub)
-        index = torch.tensor(rows, device=device)
+        index = to_device(rows, torch.long, device)
         sub_st = SamplingTensors(
             st.temperature[index], st.top_k[index], st.top_p[index], st.seeds[index], st.needs_filter
         )
@@ -56,7 +56,7 @@ class DraftLane:
             if n > 0:
                 # Fed everything up to draft n - 1; draft n was sampled but not fed.
                 self.runner.pool.lengths[seq.draft_slot] = len(seq.token_ids) + n - 1
-        num_draft = torch.tensor(draft_lens, dtype=torch.long).to(device, non_blocking=True)
+        num_draft = to_device(draft_lens, torch.long, device)
         return DraftProposal(full_tokens, full_probs, num_draft, list(draft_lens))
 
     def _draft(self, seqs: list[Sequence], max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +66,7 @@ class DraftLane:
         pending = [s.token_ids[n:] for s, n in zip(seqs, kv_lens)]  # 1 or 2 tokens after catch-up
         ids, last = pad_tokens(pending, self.runner.device)
         # Absolute position of draft j of row b: len(token_ids) + j.
-        base = torch.tensor([len(s.token_ids) for s in seqs], device=self.runner.device)[:, None]
+        base = to_device([len(s.token_ids) for s in seqs], torch.long, self.runner.device)[:, None]
         tokens, probs = [], []
         logits = self.runner.forward(slots, ids, kv_lens, keep=last)  # [B, V]
         kv_lens = [n + len(p) for n, p in zip(kv_lens, pending)]

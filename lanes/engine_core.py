@@ -41,6 +41,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256  # prefill budget per step while requests are decoding
     idle_prefill_tokens: int = 2048  # prefill budget per step when nothing is decoding
     attention_kernel: bool | None = None  # in-place pool attention for decode/verify (None: on CUDA)
+    cuda_graphs: bool | None = None  # replay decode/verify forwards as CUDA graphs (None: with the kernel on CUDA)
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -266,7 +267,8 @@ class EngineCore:
 
 def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
     shape = PoolShape.for_model(model.config, config.max_num_seqs, config.slot_capacity_tokens)
-    return ModelRunner(model, KVPool(shape, model.dtype, next(model.parameters()).device), config.attention_kernel)
+    return ModelRunner(model, KVPool(shape, model.dtype, next(model.parameters()).device), config.attention_kernel,
+                       config.cuda_graphs)
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

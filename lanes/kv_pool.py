@@ -33,11 +33,13 @@ class PoolShape:
 class KVPool:
     def __init__(self, shape: PoolShape, dtype: torch.dtype, device: str | torch.device, kv: torch.Tensor | None = None):
         self.shape = shape
-        # [2 (k, v), layers, slots, kv_heads, capacity, head_dim]
-        full = (2, shape.num_layers, shape.num_slots, shape.num_kv_heads, shape.capacity_tokens, shape.head_dim)
+        # [2 (k, v), layers, slots + 1, kv_heads, capacity, head_dim]. The extra slot is never
+        # handed out: padding rows of a fixed-size (CUDA-graph) batch write their junk there.
+        self.pad_slot = shape.num_slots
+        full = (2, shape.num_layers, shape.num_slots + 1, shape.num_kv_heads, shape.capacity_tokens, shape.head_dim)
         self.kv = kv if kv is not None else torch.zeros(full, dtype=dtype, device=device)
         assert tuple(self.kv.shape) == full, f"pool tensor {tuple(self.kv.shape)} != {full}"
-        self.lengths = [0] * shape.num_slots
+        self.lengths = [0] * (shape.num_slots + 1)
         self._free = list(range(shape.num_slots - 1, -1, -1))
 
     @property

@@ -3,14 +3,18 @@
 import torch
 
 from lanes.attention import POOL_ATTENTION, PoolAttentionMeta
+from lanes.batching import to_device
+from lanes.cuda_graphs import GraphedForward
 from lanes.kv_pool import KVPool
 from lanes.pool_cache import PoolCache
 
 KV_BOUND_MULTIPLE = 64  # round the gathered length up so shapes repeat (fewer allocator / kernel variants)
+GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer inputs (prefill) run eagerly
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None,
+                 cuda_graphs: bool | None = None):
         self.model = model
         self.pool = pool
         self.device = pool.kv.device
@@ -26,6 +30,8 @@ class ModelRunner:
         self.attention_kernel = self.device.type == "cuda" if attention_kernel is None else attention_kernel
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self._neg = torch.finfo(model.dtype).min
+        use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
+        self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
 
     @torch.inference_mode()
     def forward(self, slots: list[int], input_ids: torch.Tensor, kv_lens: list[int], keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,29 +45,46 @@ class ModelRunner:
         assert len(slots) == batch == len(kv_lens), (len(slots), batch, len(kv_lens))
         capacity = self.pool.shape.capacity_tokens
         assert max(kv_lens) + q_len <= capacity, f"row would write past the slot capacity {capacity}"
-        slot_ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        starts = torch.tensor(kv_lens, dtype=torch.int32).to(self.device, non_blocking=True)
-        positions = starts[:, None].long() + torch.arange(q_len, device=self.device)  # [B, Q]
-        meta = self._meta(slot_ids, starts, positions, max(kv_lens) + q_len)
-        hidden = self.decoder(
-            input_ids=input_ids.to(self.device),
+        slot_ids = to_device(slots, torch.long, self.device)
+        starts = to_device(kv_lens, torch.int32, self.device)
+        input_ids = input_ids.to(self.device)
+        rows = torch.arange(batch, device=self.device)
+        if self.graphs is not None and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
+            logits = self.graphs(slot_ids, starts, input_ids)  # [B, Q, V], replayed
+            return logits[rows, keep.to(self.device)] if keep is not None else logits
+        hidden = self._hidden(slot_ids, starts, input_ids, max(kv_lens) + q_len)  # [B, Q, H]
+        if keep is not None:
+            # Only the rows' last tokens need logits: skip the LM head on the rest (prefill, catch-up).
+            hidden = hidden[rows, keep.to(self.device)]  # [B, H]
+        return self.lm_head(hidden).float()
+
+    def _logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The graph body: few-token forward through the in-place kernel, all logits [B, Q, V]."""
+        return self.lm_head(self._hidden(slot_ids, starts, input_ids, None)).float()
+
+    def _hidden(self, slot_ids, starts, input_ids, longest: int | None) -> torch.Tensor:
+        positions = starts[:, None].long() + torch.arange(input_ids.shape[1], device=self.device)  # [B, Q]
+        meta = self._meta(slot_ids, starts, positions, longest)
+        return self.decoder(
+            input_ids=input_ids,
             # A prepared 4D mask makes HF skip its own mask building; pool attention ignores it.
             attention_mask=meta.mask if meta.mask is not None else self._no_mask,
             position_ids=positions,
             past_key_values=PoolCache(self.pool, slot_ids, positions),
             use_cache=True,
             pool_meta=meta,
-        ).last_hidden_state  # [B, Q, H]
-        if keep is not None:
-            # Only the rows' last tokens need logits: skip the LM head on the rest (prefill, catch-up).
-            hidden = hidden[torch.arange(batch, device=self.device), keep.to(self.device)]  # [B, H]
-        return self.lm_head(hidden).float()
+        ).last_hidden_state
 
-    def _meta(self, slot_ids, starts, positions, longest: int) -> PoolAttentionMeta:
-        from lanes.triton_attention import MAX_ROWS, split_count
+    def _kernel_fits(self, q_len: int) -> bool:
+        from lanes.triton_attention import MAX_ROWS
+
+        return self.attention_kernel and q_len * self._group <= MAX_ROWS
+
+    def _meta(self, slot_ids, starts, positions, longest: int | None) -> PoolAttentionMeta:
+        from lanes.triton_attention import split_count
 
         batch, q_len = positions.shape
-        if self.attention_kernel and q_len * self._group <= MAX_ROWS:
+        if self._kernel_fits(q_len):
             splits = split_count(self.pool.shape.capacity_tokens, batch, self.num_kv_heads, self._num_sms)
             return PoolAttentionMeta(slot_ids, starts, None, None, splits, True)
         kv_bound = min(self.pool.shape.capacity_tokens, -(-longest // KV_BOUND_MULTIPLE) * KV_BOUND_MULTIPLE)

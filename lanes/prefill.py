@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanes.batching import pad_tokens
+from lanes.batching import pad_tokens, to_device
 from lanes.model_runner import ModelRunner
 from lanes.sampling import STREAM_TARGET, SamplingTensors, logits_to_probs, sample_from, uniform_noise
 from lanes.sequence import Sequence
@@ -53,7 +53,7 @@ class PrefillLane:
         logits = self._write(self.target, [c.seq.target_slot for c in chunks], ids, starts, chunks, last)
         probs = logits_to_probs(logits[:, None], st)  # [B, 1, V]
         # The first output token sits at absolute position len(prompt).
-        positions = torch.tensor([[c.seq.num_prompt_tokens] for c in chunks], device=probs.device)
+        positions = to_device([[c.seq.num_prompt_tokens] for c in chunks], torch.long, probs.device)
         return sample_from(probs, uniform_noise(st.seeds, positions, STREAM_TARGET, probs.shape[-1]))[:, 0]
 
     @staticmethod

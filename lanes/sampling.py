@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lanes.batching import to_device
 from lanes.params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -33,10 +34,10 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long).to(device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
-            seeds=torch.tensor(seeds, dtype=torch.long).to(device),
+            temperature=to_device([p.temperature for p in params], torch.float32, device),
+            top_k=to_device([p.top_k for p in params], torch.long, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            seeds=to_device(seeds, torch.long, device),
             needs_filter=any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy),
         )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lanes.batching import to_device
 from lanes.model_runner import ModelRunner
 from lanes.params import SamplingParams
 from lanes.rejection import rejection_sample
@@ -56,14 +57,14 @@ class VerifyLane:
         kv_lens = [self.pool.lengths[slot] for slot in slots]
         assert kv_lens == [t - 1 for t in num_tokens], "target must lag by exactly one token"
         st = SamplingTensors.build(batch.params, batch.seeds, device)
-        last = torch.tensor(batch.last_tokens, dtype=torch.long)[:, None].to(device, non_blocking=True)
+        last = to_device(batch.last_tokens, torch.long, device)[:, None]
         drafts = batch.draft_tokens.to(device)
         ids = torch.cat([last, drafts], dim=1)  # [B, L + 1]
         p = logits_to_probs(self.runner.forward(slots, ids, kv_lens), st)  # [B, L + 1, V]
         max_draft = drafts.shape[1]
         # Row b's token at column c lands at absolute position T_b + c.
-        positions = torch.tensor(num_tokens, device=device)[:, None] + torch.arange(max_draft + 1, device=device)
-        num_draft = torch.tensor(batch.num_draft, dtype=torch.long).to(device, non_blocking=True)
+        positions = to_device(num_tokens, torch.long, device)[:, None] + torch.arange(max_draft + 1, device=device)
+        num_draft = to_device(batch.num_draft, torch.long, device)
         out = rejection_sample(
             drafts, batch.draft_probs.to(device), p, num_draft,
             uniform_noise(st.seeds, positions[:, :max_draft], STREAM_ACCEPT),
