@@ -77,7 +77,8 @@ def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
     if len(batches) == 1:
         return batches[0]
     width = max(b.draft_tokens.shape[1] for b in batches)
-    vocab = max(b.draft_probs.shape[-1] for b in batches)
+    with_probs = [b.draft_probs for b in batches if b.draft_probs is not None]
+    vocab = with_probs[0].shape[-1] if with_probs else 0
 
     def pad(t: torch.Tensor, probs: bool) -> torch.Tensor:
         shape = (t.shape[0], width, vocab) if probs else (t.shape[0], width)
@@ -85,12 +86,17 @@ def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
         out[:, : t.shape[1]] = t
         return out
 
+    def probs_of(b: VerifyBatch) -> torch.Tensor:
+        # A greedy batch sent no probabilities: its q is one-hot at each drafted token.
+        q = b.draft_probs if b.draft_probs is not None else torch.nn.functional.one_hot(b.draft_tokens, vocab).float()
+        return pad(q, True)
+
     return VerifyBatch(
         target_slots=sum((b.target_slots for b in batches), []),
         num_tokens=sum((b.num_tokens for b in batches), []),
         last_tokens=sum((b.last_tokens for b in batches), []),
         draft_tokens=torch.cat([pad(b.draft_tokens, False) for b in batches]),
-        draft_probs=torch.cat([pad(b.draft_probs, True) for b in batches]),
+        draft_probs=torch.cat([probs_of(b) for b in batches]) if with_probs else None,
         num_draft=sum((b.num_draft for b in batches), []),
         params=sum((b.params for b in batches), []),
         seeds=sum((b.seeds for b in batches), []),

@@ -7,7 +7,7 @@ import torch
 
 from lanes.batching import pad_tokens, to_device
 from lanes.model_runner import ModelRunner
-from lanes.sampling import STREAM_DRAFT, SamplingTensors, logits_to_probs, sample_from, uniform_noise
+from lanes.sampling import STREAM_DRAFT, SamplingTensors, draw
 from lanes.sequence import Sequence
 
 CATCH_UP_CHUNK = 64  # tokens per catch-up forward for a sequence whose draft cache fell behind
@@ -18,15 +18,16 @@ class DraftProposal:
     """What travels from the decode lane to the verify lane: token ids and probabilities only."""
 
     tokens: torch.Tensor  # [B, L] int64, rows padded past their own length
-    probs: torch.Tensor  # [B, L, V] the draft distribution q each token was drawn from
+    probs: torch.Tensor | None  # [B, L, V] the distribution q each token was drawn from; None when
+    # every row is greedy (q is then one-hot at the token, and 4 bytes a token travel instead of 4 V)
     num_draft: torch.Tensor  # [B] int64 on the device
     num_draft_host: list[int]
 
     @classmethod
-    def empty(cls, batch: int, vocab_size: int, device) -> "DraftProposal":
+    def empty(cls, batch: int, device) -> "DraftProposal":
         return cls(
             torch.zeros(batch, 0, dtype=torch.long, device=device),
-            torch.zeros(batch, 0, vocab_size, device=device),
+            None,
             torch.zeros(batch, dtype=torch.long, device=device),
             [0] * batch,
         )
@@ -36,22 +37,22 @@ class DraftLane:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def propose(self, seqs: list[Sequence], draft_lens: list[int], st: SamplingTensors) -> DraftProposal:
-        """Draft `draft_lens[i]` tokens for `seqs[i]` (0 allowed); `st` holds the rows of all `seqs`."""
+    def propose(self, seqs: list[Sequence], draft_lens: list[int]) -> DraftProposal:
+        """Draft `draft_lens[i]` tokens for `seqs[i]` (0 allowed), sampling as each request asks."""
         batch, max_len = len(seqs), max(draft_lens, default=0)
         device = self.runner.device
         if max_len == 0:
-            return DraftProposal.empty(batch, self.runner.vocab_size, device)
+            return DraftProposal.empty(batch, device)
         rows = [i for i, n in enumerate(draft_lens) if n > 0]
         sub = [seqs[i] for i in rows]
         self._catch_up(sub)
         index = to_device(rows, torch.long, device)
-        sub_st = SamplingTensors(
-            st.temperature[index], st.top_k[index], st.top_p[index], st.seeds[index], st.needs_filter
-        )
-        tokens, probs = self._draft(sub, max_len, sub_st)
+        st = SamplingTensors.build([s.params for s in sub], [s.seed for s in sub], device)
+        tokens, probs = self._draft(sub, max_len, st)
         full_tokens = torch.zeros(batch, max_len, dtype=torch.long, device=device).index_copy_(0, index, tokens)
-        full_probs = torch.zeros(batch, max_len, probs.shape[-1], device=device).index_copy_(0, index, probs)
+        full_probs = None
+        if probs is not None:
+            full_probs = torch.zeros(batch, max_len, probs.shape[-1], device=device).index_copy_(0, index, probs)
         for seq, n in zip(seqs, draft_lens):
             if n > 0:
                 # Fed everything up to draft n - 1; draft n was sampled but not fed.
@@ -59,7 +60,7 @@ class DraftLane:
         num_draft = to_device(draft_lens, torch.long, device)
         return DraftProposal(full_tokens, full_probs, num_draft, list(draft_lens))
 
-    def _draft(self, seqs: list[Sequence], max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft(self, seqs: list[Sequence], max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         pool = self.runner.pool
         slots = [s.draft_slot for s in seqs]
         kv_lens = [pool.lengths[slot] for slot in slots]
@@ -71,14 +72,14 @@ class DraftLane:
         logits = self.runner.forward(slots, ids, kv_lens, keep=last)  # [B, V]
         kv_lens = [n + len(p) for n, p in zip(kv_lens, pending)]
         for j in range(max_len):
-            q = logits_to_probs(logits[:, None], st)  # [B, 1, V]
-            token = sample_from(q, uniform_noise(st.seeds, base + j, STREAM_DRAFT, q.shape[-1]))  # [B, 1]
+            token, q = draw(logits[:, None], st, base + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
             tokens.append(token)
-            probs.append(q)
+            if q is not None:
+                probs.append(q)
             if j + 1 < max_len:
                 logits = self.runner.forward(slots, token, kv_lens)[:, 0]
                 kv_lens = [n + 1 for n in kv_lens]
-        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1)  # [B, L], [B, L, V]
+        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None  # [B, L], [B, L, V]
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Feed tokens the draft has not seen (after a stretch with L = 0) until at most two remain,

@@ -206,9 +206,8 @@ class EngineCore:
     def _propose(self, running: list[Sequence], draft_lens: list[int]) -> DraftProposal:
         if self.draft_lane is None or not any(draft_lens):
             device = self.draft.device if self.draft is not None else "cpu"
-            return DraftProposal.empty(len(running), self.vocab_size, device)
-        st = SamplingTensors.build([s.params for s in running], [s.seed for s in running], self.draft.device)
-        return self.draft_lane.propose(running, draft_lens, st)
+            return DraftProposal.empty(len(running), device)
+        return self.draft_lane.propose(running, draft_lens)
 
     def _prefill(self, budget_tokens: int) -> list[RequestOutput]:
         outputs = []

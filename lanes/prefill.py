@@ -6,7 +6,7 @@ import torch
 
 from lanes.batching import pad_tokens, to_device
 from lanes.model_runner import ModelRunner
-from lanes.sampling import STREAM_TARGET, SamplingTensors, logits_to_probs, sample_from, uniform_noise
+from lanes.sampling import STREAM_TARGET, SamplingTensors, draw
 from lanes.sequence import Sequence
 
 
@@ -51,10 +51,9 @@ class PrefillLane:
         if self.draft is not None:
             self._write(self.draft, [c.seq.draft_slot for c in chunks], ids, starts, chunks, last)
         logits = self._write(self.target, [c.seq.target_slot for c in chunks], ids, starts, chunks, last)
-        probs = logits_to_probs(logits[:, None], st)  # [B, 1, V]
         # The first output token sits at absolute position len(prompt).
-        positions = to_device([[c.seq.num_prompt_tokens] for c in chunks], torch.long, probs.device)
-        return sample_from(probs, uniform_noise(st.seeds, positions, STREAM_TARGET, probs.shape[-1]))[:, 0]
+        positions = to_device([[c.seq.num_prompt_tokens] for c in chunks], torch.long, logits.device)
+        return draw(logits[:, None], st, positions, STREAM_TARGET)[0][:, 0]
 
     @staticmethod
     def _write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, last) -> torch.Tensor:

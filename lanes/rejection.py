@@ -47,6 +47,20 @@ def rejection_sample(
     return RejectionOutput(tokens, num_accepted)
 
 
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor) -> RejectionOutput:
+    """The rule above when every row is greedy (p and q one-hot): a draft is accepted iff it is
+    the target's argmax, and the token after the accepted prefix is the target's argmax there.
+    Same result as rejection_sample on one-hot inputs, without building them."""
+    batch, max_draft = draft_tokens.shape
+    target = target_logits.argmax(dim=-1)  # [B, L + 1]
+    in_draft = torch.arange(max_draft, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    accepted = (draft_tokens == target[:, :max_draft]) & in_draft
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    columns = torch.arange(max_draft + 1, device=target.device)[None, :]
+    tokens = torch.where(columns <= num_accepted[:, None], target, torch.full_like(target, -1))
+    return RejectionOutput(tokens, num_accepted)
+
+
 def _recovery_tokens(q: torch.Tensor, p: torch.Tensor, in_draft: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """At every position, the token to emit if the chain stops there: a residual sample after a
     rejection (inside the draft), or a bonus sample from p (one past the row's last draft)."""

@@ -30,6 +30,7 @@ class SamplingTensors:
     top_p: torch.Tensor  # float32, 1 disables
     seeds: torch.Tensor  # int64
     needs_filter: bool  # host-side: skip the vocab sort when no row uses top-k or top-p
+    all_greedy: bool  # host-side: every row is greedy, so no probabilities or noise are needed
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
@@ -39,6 +40,7 @@ class SamplingTensors:
             top_p=to_device([p.top_p for p in params], torch.float32, device),
             seeds=to_device(seeds, torch.long, device),
             needs_filter=any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy),
+            all_greedy=all(p.greedy for p in params),
         )
 
 
@@ -94,6 +96,18 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     drop = drop | ((mass_before >= top_p[:, None, None]) & (top_p < 1)[:, None, None])
     sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_vals)
+
+
+def draw(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, stream: int
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row from logits [B, K, V] at absolute `positions` [B, K].
+
+    Returns (tokens [B, K], the probabilities they were drawn from, or None when every row is
+    greedy: then the tokens are the argmax and no vocabulary-wide noise is generated)."""
+    if st.all_greedy:
+        return logits.argmax(dim=-1), None
+    probs = logits_to_probs(logits, st)
+    return sample_from(probs, uniform_noise(st.seeds, positions, stream, probs.shape[-1])), probs
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

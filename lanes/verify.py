@@ -11,7 +11,7 @@ import torch
 from lanes.batching import to_device
 from lanes.model_runner import ModelRunner
 from lanes.params import SamplingParams
-from lanes.rejection import rejection_sample
+from lanes.rejection import greedy_verify, rejection_sample
 from lanes.rollback import rollback_after_verify
 from lanes.sampling import STREAM_ACCEPT, STREAM_TARGET, SamplingTensors, logits_to_probs, uniform_noise
 
@@ -22,7 +22,7 @@ class VerifyBatch:
     num_tokens: list[int]  # T per row: committed tokens, the last of which the target has not seen
     last_tokens: list[int]
     draft_tokens: torch.Tensor  # [B, L] int64
-    draft_probs: torch.Tensor  # [B, L, V] q
+    draft_probs: torch.Tensor | None  # [B, L, V] q; None when every drafting row is greedy (q one-hot)
     num_draft: list[int]  # drafts per row, 0 <= n <= L
     params: list[SamplingParams]
     seeds: list[int]
@@ -30,7 +30,7 @@ class VerifyBatch:
     def to(self, device) -> "VerifyBatch":
         return VerifyBatch(
             self.target_slots, self.num_tokens, self.last_tokens, self.draft_tokens.to(device),
-            self.draft_probs.to(device), self.num_draft, self.params, self.seeds,
+            None if self.draft_probs is None else self.draft_probs.to(device), self.num_draft, self.params, self.seeds,
         )
 
 
@@ -60,16 +60,12 @@ class VerifyLane:
         last = to_device(batch.last_tokens, torch.long, device)[:, None]
         drafts = batch.draft_tokens.to(device)
         ids = torch.cat([last, drafts], dim=1)  # [B, L + 1]
-        p = logits_to_probs(self.runner.forward(slots, ids, kv_lens), st)  # [B, L + 1, V]
-        max_draft = drafts.shape[1]
-        # Row b's token at column c lands at absolute position T_b + c.
-        positions = to_device(num_tokens, torch.long, device)[:, None] + torch.arange(max_draft + 1, device=device)
+        logits = self.runner.forward(slots, ids, kv_lens)  # [B, L + 1, V]
         num_draft = to_device(batch.num_draft, torch.long, device)
-        out = rejection_sample(
-            drafts, batch.draft_probs.to(device), p, num_draft,
-            uniform_noise(st.seeds, positions[:, :max_draft], STREAM_ACCEPT),
-            uniform_noise(st.seeds, positions, STREAM_TARGET, p.shape[-1]),
-        )
+        if st.all_greedy:
+            out = greedy_verify(drafts, logits, num_draft)
+        else:
+            out = self._sample(logits, drafts, batch.draft_probs, num_draft, num_tokens, st)
         # The step's single device-to-host transfer: accepted tokens and their count per row.
         host = torch.cat([out.tokens, out.num_accepted[:, None]], dim=1).cpu().tolist()
         tokens, accepted = [], []
@@ -80,3 +76,17 @@ class VerifyLane:
             tokens.append(row[: k + 1])
             accepted.append(k)
         return VerifyResult(tokens, accepted)
+
+    def _sample(self, logits, drafts, draft_probs, num_draft, num_tokens: list[int], st: SamplingTensors):
+        device = logits.device
+        p = logits_to_probs(logits, st)  # [B, L + 1, V]
+        max_draft = drafts.shape[1]
+        if draft_probs is None:  # greedy drafting rows: q is one-hot at the drafted token
+            draft_probs = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
+        # Row b's token at column c lands at absolute position T_b + c.
+        positions = to_device(num_tokens, torch.long, device)[:, None] + torch.arange(max_draft + 1, device=device)
+        return rejection_sample(
+            drafts, draft_probs.to(device), p, num_draft,
+            uniform_noise(st.seeds, positions[:, :max_draft], STREAM_ACCEPT),
+            uniform_noise(st.seeds, positions, STREAM_TARGET, p.shape[-1]),
+        )

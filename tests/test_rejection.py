@@ -2,7 +2,7 @@
 
 import torch
 
-from lanes.rejection import rejection_sample
+from lanes.rejection import greedy_verify, rejection_sample
 from lanes.sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, sample_from, uniform_noise
 
 V = 6
@@ -109,3 +109,21 @@ def test_the_bound_rejects_wrong_rules():
     assert _chi2(greedy_match, P[0]) > 10 * CHI2_BOUND
     # (c) always accept the draft.
     assert _chi2(drafts[:, 0], P[0]) > 10 * CHI2_BOUND
+
+
+def test_greedy_fast_path_equals_the_general_rule_on_one_hot_inputs():
+    gen = torch.Generator().manual_seed(3)
+    batch, max_draft, vocab = 64, 5, 7  # a small vocabulary makes matches frequent
+    logits = torch.randn(batch, max_draft + 1, vocab, generator=gen)
+    target = logits.argmax(-1)
+    # Drafts agree with the target on a random prefix, then guess.
+    drafts = torch.where(torch.rand(batch, max_draft, generator=gen) < 0.7, target[:, :max_draft],
+                         torch.randint(0, vocab, (batch, max_draft), generator=gen))
+    num_draft = torch.randint(0, max_draft + 1, (batch,), generator=gen)
+    fast = greedy_verify(drafts, logits, num_draft)
+    general = rejection_sample(drafts, torch.nn.functional.one_hot(drafts, vocab).double(),
+                               torch.nn.functional.one_hot(target, vocab).double(), num_draft,
+                               torch.rand(batch, max_draft, generator=gen), torch.rand(batch, max_draft + 1, vocab, generator=gen))
+    assert torch.equal(fast.num_accepted, general.num_accepted)
+    assert torch.equal(fast.tokens, general.tokens)
+    assert 0 < fast.num_accepted.float().mean() < max_draft  # both hits and misses happened

@@ -1,0 +1,33 @@
+"""Verify calls from several decode replicas merge into one batch and split back per caller."""
+
+import torch
+
+from deployments.verify_replica import merge_batches, split_result
+from lanes.params import SamplingParams
+from lanes.verify import VerifyBatch, VerifyResult
+
+
+def _batch(rows: int, width: int, greedy: bool, vocab: int = 11) -> VerifyBatch:
+    tokens = torch.randint(0, vocab, (rows, width))
+    probs = None if greedy else torch.softmax(torch.randn(rows, width, vocab), -1)
+    params = [SamplingParams(temperature=0 if greedy else 1.0)] * rows
+    return VerifyBatch(list(range(rows)), [5] * rows, [1] * rows, tokens, probs, [width] * rows, params, [0] * rows)
+
+
+def test_merge_pads_drafts_and_makes_greedy_rows_one_hot():
+    greedy, sampled = _batch(2, 3, True), _batch(3, 5, False)
+    merged = merge_batches([greedy, sampled])
+    assert merged.draft_tokens.shape == (5, 5) and merged.draft_probs.shape == (5, 5, 11)
+    assert torch.equal(merged.draft_probs[:2, :3], torch.nn.functional.one_hot(greedy.draft_tokens, 11).float())
+    assert torch.equal(merged.draft_probs[2:], sampled.draft_probs)
+    assert merged.num_draft == [3, 3, 5, 5, 5]
+
+
+def test_all_greedy_batches_merge_without_probabilities():
+    assert merge_batches([_batch(2, 3, True), _batch(1, 2, True)]).draft_probs is None
+
+
+def test_split_returns_each_caller_its_rows():
+    result = VerifyResult([[1], [2, 3], [4], [5, 6, 7]], [0, 1, 0, 2])
+    first, second = split_result(result, [1, 3])
+    assert first.tokens == [[1]] and second.tokens == [[2, 3], [4], [5, 6, 7]] and second.num_accepted == [1, 0, 2]
