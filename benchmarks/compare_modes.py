@@ -47,11 +47,12 @@ from loadtest.workload import LogNormal, WorkloadRequest, load_tokenizer, synthe
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
+# The machine is shared: its 1-minute load average when each run ended goes into the table.
+LOAD_ROW = "load_average_1m_at_end"
 SUMMARY_ROWS = ["submitted", "completed", "failed", "timed_out", "wall_s",
                 "request_throughput_rps", "output_token_throughput_tps", "goodput_rps",
-                "ttft_ms p50",
-                "ttft_ms p95", "tpot_ms p50", "tpot_ms p95", "itl_ms p50", "e2e_ms p50",
-                "e2e_ms p95", "acceptance_rate", "mean_acceptance_length"]
+                "ttft_ms p50", "ttft_ms p95", "tpot_ms p50", "tpot_ms p95", "itl_ms p50",
+                "e2e_ms p50", "e2e_ms p95", "acceptance_rate", "mean_acceptance_length", LOAD_ROW]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,8 +105,9 @@ def _free_port() -> int:
 
 def run_mode(mode: str, app_args: dict, loads: list[ClosedLoop], warmup: list[WorkloadRequest],
              requests: list[WorkloadRequest], slos: dict[str, float], timeout_s: float,
-             seed: int) -> list[Point]:
-    """Deploy `mode` on a fresh cluster, run every load against it, shut it down."""
+             seed: int) -> list[tuple[Point, float]]:
+    """Deploy `mode` on a fresh cluster, run every load against it, shut it down; each run
+    comes with the machine's 1-minute load average when it ended."""
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     port = _free_port()
@@ -124,7 +126,7 @@ def run_mode(mode: str, app_args: dict, loads: list[ClosedLoop], warmup: list[Wo
             print(f"  {point.name}: {s.completed}/{s.submitted} completed, {s.failed} failed, "
                   f"{s.timed_out} timed out, {s.output_token_throughput_tps:.1f} output tok/s",
                   flush=True)
-            points.append(point)
+            points.append((point, os.getloadavg()[0]))
         return points
     finally:
         serve.shutdown()
@@ -183,10 +185,13 @@ def git_commit() -> str:
     return done.stdout.strip()
 
 
-def write_results(args: argparse.Namespace, points: list[Point], context: dict) -> None:
+def write_results(args: argparse.Namespace, runs: list[tuple[Point, float]],
+                  context: dict) -> None:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    points = [point for point, _ in runs]
     table = comparison_table(points)
+    table.loc[LOAD_ROW] = [round(load, 2) for _, load in runs]
     table.to_csv(out / f"{args.name}.csv")
     document = {**context, "table": json.loads(table.to_json()),
                 "runs": [_run_document(p) for p in points]}
@@ -215,7 +220,9 @@ def _markdown(args: argparse.Namespace, table: pd.DataFrame, points: list[Point]
              f"{'GPU ' + m['gpu'] if m['gpu'] else 'no GPU'}, {m['memory_gib']} GiB; "
              f"torch {m['torch']}, Ray {m['ray']}, OMP_NUM_THREADS={m['omp_num_threads']}; "
              f"load average {context['load_average_before']} before, "
-             f"{context['load_average_after']} after (the machine is shared).",
+             f"{context['load_average_after']} after. The machine is shared with other "
+             f"jobs: the row {LOAD_ROW} gives its 1-minute load average as each run ended (above "
+             f"{m['cpu_cores']}, runs waited for a core), so compare columns of similar load.",
              f"- Models: target {target['path']} ({target['parameters']:,} parameters), "
              f"draft {draft['path']} ({draft['parameters']:,} parameters), "
              f"{target['dtype']} / {draft['dtype']}.",
@@ -258,12 +265,12 @@ def main(argv: list[str] | None = None) -> None:
     configs = {mode: mode_args(mode, args.target, args.draft) for mode in modes}
     warmup, requests = workload(args, configs[modes[0]]["target"]["path"])
     context = run_context(args, argv, configs, loads, slos, warmup, requests)
-    points = [p for mode in modes
-              for p in run_mode(mode, configs[mode], loads, warmup, requests, slos,
+    runs = [run for mode in modes
+            for run in run_mode(mode, configs[mode], loads, warmup, requests, slos,
                                 args.timeout_s, args.seed)]
     context |= {"load_average_after": _load_average(),
                 "duration_s": time.monotonic() - started_s}
-    write_results(args, points, context)
+    write_results(args, runs, context)
     print((args.output_dir / f"{args.name}.md").read_text())
 
 
