@@ -158,19 +158,17 @@ def decode_forward_ms(runner, batch: int) -> float:
 def draft_propose_ms(runner, batch: int, draft_len: int) -> float:
     """A whole draft step: L tokens for every row (L forwards, sampling on the device)."""
     from lanes.draft import DraftLane
-    from lanes.sampling import SamplingTensors
     from lanes.sequence import Sequence
 
     slots = fill_pool(runner, batch, CONTEXT - 1)
     params = SamplingParams(max_tokens=64)
     seqs = [Sequence(str(i), list(range(1, CONTEXT + 1)), params, i, draft_len, draft_slot=s) for i, s in enumerate(slots)]
-    st = SamplingTensors.build([params] * batch, list(range(batch)), "cuda")
     lane = DraftLane(runner)
 
     def step():
         for s in slots:
             runner.pool.lengths[s] = CONTEXT - 1
-        lane.propose(seqs, [draft_len] * batch, st).tokens.cpu()
+        lane.propose(seqs, [draft_len] * batch).tokens.cpu()
 
     ms = median_ms(step)
     for s in slots:
