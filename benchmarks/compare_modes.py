@@ -5,8 +5,9 @@
 
 Each mode is deployed with `serve.run` from the args of configs/<mode>.yaml (the app that
 `serve run configs/<mode>.yaml` deploys; model paths made absolute, or replaced by --target and
---draft), alone on a fresh Ray cluster of this machine, driven by the load tester at each
-concurrency, then deleted, so modes never share the CPU. Every mode gets the same requests.
+--draft) on one Ray cluster of this machine, driven by the load tester at each concurrency, then
+deleted before the next mode is deployed, so modes never share the CPU. Every mode gets the same
+requests.
 
 Writes, under --output-dir (default benchmarks/results):
 
@@ -103,20 +104,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mode(mode: str, app_args: dict, loads: list[ClosedLoop], warmup: list[WorkloadRequest],
-             requests: list[WorkloadRequest], slos: dict[str, float], timeout_s: float,
-             seed: int) -> list[tuple[Point, float]]:
-    """Deploy `mode` on a fresh cluster, run every load against it, shut it down; each run
-    comes with the machine's 1-minute load average when it ended."""
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    port = _free_port()
+def run_mode(mode: str, app_args: dict, port: int, loads: list[ClosedLoop],
+             warmup: list[WorkloadRequest], requests: list[WorkloadRequest],
+             slos: dict[str, float], timeout_s: float, seed: int) -> list[tuple[Point, float]]:
+    """Deploy `mode`, run every load against it, delete it; each run comes with the machine's
+    1-minute load average when it ended."""
+    started_s = time.monotonic()
+    serve.run(build_app(app_args), name=mode, route_prefix=f"/{mode}")
+    print(f"{mode}: deployed in {time.monotonic() - started_s:.1f} s", flush=True)
+    runs = []
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        started_s = time.monotonic()
-        serve.run(build_app(app_args), name=mode, route_prefix=f"/{mode}")
-        print(f"{mode}: deployed in {time.monotonic() - started_s:.1f} s", flush=True)
-        points = []
         for arrivals in loads:
             result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{mode}", requests, arrivals,
                                           warmup=warmup, timeout_s=timeout_s, seed=seed,
@@ -126,11 +123,19 @@ def run_mode(mode: str, app_args: dict, loads: list[ClosedLoop], warmup: list[Wo
             print(f"  {point.name}: {s.completed}/{s.submitted} completed, {s.failed} failed, "
                   f"{s.timed_out} timed out, {s.output_token_throughput_tps:.1f} output tok/s",
                   flush=True)
-            points.append((point, os.getloadavg()[0]))
-        return points
+            runs.append((point, os.getloadavg()[0]))
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete(mode)  # blocks until Serve has removed the app and its replicas
+    return runs
+
+
+def start_cluster() -> int:
+    """A Ray cluster of this machine with Serve's proxy on a free port; returns the port."""
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
 
 
 def machine() -> dict:
@@ -265,9 +270,14 @@ def main(argv: list[str] | None = None) -> None:
     configs = {mode: mode_args(mode, args.target, args.draft) for mode in modes}
     warmup, requests = workload(args, configs[modes[0]]["target"]["path"])
     context = run_context(args, argv, configs, loads, slos, warmup, requests)
-    runs = [run for mode in modes
-            for run in run_mode(mode, configs[mode], loads, warmup, requests, slos,
-                                args.timeout_s, args.seed)]
+    port = start_cluster()
+    try:
+        runs = [run for mode in modes
+                for run in run_mode(mode, configs[mode], port, loads, warmup, requests, slos,
+                                    args.timeout_s, args.seed)]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     context |= {"load_average_after": _load_average(),
                 "duration_s": time.monotonic() - started_s}
     write_results(args, runs, context)
