@@ -23,7 +23,9 @@ LANE = {"num_cpus": 0.05}
 
 
 def start_ray() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    # Replica logs stay in Ray's session log files (/tmp/ray/session_latest/logs), out of pytest's output.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
 
 
