@@ -37,7 +37,9 @@ from controller.config import ControllerConfig
 from controller.policy import Decision, PolicyState, decide
 from controller.signals import LaneSignals, RequestDraftStats
 
-log = logging.getLogger(__name__)
+# Serve sends the "ray.serve" logger (INFO and up) to the replica's log file; a logger of our own would
+# stay at the root's WARNING and drop every decision line.
+log = logging.getLogger("ray.serve")
 
 # A stats() call waits for the engine's current step; under CPU load a step can take seconds.
 STATS_TIMEOUT_S = 10.0
