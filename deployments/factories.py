@@ -12,6 +12,7 @@ from lanes.backends import LocalVerifier
 from lanes.engine_core import EngineCore, build_runner, eos_token_ids
 from lanes.models import LoadedModel, check_compatible, load_model
 from lanes.prompt_prefiller import PromptPrefiller
+from lanes.streams import LaneStreams
 from lanes.verify import VerifyLane
 
 PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lane's scratch slots
@@ -44,8 +45,9 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     else:  # pdv: the target lives in the verify lane
         verifier, target_pool = RemoteVerifier(verify, loop, cfg.request_timeout_s), None
     prefiller = RemotePrefiller(prefill, loop, draft_runner.pool, target_pool, placement, owner)
+    # The decode lane drafts (and in pd also verifies) on high-priority streams.
     return EngineCore(config, draft_runner.vocab_size, draft.tokenizer, eos_token_ids(draft.model, draft.tokenizer),
-                      draft_runner, verifier, prefiller)
+                      draft_runner, verifier, prefiller, LaneStreams(draft_runner.device))
 
 
 def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:

@@ -8,6 +8,7 @@ from ray import serve
 from deployments.kv_transfer import Placement, PoolViews
 from deployments.factories import PREFILL_BATCH_MAX
 from deployments.lane_worker import LaneWorker
+from lanes.streams import PREFILL_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.remote import PrefillDone, PrefillJob
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
@@ -17,7 +18,7 @@ class PrefillServer:
     def __init__(self, prefiller_factory, mode: str, verify=None):
         self.prefiller: PromptPrefiller = prefiller_factory()
         self.verify = verify  # pdv: the verify lane receives the target KV from here
-        self.worker = LaneWorker("prefill")
+        self.worker = LaneWorker("prefill", self.prefiller.target.device, PREFILL_PRIORITY)
         self.placement_ = Placement.here(self.prefiller.target.device)
         self.views = PoolViews()
         self.metrics = LaneMetrics("prefill", mode)

@@ -79,7 +79,7 @@ class RemotePrefiller:
         self._peer: Placement | None = None
         self._exported: dict[str, PoolHandle] = {}
 
-    def step(self, scheduler: Scheduler, budget_tokens: int) -> list[tuple[Sequence, int | BaseException]]:
+    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list[tuple[Sequence, int | BaseException]]:
         for seq in scheduler.prefilling:
             if seq.request_id not in self._submitted:
                 self._submitted.add(seq.request_id)

@@ -7,6 +7,7 @@ from ray import serve
 
 from deployments.kv_transfer import Placement, PoolHandle
 from deployments.lane_worker import LaneWorker
+from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
 
@@ -16,7 +17,7 @@ class VerifyServer:
 
     def __init__(self, lane_factory, mode: str):
         self.lane: VerifyLane = lane_factory()
-        self.worker = LaneWorker("verify")
+        self.worker = LaneWorker("verify", self.lane.runner.device, VERIFY_PRIORITY)
         self.placement_ = Placement.here(self.lane.runner.device)
         self.metrics = LaneMetrics("verify", mode)
         self.pending_rows = 0  # rows waiting for a verify forward: the lane's queue depth

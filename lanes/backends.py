@@ -5,13 +5,17 @@ protocols. In the co-located modes they are the local lanes below; in the disagg
 deployments inject proxies that ship the same objects to other Ray Serve replicas.
 """
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from lanes.kv_pool import KVPool
-from lanes.prefill import PrefillLane
+from lanes.prefill import PrefillChunk, PrefillLane
 from lanes.sampling import SamplingTensors
 from lanes.scheduler import Scheduler
-from lanes.sequence import Sequence
+from lanes.sequence import SeqStatus, Sequence
+from lanes.streams import on
 from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
 
 
@@ -25,9 +29,11 @@ class Verifier(Protocol):
 
 
 class Prefiller(Protocol):
-    def step(self, scheduler: Scheduler, budget_tokens: int) -> list[tuple[Sequence, int | BaseException]]:
+    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
+             ) -> list[tuple[Sequence, int | BaseException]]:
         """Advance prefill of the scheduler's PREFILLING requests; return (request, first token)
-        for each whose prompt is now in both caches, or (request, error) where prefill failed."""
+        for each whose prompt is now in both caches, or (request, error) where prefill failed.
+        `decoding`: requests are decoding, so prefill may overlap with their next step."""
 
 
 class LocalVerifier:
@@ -48,21 +54,62 @@ class LocalVerifier:
         return self.lane.pool
 
 
+@dataclass
+class _Launched:
+    chunks: list[PrefillChunk]
+    first_tokens: torch.Tensor  # [B] on the host (filled asynchronously on CUDA)
+    done: torch.cuda.Event | None
+
+
 class LocalPrefiller:
-    """Chunked prefill in the engine's own step, after decode work, within a token budget."""
+    """Chunked prefill in the engine's own process, within a token budget per step.
 
-    def __init__(self, lane: PrefillLane):
+    On a GPU the chunk runs on the low-priority prefill stream and is collected at a later step,
+    so it overlaps with decoding instead of delaying it; one batch of chunks is in flight at a
+    time. On the CPU, or when nothing is decoding, it completes within the step.
+    """
+
+    def __init__(self, lane: PrefillLane, stream: torch.cuda.Stream | None = None):
         self.lane = lane
+        self.stream = stream
+        self._launched: _Launched | None = None
 
-    def step(self, scheduler: Scheduler, budget_tokens: int) -> list[tuple[Sequence, int]]:
+    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list[tuple[Sequence, int]]:
+        done = self._collect(scheduler, wait=False)
+        if self._launched is None:
+            self._launch(scheduler, budget_tokens)
+            if self.stream is None or not decoding:
+                done += self._collect(scheduler, wait=True)
+        return done
+
+    def _launch(self, scheduler: Scheduler, budget_tokens: int) -> None:
         chunks = scheduler.prefill_chunks(budget_tokens)
         if not chunks:
-            return []
+            return
         seqs = [c.seq for c in chunks]
-        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.lane.target.device)
-        first = self.lane.run(chunks, st).cpu().tolist()
+        with on(self.stream):
+            st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.lane.target.device)
+            first = self.lane.run(chunks, st)
+            if self.stream is None:
+                self._launched = _Launched(chunks, first, None)
+                return
+            host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
+            host.copy_(first, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._launched = _Launched(chunks, host, event)
+
+    def _collect(self, scheduler: Scheduler, wait: bool) -> list[tuple[Sequence, int]]:
+        launched = self._launched
+        if launched is None or (launched.done is not None and not wait and not launched.done.query()):
+            return []
+        if launched.done is not None:
+            launched.done.synchronize()
+        self._launched = None
         done = []
-        for chunk, token in zip(chunks, first):
+        for chunk, token in zip(launched.chunks, launched.first_tokens.tolist()):
+            if chunk.seq.status is not SeqStatus.PREFILLING:
+                continue  # aborted meanwhile; its slots were freed (later prefills queue behind this one)
             scheduler.mark_prefilled(chunk)
             if chunk.completes_prompt:
                 done.append((chunk.seq, token))

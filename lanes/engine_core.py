@@ -27,6 +27,7 @@ from lanes.sampling import SamplingTensors
 from lanes.scheduler import Scheduler
 from lanes.sequence import Sequence
 from lanes.spec_stats import SpecDecodeStats
+from lanes.streams import LaneStreams, on
 from lanes.verify import VerifyBatch, VerifyLane
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class EngineCore:
         draft: ModelRunner | None,
         verifier: Verifier,
         prefiller: Prefiller,
+        streams: LaneStreams | None = None,
     ):
         self.config = config
         self.vocab_size = vocab_size
@@ -76,6 +78,7 @@ class EngineCore:
         self.draft_lane = DraftLane(draft) if draft is not None else None
         self.verifier = verifier
         self.prefiller = prefiller
+        self.streams = streams or LaneStreams(torch.device("cpu"))
         self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None)
         self.default_draft_len = config.num_speculative_tokens if draft is not None else 0
         self.total_stats = SpecDecodeStats()
@@ -95,9 +98,11 @@ class EngineCore:
         tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         target_runner = build_runner(target.model, config)
         draft_runner = build_runner(draft.model, config) if draft is not None else None
+        streams = LaneStreams(target_runner.device)
+        prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
         return cls(
             config, target_runner.vocab_size, tokenizer, eos_token_ids(target.model, tokenizer), draft_runner,
-            LocalVerifier(VerifyLane(target_runner)), LocalPrefiller(PrefillLane(target_runner, draft_runner)),
+            LocalVerifier(VerifyLane(target_runner)), prefiller, streams,
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -164,7 +169,7 @@ class EngineCore:
         budget = self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens
         prefilling = list(self.scheduler.prefilling)
         if prefilling:
-            outputs += self._guarded(prefilling, lambda: self._prefill(budget))
+            outputs += self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)))
         return outputs
 
     def _guarded(self, seqs: list[Sequence], run) -> list[RequestOutput]:
@@ -182,7 +187,8 @@ class EngineCore:
 
     def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
         draft_lens = [s.step_draft_len(self.config.max_draft_len) if self.draft_lane else 0 for s in running]
-        proposal = self._propose(running, draft_lens)
+        with on(self.streams.decode):
+            proposal = self._propose(running, draft_lens)
         batch = VerifyBatch(
             target_slots=[s.target_slot for s in running],
             num_tokens=[len(s.token_ids) for s in running],
@@ -193,7 +199,9 @@ class EngineCore:
             params=[s.params for s in running],
             seeds=[s.seed for s in running],
         )
-        result = self.verifier.verify(batch)
+        self.streams.verify_after_decode()
+        with on(self.streams.verify):
+            result = self.verifier.verify(batch)
         outputs = []
         for seq, num_draft, tokens, num_accepted in zip(running, draft_lens, result.tokens, result.num_accepted):
             if self.draft is not None:
@@ -209,9 +217,9 @@ class EngineCore:
             return DraftProposal.empty(len(running), device)
         return self.draft_lane.propose(running, draft_lens)
 
-    def _prefill(self, budget_tokens: int) -> list[RequestOutput]:
+    def _prefill(self, budget_tokens: int, decoding: bool) -> list[RequestOutput]:
         outputs = []
-        for seq, first in self.prefiller.step(self.scheduler, budget_tokens):
+        for seq, first in self.prefiller.step(self.scheduler, budget_tokens, decoding):
             if isinstance(first, BaseException):  # a remote prefill failed: this request only
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, [], "", error=f"prefill failed: {type(first).__name__}: {first}"))
