@@ -11,25 +11,22 @@ What it decides
     Every L moves at most `max_step` per decision, and only after `raise_dwell` / `lower_dwell`
     consecutive decisions point the same way; queue and acceptance thresholds come in low/high pairs.
 
-How the controller actor wires it (the actor is not written yet; this is the contract)
-    Decode replicas expose two methods:
-        get_lane_stats() -> dict with the `LaneSignals` fields:
-            verify_queue_depth: int, verify_batch_occupancy: float (0..1), decode_step_p95_ms: float,
-            arrival_rate_rps: float,
-            requests: {request_id: {num_drafts, num_draft_tokens, num_accepted_tokens}}
-                (counter deltas since the previous call; the controller is the only caller)
+How the controller actor applies it (controller/actor.py)
+    Decode replicas (DecodeLane) expose:
+        stats() -> dict with running totals: per request in flight its draft_len and cumulative
+            num_drafts, num_draft_tokens, num_accepted_tokens; waiting / prefilling / running counts,
+            max_num_seqs, num_arrivals, step_p95_ms
         set_draft_lengths(default_len: int, per_request: dict[str, int]) -> None
             (a request missing from `per_request` runs at `default_len`)
     Each decision the actor:
-        1. calls get_lane_stats() on every decode replica and merges the answers into one `LaneSignals`:
-           verify queue depth and occupancy as the verify lane reports them, decode p95 = max over
-           replicas (the slowest replica bounds the latency target), arrival rate = sum, requests = union
-           (a request lives on one decode replica);
+        1. broadcasts stats() to every decode replica (and the verify lane in pdv), turns the running
+           totals into per-interval deltas, and merges them into one `LaneSignals`: decode p95 = max
+           over replicas (the slowest replica bounds the latency target), arrival rate from the arrival
+           counts, requests = union (a request lives on one decode replica);
         2. state, decision = decide(state, signals, config), starting from PolicyState.initial(config);
-        3. calls set_draft_lengths(decision.default_draft_len, <decision.per_request_draft_len restricted
-           to that replica's requests>) on every decode replica;
-        4. exports the decision (gauge: default L per replica; histogram: per-request L) and logs
-           decision.reason together with decision.signals.
+        3. broadcasts set_draft_lengths(decision.default_draft_len, per-request lengths) when a replica
+           reports lengths that differ from the decision;
+        4. exports the decision as metrics and logs decision.reason together with decision.signals.
 """
 
 from dataclasses import dataclass
