@@ -61,13 +61,7 @@ def profile_fn(fn, steps: int = 5) -> dict:
             "kernels_per_step": kernels // steps, "by_kind_ms": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/gpu")
-    args = parser.parse_args()
-    config = EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=64, prefill_chunk_tokens=64, idle_prefill_tokens=64)
-    result = {"device": torch.cuda.get_device_name()}
-
+def profile_verify(config: EngineConfig) -> dict:
     target = build_random_model(LLAMA2_7B, dtype="bfloat16", device="cuda").model
     lane = VerifyLane(build_runner(target, config))
     slots = fill_pool(lane.runner, 64, CONTEXT - 1)
@@ -79,22 +73,33 @@ def main() -> None:
             lane.pool.lengths[s] = CONTEXT - 1
         lane.verify(batch)
 
-    result["verify_7b_b64_l4"] = profile_fn(verify)
-    print("verify", result["verify_7b_b64_l4"], flush=True)
-    del target, lane
-    torch.cuda.empty_cache()
+    return profile_fn(verify)
 
+
+def profile_draft(config: EngineConfig) -> dict:
     draft = build_random_model(TINYLLAMA, dtype="bfloat16", device="cuda").model
     runner = build_runner(draft, config)
-    slot = fill_pool(runner, 1, CONTEXT - 1)
-    seq = Sequence("0", list(range(1, CONTEXT + 1)), SamplingParams(), 0, 4, draft_slot=slot[0])
-    draft_lane = DraftLane(runner)
+    slot = fill_pool(runner, 1, CONTEXT - 1)[0]
+    seq = Sequence("0", list(range(1, CONTEXT + 1)), SamplingParams(), 0, 4, draft_slot=slot)
+    lane = DraftLane(runner)
 
     def propose():
-        runner.pool.lengths[slot[0]] = CONTEXT - 1
-        draft_lane.propose([seq], [4]).tokens.cpu()
+        runner.pool.lengths[slot] = CONTEXT - 1
+        lane.propose([seq], [4]).tokens.cpu()
 
-    result["draft_tinyllama_b1_l4"] = profile_fn(propose)
+    return profile_fn(propose)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/gpu")
+    args = parser.parse_args()
+    config = EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=64, prefill_chunk_tokens=64, idle_prefill_tokens=64)
+    result = {"device": torch.cuda.get_device_name()}
+    result["verify_7b_b64_l4"] = profile_verify(config)
+    print("verify", result["verify_7b_b64_l4"], flush=True)
+    torch.cuda.empty_cache()
+    result["draft_tinyllama_b1_l4"] = profile_draft(config)
     print("draft", result["draft_tinyllama_b1_l4"], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,26 +1,40 @@
-"""What the decode-lane replica exports after every engine step (Ray metrics), and the rolling
-window of step times that its stats() reports to the controller."""
+"""What the decode-lane replica exports after every engine step (Ray metrics), and the recent
+step times whose p95 its stats() reports to the controller."""
 
+import time
 from collections import deque
 
 from deployments.metrics import LaneMetrics
 from lanes.engine_core import EngineCore
 from lanes.spec_stats import SpecDecodeStats
 
-STEP_WINDOW = 256  # recent steps kept for the p95 the controller reads
-GPU_SAMPLE_EVERY = 50  # steps between two GPU utilisation readings (NVML calls are not free)
+STEP_WINDOW_S = 10.0  # the p95 covers the steps of the last 10 s: an idle lane reports none
+GAUGE_REFRESH_S = 1.0  # while idle, gauges are re-set this often (Ray drops gauges nobody sets)
 
 
 class EngineMetrics:
     def __init__(self, lane: str, mode: str):
         self.metrics = LaneMetrics(lane, mode)
-        self.step_ms: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._steps: deque[tuple[float, float]] = deque()  # (monotonic time s, step time ms)
         self._exported = SpecDecodeStats()
-        self._steps = 0
+        self._gauges_set_at_s = 0.0
 
     def on_step(self, core: EngineCore, step_ms: float, batch_size: int) -> None:
-        self.step_ms.append(step_ms)
-        self.metrics.observe_step(step_ms, batch_size)
+        """After every engine step, on the engine thread."""
+        self._steps.append((time.monotonic(), step_ms))
+        self.metrics.observe_step(step_ms, batch_size)  # also samples the GPU now and then
+        for seq in core.scheduler.running:
+            self.metrics.observe_request_draft_length(seq.draft_len)
+        self._export_spec(core.total_stats)
+        self._set_gauges(core)
+
+    def on_idle(self, core: EngineCore) -> None:
+        """While the engine has nothing to do, so that idle lanes read 0, not 'no data'."""
+        if time.monotonic() - self._gauges_set_at_s >= GAUGE_REFRESH_S:
+            self._set_gauges(core)
+
+    def _set_gauges(self, core: EngineCore) -> None:
+        self._gauges_set_at_s = time.monotonic()
         sched = core.scheduler
         self.metrics.set_queue_depth(len(sched.waiting) + len(sched.prefilling))
         if sched.draft_pool is not None:
@@ -29,12 +43,6 @@ class EngineMetrics:
         if target_pool is not None:
             self.metrics.set_kv_slots(target_pool.num_used, target_pool.shape.num_slots, "target")
         self.metrics.set_draft_length(core.default_draft_len)
-        for seq in sched.running:
-            self.metrics.observe_request_draft_length(seq.draft_len)
-        self._export_spec(core.total_stats)
-        self._steps += 1
-        if self._steps % GPU_SAMPLE_EVERY == 1:
-            self.metrics.sample_gpu()
 
     def _export_spec(self, total: SpecDecodeStats) -> None:
         # Ray counters take increments: export what changed since the last step.
@@ -48,7 +56,11 @@ class EngineMetrics:
                                          list(total.accepted_per_pos))
 
     def step_p95_ms(self) -> float | None:
-        if not self.step_ms:
+        """p95 of the steps of the last STEP_WINDOW_S seconds (None when the lane was idle)."""
+        horizon = time.monotonic() - STEP_WINDOW_S
+        while self._steps and self._steps[0][0] < horizon:
+            self._steps.popleft()
+        if not self._steps:
             return None
-        ordered = sorted(self.step_ms)
+        ordered = sorted(ms for _, ms in self._steps)
         return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]

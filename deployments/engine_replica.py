@@ -32,7 +32,7 @@ class EngineServer:
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
         self.metrics = EngineMetrics("decode" if mode in ("pd", "pdv") else "engine", mode)
         core = engine_factory(loop=loop, prefill=prefill, verify=verify)
-        self.engine = AsyncEngine(core, on_step=self.metrics.on_step)
+        self.engine = AsyncEngine(core, on_step=self.metrics.on_step, on_idle=self.metrics.on_idle)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str

@@ -130,17 +130,21 @@ class Ingress:
                 async for out in gen:
                     if isinstance(out, RequestOutput) and out.token_ids and first_token_at is None:
                         first_token_at = time.perf_counter()
+                    if isinstance(out, RequestOutput) and out.finished:
+                        # Counted before the client sees the end, so stats read after [DONE] include it.
+                        self._record(out, start, first_token_at)
                     last = out
                     yield out
         except TimeoutError:
-            yield RequestOutput(rid, [], "", True, "error", error=f"timed out after {self.cfg.request_timeout_s} s")
+            last = RequestOutput(rid, [], "", True, "error", error=f"timed out after {self.cfg.request_timeout_s} s")
+            self._record(last, start, first_token_at)
+            yield last
         finally:
             gen.cancel()
-            self._record(last, start, first_token_at)
+            if isinstance(last, RequestOutput) and not last.finished:
+                self._record(last, start, first_token_at)  # the client left, or the request timed out
 
-    def _record(self, last, start: float, first_token_at: float | None) -> None:
-        if not isinstance(last, RequestOutput):
-            return
+    def _record(self, last: RequestOutput, start: float, first_token_at: float | None) -> None:
         status = "completed" if last.finished and not last.error else ("failed" if last.error else "cancelled")
         if last.finished:
             self.totals.merge(last.stats)

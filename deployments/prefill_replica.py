@@ -42,6 +42,7 @@ class PrefillServer:
             return [await self._hand_over(job, kv) for job, kv in zip(jobs, kvs)]
         finally:
             self.pending -= len(jobs)
+            self.metrics.set_queue_depth(self.pending)
 
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over),

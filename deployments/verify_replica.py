@@ -65,6 +65,7 @@ class VerifyServer:
             self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
         finally:
             self.pending_rows -= rows
+            self.metrics.set_queue_depth(self.pending_rows)
         pool = self.lane.pool
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
         return split_result(result, [len(b.target_slots) for b in batches])

@@ -33,9 +33,11 @@ class _Client:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, on_step: Callable[[EngineCore, float, int], None] | None = None):
+    def __init__(self, core: EngineCore, on_step: Callable[[EngineCore, float, int], None] | None = None,
+                 on_idle: Callable[[EngineCore], None] | None = None):
         self.core = core
         self.on_step = on_step  # (core, step_time_ms, batch_size), on the engine thread after each step
+        self.on_idle = on_idle  # (core), on the engine thread about every IDLE_WAIT_S while idle
         self._inbox: deque[Callable[[], None]] = deque()
         self._clients: dict[str, _Client] = {}
         self._wake = threading.Event()
@@ -116,6 +118,8 @@ class AsyncEngine:
             while self._inbox:
                 self._guard(self._inbox.popleft())
             if not self.core.has_work:
+                if self.on_idle is not None:
+                    self._guard(lambda: self.on_idle(self.core))
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             self._guard(self._step)

@@ -12,7 +12,6 @@ import torch
 
 from lanes.kv_pool import KVPool
 from lanes.prefill import PrefillChunk, PrefillLane
-from lanes.sampling import SamplingTensors
 from lanes.scheduler import Scheduler
 from lanes.sequence import SeqStatus, Sequence
 from lanes.streams import on
@@ -86,10 +85,8 @@ class LocalPrefiller:
         chunks = scheduler.prefill_chunks(budget_tokens)
         if not chunks:
             return
-        seqs = [c.seq for c in chunks]
         with on(self.stream):
-            st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.lane.target.device)
-            first = self.lane.run(chunks, st)
+            first = self.lane.run(chunks)
             if self.stream is None:
                 self._launched = _Launched(chunks, first, None)
                 return

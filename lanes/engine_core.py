@@ -23,7 +23,6 @@ from lanes.outputs import RequestOutput
 from lanes.params import ParamError, SamplingParams
 from lanes.prefill import PrefillLane
 from lanes.rollback import rollback_after_verify
-from lanes.sampling import SamplingTensors
 from lanes.scheduler import Scheduler
 from lanes.sequence import Sequence
 from lanes.spec_stats import SpecDecodeStats
@@ -54,8 +53,9 @@ class EngineConfig:
 
     @property
     def slot_capacity_tokens(self) -> int:
-        # Padded rows of a batched forward write past their own length; leave room for the widest.
-        return self.max_model_len + max(self.idle_prefill_tokens, self.max_draft_len + 2, CATCH_UP_CHUNK)
+        # Padded rows of a batched draft or catch-up forward write past their own length; leave
+        # room for the widest (prefill splits its batch instead: PrefillLane._fit).
+        return self.max_model_len + max(self.max_draft_len + 2, CATCH_UP_CHUNK)
 
 
 class EngineCore:

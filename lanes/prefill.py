@@ -42,9 +42,28 @@ class PrefillLane:
         self.target = target
         self.draft = draft
 
-    def run(self, chunks: list[PrefillChunk], st: SamplingTensors) -> torch.Tensor:
+    def run(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """Prefill `chunks`; return the target's first output token per row [B] (meaningful only
         for rows whose chunk completes the prompt). Stays on the device."""
+        together, alone = self._fit(chunks)
+        if not alone:
+            return self._run(chunks)
+        first: dict[int, torch.Tensor] = {}
+        for group in ([together] if together else []) + [[c] for c in alone]:
+            first.update(zip(map(id, group), self._run(group)))
+        return torch.stack([first[id(c)] for c in chunks])
+
+    def _fit(self, chunks: list[PrefillChunk]) -> tuple[list[PrefillChunk], list[PrefillChunk]]:
+        """Rows of one forward are padded to its widest chunk, and the padding is written to the
+        cache too. A continuing chunk whose padded write would pass its slot's end runs alone
+        (unpadded), so slots need room for a prompt plus a draft, not plus a whole prefill budget."""
+        width = max(c.length for c in chunks)
+        capacity = self.target.pool.shape.capacity_tokens
+        fits = [c for c in chunks if c.start + width <= capacity]
+        return fits, [c for c in chunks if c.start + width > capacity]
+
+    def _run(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        st = SamplingTensors.build([c.seq.params for c in chunks], [c.seq.seed for c in chunks], self.target.device)
         rows = [c.token_ids for c in chunks]
         starts = [c.start for c in chunks]
         ids, last = pad_tokens(rows, self.target.device)

@@ -12,7 +12,6 @@ import torch
 from lanes.model_runner import ModelRunner
 from lanes.params import SamplingParams
 from lanes.prefill import PrefillLane, plan_chunks
-from lanes.sampling import SamplingTensors
 from lanes.sequence import Sequence
 
 
@@ -60,8 +59,7 @@ class PromptPrefiller:
         first: dict[str, int] = {}
         while len(first) < len(seqs):
             chunks = plan_chunks([s for s in seqs if s.request_id not in first], self.chunk_tokens)
-            st = SamplingTensors.build([c.seq.params for c in chunks], [c.seq.seed for c in chunks], target.device)
-            tokens = lane.run(chunks, st).cpu().tolist()
+            tokens = lane.run(chunks).cpu().tolist()
             for chunk, token in zip(chunks, tokens):
                 chunk.seq.num_prefilled += chunk.length
                 if chunk.completes_prompt:

@@ -215,3 +215,22 @@ def test_a_long_prompt_never_stalls_decoding(llama_pair):
         assert "short" in produced
         steps_while_prefilling += 1
     assert steps_while_prefilling >= 250 // 32  # the prompt really took several chunks
+
+
+def test_prefill_batches_never_write_past_a_slot(llama_pair):
+    """Slots hold a prompt plus a draft, not plus a prefill budget: a continuing chunk that its
+    batch's padding would push past the slot's end is prefilled on its own, and outputs stay exact."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft, max_model_len=320, prefill_chunk_tokens=200, idle_prefill_tokens=200)
+    lane = engine.prefiller.lane
+    split = []
+    fit = lane._fit
+    lane._fit = lambda chunks: split.append(fit(chunks)[1]) or fit(chunks)
+    # Step 1 prefills 200 tokens of the first prompt; step 2 its last 10 beside 190 of the second,
+    # so the continuing chunk (start 200) padded to 190 would end past the slot (320 + 64).
+    prompts = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in (210, 250, 3)]
+    outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True))
+                                         for i, p in enumerate(prompts)})
+    assert any(split), "no batch needed splitting: the test did not reach the case it is for"
+    for i, p in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(target, p, 12)
