@@ -55,7 +55,8 @@ def _split_kernel(
         keys = start + block * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < stop
         k = tl.load(k_base + keys[:, None] * stride_kn + dims[None, :], mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        # The cast comes after the scale: under torch.compile a Python-float scale arrives as fp64.
+        s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         visible = key_ok[None, :] & (keys[None, :] <= row_last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
