@@ -229,7 +229,6 @@ def main() -> None:
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "4")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

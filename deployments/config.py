@@ -133,6 +133,3 @@ class AppConfig(_Strict):
     @property
     def lanes(self) -> tuple[str, ...]:
         return MODE_LANES[self.mode]
-
-    def gpus_requested(self) -> float:
-        return sum(getattr(self, lane).num_gpus for lane in self.lanes)

@@ -21,7 +21,6 @@ class DraftProposal:
     probs: torch.Tensor | None  # [B, L, V] the distribution q each token was drawn from; None when
     # every row is greedy (q is then one-hot at the token, and 4 bytes a token travel instead of 4 V)
     num_draft: torch.Tensor  # [B] int64 on the device
-    num_draft_host: list[int]
 
     @classmethod
     def empty(cls, batch: int, device) -> "DraftProposal":
@@ -29,7 +28,6 @@ class DraftProposal:
             torch.zeros(batch, 0, dtype=torch.long, device=device),
             None,
             torch.zeros(batch, dtype=torch.long, device=device),
-            [0] * batch,
         )
 
 
@@ -58,7 +56,7 @@ class DraftLane:
                 # Fed everything up to draft n - 1; draft n was sampled but not fed.
                 self.runner.pool.lengths[seq.draft_slot] = len(seq.token_ids) + n - 1
         num_draft = to_device(draft_lens, torch.long, device)
-        return DraftProposal(full_tokens, full_probs, num_draft, list(draft_lens))
+        return DraftProposal(full_tokens, full_probs, num_draft)
 
     def _draft(self, seqs: list[Sequence], max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         pool = self.runner.pool

@@ -76,9 +76,10 @@ class ModelRunner:
         ).last_hidden_state
 
     def _kernel_fits(self, q_len: int) -> bool:
-        from lanes.triton_attention import MAX_ROWS
+        from lanes.triton_attention import MAX_ROWS, head_dim_supported
 
-        return self.attention_kernel and q_len * self._group <= MAX_ROWS
+        return (self.attention_kernel and q_len * self._group <= MAX_ROWS
+                and head_dim_supported(self.pool.shape.head_dim))
 
     def _meta(self, slot_ids, starts, positions, longest: int | None) -> PoolAttentionMeta:
         from lanes.triton_attention import split_count

@@ -42,10 +42,6 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids) :]
-
-    @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - self.num_output_tokens
 

@@ -105,10 +105,9 @@ def _merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-def supports(query: torch.Tensor, num_kv_heads: int) -> bool:
-    """Whether the kernel handles this shape (few query tokens; head_dim a power of two >= 16)."""
-    _, heads, q_len, head_dim = query.shape
-    return q_len * (heads // num_kv_heads) <= MAX_ROWS and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+def head_dim_supported(head_dim: int) -> bool:
+    """tl.arange over the head dimension needs a power of two; tl.dot needs at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def split_count(capacity_tokens: int, batch: int, kv_heads: int, num_sms: int) -> int:

@@ -58,3 +58,10 @@ def test_engine_with_the_kernel_equals_target_greedy(llama_pair):
     finally:
         target.model.double()
         draft.model.double()
+
+
+def test_head_dims_the_kernel_cannot_take_fall_back_to_the_gathered_path():
+    from lanes.triton_attention import head_dim_supported
+
+    assert head_dim_supported(16) and head_dim_supported(128)
+    assert not head_dim_supported(8) and not head_dim_supported(80) and not head_dim_supported(96)
