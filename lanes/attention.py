@@ -36,11 +36,17 @@ def pool_attention_forward(module, query, key, value, attention_mask, dropout: f
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if pool_meta.use_kernel:
+    return attend(query, key, value, pool_meta, scale), None
+
+
+def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PoolAttentionMeta,
+           scale: float) -> torch.Tensor:
+    """query [B, H, Q, D] over each row's slot of the layer pools [slots, kv_heads, capacity, D] -> [B, Q, H, D]."""
+    if meta.use_kernel:
         from lanes.triton_attention import pool_attention
 
-        return pool_attention(query, key, value, pool_meta.slot_ids, pool_meta.kv_lens, scale, pool_meta.splits), None
-    return _gathered_attention(query, key, value, pool_meta, scale), None
+        return pool_attention(query, k_pool, v_pool, meta.slot_ids, meta.kv_lens, scale, meta.splits)
+    return _gathered_attention(query, k_pool, v_pool, meta, scale)
 
 
 def _gathered_attention(query, k_pool, v_pool, meta: PoolAttentionMeta, scale: float) -> torch.Tensor:

@@ -42,6 +42,7 @@ class EngineConfig:
     idle_prefill_tokens: int = 2048  # prefill budget per step when nothing is decoding
     attention_kernel: bool | None = None  # in-place pool attention for decode/verify (None: on CUDA)
     cuda_graphs: bool | None = None  # replay decode/verify forwards as CUDA graphs (None: with the kernel on CUDA)
+    fused_layers: bool | None = None  # our fused Llama-family layers instead of HF's modules (None: where supported)
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -275,7 +276,7 @@ class EngineCore:
 def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
     shape = PoolShape.for_model(model.config, config.max_num_seqs, config.slot_capacity_tokens)
     return ModelRunner(model, KVPool(shape, model.dtype, next(model.parameters()).device), config.attention_kernel,
-                       config.cuda_graphs)
+                       config.cuda_graphs, config.fused_layers)
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

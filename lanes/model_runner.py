@@ -5,6 +5,7 @@ import torch
 from lanes.attention import POOL_ATTENTION, PoolAttentionMeta
 from lanes.batching import to_device
 from lanes.cuda_graphs import GraphedForward
+from lanes.fused_decoder import FusedDecoder, supports
 from lanes.kv_pool import KVPool
 from lanes.pool_cache import PoolCache
 
@@ -14,7 +15,7 @@ GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer i
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, fused_layers: bool | None = None):
         self.model = model
         self.pool = pool
         self.device = pool.kv.device
@@ -30,6 +31,9 @@ class ModelRunner:
         self.attention_kernel = self.device.type == "cuda" if attention_kernel is None else attention_kernel
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self._neg = torch.finfo(model.dtype).min
+        # Llama-family models run our fused layers (Triton on CUDA, torch on CPU); others run HF's modules.
+        use_fused = supports(model) if fused_layers is None else fused_layers
+        self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel) if use_fused else None
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
 
@@ -65,6 +69,8 @@ class ModelRunner:
     def _hidden(self, slot_ids, starts, input_ids, longest: int | None) -> torch.Tensor:
         positions = starts[:, None].long() + torch.arange(input_ids.shape[1], device=self.device)  # [B, Q]
         meta = self._meta(slot_ids, starts, positions, longest)
+        if self.fused is not None:
+            return self.fused(input_ids, meta)
         return self.decoder(
             input_ids=input_ids,
             # A prepared 4D mask makes HF skip its own mask building; pool attention ignores it.

@@ -1,0 +1,154 @@
+"""The elementwise work of a Llama-family layer as one kernel each: residual add + RMSNorm,
+rotary embedding + KV-pool write, SiLU-and-multiply.
+
+Unfused, HF spends ~35 small kernels a layer on these (norms alone are six), which on a small draft
+model costs as much GPU time as the GEMMs (benchmarks/profile_steps.py). Each function has a Triton
+kernel (CUDA; tests run it under TRITON_INTERPRET=1 on CPU) and a torch path with HF's exact
+arithmetic (CPU serving). Rounding follows HF: values are rounded to the model dtype where HF's
+eager code rounds them, so bf16 results match HF's to the last bit or one ulp.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# ---- residual add + RMSNorm --------------------------------------------------------------------
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, hidden,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * hidden + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        # HF adds in the model dtype: round the sum before normalising it.
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * hidden + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * hidden + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] -> (RMSNorm(x + residual) * weight, x + residual). Without a residual
+    (the first layer) the new residual stream is x itself."""
+    if not use_triton:
+        summed = x if residual is None else residual + x
+        variance = summed.float().pow(2).mean(-1, keepdim=True)
+        normed = (summed.float() * torch.rsqrt(variance + eps)).to(summed.dtype)
+        return weight * normed, summed
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    res_out = x if residual is None else torch.empty_like(x)
+    _add_rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out, eps, hidden,
+                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+    return out, res_out
+
+
+# ---- rotary embedding + KV write ----------------------------------------------------------------
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, start_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr,
+                       q_len, stride_ks, stride_kh, stride_kn,
+                       Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # 0 .. Q_HEADS + 2 * KV_HEADS - 1: query heads, key heads, value heads
+    row = token // q_len
+    pos = tl.load(start_ptr + row).to(tl.int64) + token % q_len
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    src = qkv_ptr + (token * (Q_HEADS + 2 * KV_HEADS) + head) * 2 * HALF
+    x1 = tl.load(src + dims)
+    x2 = tl.load(src + HALF + dims)
+    if head >= Q_HEADS + KV_HEADS:  # value: stored as is
+        dst = v_pool_ptr + slot * stride_ks + (head - Q_HEADS - KV_HEADS) * stride_kh + pos * stride_kn
+        tl.store(dst + dims, x1)
+        tl.store(dst + HALF + dims, x2)
+    else:
+        c = tl.load(cos_ptr + pos * HALF + dims).to(tl.float32)
+        s = tl.load(sin_ptr + pos * HALF + dims).to(tl.float32)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        out1 = (x1f * c - x2f * s).to(x1.dtype)
+        out2 = (x2f * c + x1f * s).to(x1.dtype)
+        if head < Q_HEADS:
+            dst = q_out_ptr + (token * Q_HEADS + head) * 2 * HALF
+        else:
+            dst = k_pool_ptr + slot * stride_ks + (head - Q_HEADS) * stride_kh + pos * stride_kn
+        tl.store(dst + dims, out1)
+        tl.store(dst + HALF + dims, out2)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ids: torch.Tensor,
+               starts: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, q_heads: int,
+               use_triton: bool) -> torch.Tensor:
+    """Rotate the new queries and keys, write keys and values into their rows' slots.
+
+    qkv [B, Q, (q_heads + 2 kv_heads) * D], the fused projection; cos/sin [positions, D/2], HF's
+    table (rounded to the model dtype); row b's tokens sit at starts[b] .. starts[b] + Q - 1 of
+    slot slot_ids[b]; pools [slots, kv_heads, capacity, D]. Returns the rotated queries [B, Q, q_heads, D].
+    """
+    batch, q_len, _ = qkv.shape
+    kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
+    if not use_triton:
+        return _rope_store_torch(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads)
+    assert qkv.is_contiguous() and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
+    q_out = torch.empty(batch, q_len, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_store_kernel[(batch * q_len, q_heads + 2 * kv_heads)](
+        qkv, cos, sin, slot_ids, starts, q_out, k_pool, v_pool, q_len,
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
+    )
+    return q_out
+
+
+def _rope_store_torch(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads: int) -> torch.Tensor:
+    batch, q_len, _ = qkv.shape
+    kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
+    heads = qkv.view(batch, q_len, q_heads + 2 * kv_heads, head_dim)
+    query, key, value = heads.split([q_heads, kv_heads, kv_heads], dim=2)  # [B, Q, heads, D]
+    positions = starts[:, None].long() + torch.arange(q_len, device=qkv.device)  # [B, Q]
+    cos_full = torch.cat((cos[positions], cos[positions]), dim=-1)[:, :, None]  # [B, Q, 1, D]
+    sin_full = torch.cat((sin[positions], sin[positions]), dim=-1)[:, :, None]
+    slot_rows = slot_ids[:, None].expand_as(positions)
+    k_pool[slot_rows, :, positions] = key * cos_full + rotate_half(key) * sin_full
+    v_pool[slot_rows, :, positions] = value
+    return query * cos_full + rotate_half(query) * sin_full
+
+
+# ---- SiLU and multiply ----------------------------------------------------------------------------
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(gate_up_ptr + row * 2 * inter + cols, mask=ok, other=0.0)
+    up = tl.load(gate_up_ptr + row * 2 * inter + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # HF rounds the activation first
+    tl.store(out_ptr + row * inter + cols, (act * up).to(gate.dtype), mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    """gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    inter = gate_up.shape[-1] // 2
+    if not use_triton:
+        return torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    assert gate_up.is_contiguous()
+    rows = gate_up.numel() // (2 * inter)
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    return out

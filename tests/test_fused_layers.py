@@ -1,0 +1,117 @@
+"""The fused Llama-family layers: each Triton kernel (run by Triton's interpreter) against the torch
+path and HF's modules, the whole decoder against HF's hidden states, and the HF path kept working."""
+
+import pytest
+import torch
+
+from lanes.fused_decoder import FusedDecoder, supports
+from lanes.fused_ops import add_rms_norm, rope_store, silu_and_mul
+from lanes.kv_pool import KVPool, PoolShape
+from lanes.models import build_random_model
+from lanes.params import SamplingParams
+from tests.conftest import ARCH_CONFIGS, VOCAB
+from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
+
+# Triton's CPU interpreter truncates to bf16 where the GPU rounds to nearest: allow two bf16 ulps
+# (two roundings) for kernels run here; float32 must agree to float32 precision.
+KERNEL_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-6, atol=1e-5)}
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_hf_rounding(with_residual, dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    summed = res + x if with_residual else x
+    residual = res if with_residual else None
+    for use_triton in (False, True):
+        out, new_res = add_rms_norm(x, residual, norm.weight, 1e-5, use_triton)
+        # the torch path is HF's exact arithmetic
+        tol = KERNEL_TOL[dtype] if use_triton else dict(rtol=0, atol=0)
+        torch.testing.assert_close(new_res, summed, **tol)
+        torch.testing.assert_close(out, norm(new_res), **tol)  # the norm of the stream it returned
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_kernel_matches_hf_mlp_activation(dtype):
+    gate_up = torch.randn(7, 2 * 300, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = torch.nn.functional.silu(gate_up[:, :300]) * gate_up[:, 300:]
+    assert torch.equal(silu_and_mul(gate_up, False), ref)
+    torch.testing.assert_close(silu_and_mul(gate_up, True), ref, **KERNEL_TOL[dtype])
+
+
+def test_rope_store_kernel_matches_torch_path_and_writes_only_the_new_positions():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(2)
+    q_heads, kv_heads, dim, batch, q_len, capacity = 4, 2, 16, 3, 5, 40
+    qkv = torch.randn(batch, q_len, (q_heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(capacity, dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slot_ids, starts = torch.tensor([3, 0, 1]), torch.tensor([0, 7, 30], dtype=torch.int32)
+    pools = {}
+    for use_triton in (False, True):
+        k_pool, v_pool = torch.zeros(2, 5, kv_heads, capacity, dim).unbind(0)
+        query = rope_store(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads, use_triton)
+        pools[use_triton] = (query, k_pool, v_pool)
+    for got, want in zip(pools[True], pools[False]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    query, k_pool, v_pool = pools[False]
+    # Against HF's rotary on row 1 (positions 7..11).
+    heads = qkv[1].view(q_len, q_heads + 2 * kv_heads, dim)
+    positions = torch.arange(7, 12)
+    full_cos = torch.cat((cos[positions], cos[positions]), -1)[None]
+    full_sin = torch.cat((sin[positions], sin[positions]), -1)[None]
+    q_ref, k_ref = apply_rotary_pos_emb(heads[None, :, :q_heads].transpose(1, 2),
+                                        heads[None, :, q_heads:q_heads + kv_heads].transpose(1, 2), full_cos, full_sin)
+    torch.testing.assert_close(query[1], q_ref[0].transpose(0, 1))
+    torch.testing.assert_close(k_pool[0, :, 7:12], k_ref[0])
+    torch.testing.assert_close(v_pool[0, :, 7:12], heads[:, q_heads + kv_heads:].transpose(0, 1))
+    written = torch.zeros(5, capacity, dtype=torch.bool)
+    for slot, start in zip(slot_ids.tolist(), starts.tolist()):
+        written[slot, start:start + q_len] = True
+    assert (k_pool.abs().sum((1, 3)) > 0).eq(written).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_decoder_equals_hf_hidden_states_and_shares_the_weights(arch):
+    model = build_random_model(ARCH_CONFIGS[arch], dtype="float64", seed=3).model
+    assert supports(model)
+    bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
+    pool = KVPool(PoolShape.for_model(model.config, 2, 64), model.dtype, "cpu")
+    decoder = FusedDecoder(model, pool, use_triton=False)
+    attn = model.get_decoder().layers[0].self_attn
+    qkv = decoder.layers[0].qkv_w
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == bytes_before
+    from lanes.attention import PoolAttentionMeta
+
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(9).expand(2, 9)
+    mask = torch.where(torch.arange(64)[None, None] <= positions[:, :, None], 0.0, float("-inf")).double()[:, None]
+    meta = PoolAttentionMeta(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.int32), 64, mask, 1, False)
+    with torch.inference_mode():
+        ref = model.get_decoder()(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(decoder(ids, meta), ref)
+
+
+def test_unsupported_architectures_keep_the_hf_modules():
+    gpt2 = build_random_model(dict(model_type="gpt2", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).model
+    assert not supports(gpt2)
+    windowed = build_random_model({**ARCH_CONFIGS["qwen2"], "use_sliding_window": True, "sliding_window": 16}).model
+    assert not supports(windowed)
+
+
+def test_hf_module_path_still_decodes_greedy_equal(llama_pair):
+    target, draft = llama_pair
+    prompts = random_prompts(4, VOCAB, 2, 60, seed=21)
+    engine = small_engine(target, draft, fused_layers=False, num_speculative_tokens=3)
+    assert engine.draft.fused is None
+    outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True))
+                                         for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(target, p, 12)
