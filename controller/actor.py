@@ -21,6 +21,9 @@ Signals, as read from the replicas' `stats()`:
                             capacity); other modes: running requests / max_num_seqs, over decode replicas.
     decode_step_p95_ms      max over decode replicas of their step-time p95 (the slowest bounds latency).
     arrival_rate_rps        generate() calls on decode replicas since the previous read, per second.
+    requests_per_verify_batch  requests in flight (running + waiting + prefilling) per verify batch: pdv:
+                            over all decode replicas, per verify replica; other modes: the busiest decode
+                            replica's.
     requests                per request: spec-decode counter deltas since the previous read. A request's
                             last steps before it finishes fall between two reads and are not seen.
 """
@@ -60,6 +63,7 @@ class SignalReader:
             verify_batch_occupancy=batch_occupancy(decode, verify),
             decode_step_p95_ms=max(s["step_p95_ms"] or 0.0 for s in decode),
             arrival_rate_rps=self._arrival_rate(sum(s["num_arrivals"] for s in decode), now_s),
+            requests_per_verify_batch=requests_per_verify_batch(decode, verify),
             requests=self._request_deltas(decode),
         )
 
@@ -87,6 +91,14 @@ def batch_occupancy(decode: list[dict], verify: list[dict]) -> float:
     else:
         used, total = sum(s["running"] for s in decode), sum(s["max_num_seqs"] for s in decode)
     return min(1.0, used / total) if total else 0.0
+
+
+def requests_per_verify_batch(decode: list[dict], verify: list[dict]) -> float:
+    in_flight = [s["running"] + s["waiting"] + s["prefilling"] for s in decode]
+    if verify:  # pdv: the verify lane batches the requests of every decode replica together
+        return sum(in_flight) / len(verify)
+    # Co-located modes: each decode replica verifies its own running set; the busiest bounds latency.
+    return float(max(in_flight))
 
 
 def desired_lengths(decision: Decision) -> tuple[int, dict[str, int]]:
@@ -148,8 +160,8 @@ class ControllerServer:
         d = self.last
         return {"decision_index": self.policy.decision_index, "default_draft_len": d.default_draft_len,
                 "per_request_draft_len": d.per_request_draft_len, "load": str(d.load),
-                "fleet_accept_rate": d.fleet_accept_rate, "reason": d.reason, "signals": asdict(d.signals),
-                "num_pushes": self.num_pushes}
+                "fleet_accept_rate": d.fleet_accept_rate, "draft_len_cap": d.draft_len_cap, "reason": d.reason,
+                "signals": asdict(d.signals), "num_pushes": self.num_pushes}
 
     async def _run(self) -> None:
         while True:
@@ -184,10 +196,10 @@ class ControllerServer:
         self.last = decision
         self.metrics.observe(decision)
         log.info("controller decision %d%s: %s | signals: verify_queue_depth=%d occupancy=%.2f "
-                 "decode_step_p95_ms=%.1f arrival_rate_rps=%.2f requests=%d", self.policy.decision_index,
-                 " (pushed)" if pushed else "", decision.reason, signals.verify_queue_depth,
-                 signals.verify_batch_occupancy, signals.decode_step_p95_ms, signals.arrival_rate_rps,
-                 len(signals.requests))
+                 "decode_step_p95_ms=%.1f arrival_rate_rps=%.2f requests_per_verify_batch=%.1f requests=%d",
+                 self.policy.decision_index, " (pushed)" if pushed else "", decision.reason,
+                 signals.verify_queue_depth, signals.verify_batch_occupancy, signals.decode_step_p95_ms,
+                 signals.arrival_rate_rps, signals.requests_per_verify_batch, len(signals.requests))
 
 
 async def _broadcast(handle, method: str, *args) -> list:

@@ -57,6 +57,20 @@ class ControllerConfig(BaseModel):
         default=0.8, gt=0, lt=1, description="Decode p95 must be at most this fraction of "
         "`target_decode_p95_ms` for the lanes to count as having headroom (room to raise L).",
     )
+    shed_margin_frac: float = Field(
+        default=0.5, gt=0, description="Decode p95 more than this fraction above `target_decode_p95_ms` is "
+        "overload to shed at once: the default L is cut, without waiting for `lower_dwell` and past "
+        "`max_step`, to floor((L + 1) * target / p95) - 1, so that the tokens per step (and with them the "
+        "step time) shrink by target / p95.",
+    )
+    verify_token_budget: int | None = Field(
+        default=None, ge=1, description="Tokens one verify batch holds, sum of (L + 1) over its requests, "
+        "beyond which longer drafts cost more than they yield. Caps the default L at "
+        "floor(budget / n) - 1 for n requests in flight per verify batch (`requests_per_verify_batch`): the "
+        "cap follows the load before a queue forms, and lowers L past `max_step` in one move (after "
+        "`lower_dwell`); raising L needs the cap to hold at n / `decode_headroom_frac`. A value: "
+        "max_num_seqs * (L + 1) for the L that a calibration run finds best at a full batch. None: no cap.",
+    )
     verify_queue_high: int = Field(
         default=32, ge=1, description="Verify-lane queue depth, in requests waiting for a verify batch slot, "
         "at or above which the verify lane counts as saturated.",

@@ -5,11 +5,15 @@ What it decides
     - a default draft length L (used for every request a replica has no per-request L for, and the cap of
       all per-request L): driven to `min_draft_len` (0 = speculation off) while the lanes saturate, raised
       while there is headroom and the fleet's acceptance pays for it, up to the longest L that any
-      request's acceptance rate justifies;
+      request's acceptance rate justifies, and never above a load cap: the longest L whose verify batches,
+      with the requests now in flight, stay within `verify_token_budget` tokens;
     - a per-request L: the L that maximises expected tokens per unit cost for that request's acceptance
       rate, capped by the default, so requests whose drafts keep failing get shorter drafts.
     Every L moves at most `max_step` per decision, and only after `raise_dwell` / `lower_dwell`
-    consecutive decisions point the same way; queue and acceptance thresholds come in low/high pairs.
+    consecutive decisions point the same way; queue, acceptance and load-cap thresholds come in low/high
+    pairs. Load is shed faster than it is taken: a default L above the load cap falls to it in one move
+    (after `lower_dwell`), a decode p95 beyond `shed_margin_frac` over its target cuts it at once in
+    proportion, and a per-request L above the default falls to it at once; rises stay stepped.
 
 How the controller actor applies it (controller/actor.py)
     Decode replicas (DecodeLane) expose:
@@ -29,6 +33,7 @@ How the controller actor applies it (controller/actor.py)
         4. exports the decision as metrics and logs decision.reason together with decision.signals.
 """
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Self
@@ -66,6 +71,8 @@ class PolicyState:
     default: LenKnob
     requests: dict[str, RequestState]  # never mutated: every decision builds a new dict
     arrival_rate_ewma_rps: float | None
+    in_flight_ewma: float | None = None  # EWMA of requests_per_verify_batch
+    in_flight_last: float = 0.0  # requests_per_verify_batch of the previous decision
 
     @classmethod
     def initial(cls, config: ControllerConfig) -> Self:
@@ -80,6 +87,7 @@ class Decision:
     per_request_draft_len: dict[str, int]
     load: Load
     fleet_accept_rate: float | None  # per-token a, mean over requests that drafted; None if none did
+    draft_len_cap: int  # the highest default L the load allowed this decision (load cap, p95 shed)
     reason: str
     signals: LaneSignals
 
@@ -123,6 +131,26 @@ def classify_load(signals: LaneSignals, config: ControllerConfig) -> tuple[Load,
     return Load.STEADY, f"verify_queue_depth={queue}, decode_step_p95_ms={p95_ms:.1f}, occupancy={occupancy:.2f}"
 
 
+def load_cap_draft_len(requests_per_batch: float, config: ControllerConfig) -> int:
+    """The longest L at which `requests_per_batch` requests fit a verify batch of `verify_token_budget`
+    tokens, n (L + 1) <= budget, within [min_draft_len, max_draft_len]. No cap (max_draft_len) without a
+    budget or without requests."""
+    if config.verify_token_budget is None or requests_per_batch <= 0:
+        return config.max_draft_len
+    fit = math.floor(config.verify_token_budget / requests_per_batch) - 1
+    return min(config.max_draft_len, max(config.min_draft_len, fit))
+
+
+def shed_draft_len(current: int, decode_p95_ms: float, config: ControllerConfig) -> int | None:
+    """Where a decode p95 beyond `shed_margin_frac` over its target cuts the default L at once; None when
+    the p95 is within the margin. A step's time grows with the tokens it verifies, L + 1 per request, so
+    those are scaled by target / p95 (at least: on fixed per-step overhead the cut repeats next decision)."""
+    target_ms = config.target_decode_p95_ms
+    if decode_p95_ms <= (1.0 + config.shed_margin_frac) * target_ms:
+        return None
+    return max(config.min_draft_len, min(current, math.floor((current + 1) * target_ms / decode_p95_ms) - 1))
+
+
 def is_arrival_surge(arrival_rate_rps: float, arrival_rate_ewma_rps: float | None, surge_ratio: float) -> bool:
     # The queue only grows after a surge has arrived; holding L while arrivals outrun their average keeps
     # the controller from raising L into a ramp it has not seen in the queue yet.
@@ -143,10 +171,17 @@ def wanted_draft_len(accept_rates: dict[str, float | None], config: ControllerCo
 
 
 def default_target(
-    current: int, load: Load, wanted: int, fleet_accept: float | None, surge: bool, config: ControllerConfig
+    current: int,
+    load: Load,
+    wanted: int,
+    fleet_accept: float | None,
+    surge: bool,
+    raise_cap: int,
+    config: ControllerConfig,
 ) -> tuple[int, str]:
     """Where the default L should head this decision, and why. `fleet_accept` is None when nothing was
-    drafted (e.g. at L = 0): no evidence, so it neither blocks a raise nor forces a cut."""
+    drafted (e.g. at L = 0): no evidence, so it neither blocks a raise nor forces a cut. `raise_cap` is
+    the load cap with headroom: the highest L a raise may head for."""
     if load is Load.SATURATED:
         return config.min_draft_len, "saturated: shed draft tokens"
     if wanted > current:
@@ -156,7 +191,9 @@ def default_target(
             return current, f"hold: requests want {wanted} but arrivals are surging"
         if fleet_accept is not None and fleet_accept < config.accept_raise_min:
             return current, f"hold: requests want {wanted} but fleet acceptance < {config.accept_raise_min}"
-        return wanted, f"raise: headroom and requests want {wanted}"
+        if raise_cap <= current:
+            return current, f"hold: requests want {wanted} but the load cap with headroom is {raise_cap}"
+        return min(wanted, raise_cap), f"raise: headroom and requests want {wanted}"
     if wanted < current and fleet_accept is not None and fleet_accept < config.accept_lower_below:
         return wanted, f"lower: fleet acceptance < {config.accept_lower_below}, requests want {wanted}"
     return current, "hold"
@@ -171,19 +208,28 @@ def request_target(current: int, accept_rate: float | None, default_len: int, co
     return sticky_optimal_draft_len(accept_rate, current, lo, default_len, config)
 
 
-def step_toward(knob: LenKnob, target: int, config: ControllerConfig, force: bool = False) -> LenKnob:
-    """One decision's move of `knob` toward `target`. `force` skips the dwell (used when the default L
-    fell below a request's L: the cap must hold at once)."""
+def step_toward(knob: LenKnob, target: int, config: ControllerConfig, max_step: int | None = None) -> LenKnob:
+    """One decision's move of `knob` toward `target`, by at most `max_step` (`config.max_step` unless
+    given), once `raise_dwell` / `lower_dwell` decisions in a row asked for the same direction."""
     direction = (target > knob.draft_len) - (target < knob.draft_len)
     if direction == 0:
         return LenKnob(knob.draft_len)
     # The streak is not reset by a move: sustained pressure keeps moving L every decision.
     streak = knob.streak + 1 if direction == knob.direction else 1
     dwell = config.raise_dwell if direction > 0 else config.lower_dwell
-    if streak < dwell and not force:
+    if streak < dwell:
         return LenKnob(knob.draft_len, direction, streak)
-    step = min(config.max_step, abs(target - knob.draft_len))
+    step = min(config.max_step if max_step is None else max_step, abs(target - knob.draft_len))
     return LenKnob(knob.draft_len + direction * step, direction, streak)
+
+
+def next_default(knob: LenKnob, target: int, load_cap: int, shed: int | None, config: ControllerConfig) -> LenKnob:
+    """The default L after this decision. A shed cuts at once. Above the load cap, L heads for the cap
+    with the usual dwell (one decision's burst of arrivals does not move it) but reaches it in one move,
+    past `max_step`: a load that outgrew L costs latency for every request in flight."""
+    if shed is not None and shed < knob.draft_len:
+        return LenKnob(shed, -1, knob.streak + 1 if knob.direction < 0 else 1)
+    return step_toward(knob, min(target, load_cap), config, max(config.max_step, knob.draft_len - load_cap))
 
 
 def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -> tuple[PolicyState, Decision]:
@@ -194,18 +240,27 @@ def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -
     wanted = wanted_draft_len(accept_rates, config)
     surge = is_arrival_surge(signals.arrival_rate_rps, state.arrival_rate_ewma_rps, config.arrival_surge_ratio)
     load, load_why = classify_load(signals, config)
-    target, target_why = default_target(state.default.draft_len, load, wanted, fleet_accept, surge, config)
-    default = step_toward(state.default, target, config)
+    current = state.default.draft_len
+    in_flight = signals.requests_per_verify_batch
+    load_cap = load_cap_draft_len(min(in_flight, state.in_flight_last), config)
+    # Cuts follow the count itself (after lower_dwell), raises its EWMA, and only while the cap holds at
+    # 1 / decode_headroom_frac times it: a band that the count's noise (Poisson arrivals) rarely crosses.
+    in_flight_ewma = ewma(state.in_flight_ewma, in_flight, config.ewma_alpha)
+    raise_cap = load_cap_draft_len(max(in_flight, in_flight_ewma) / config.decode_headroom_frac, config)
+    shed = shed_draft_len(current, signals.decode_step_p95_ms, config)
+    target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, config)
+    default = next_default(state.default, target, load_cap, shed, config)
     requests = _next_requests(state, signals, accept_rates, default.draft_len, index, config)
     arrival_ewma_rps = ewma(state.arrival_rate_ewma_rps, signals.arrival_rate_rps, config.ewma_alpha)
-    new_state = PolicyState(index, default, requests, arrival_ewma_rps)
+    new_state = PolicyState(index, default, requests, arrival_ewma_rps, in_flight_ewma, in_flight)
     per_request = {rid: r.knob.draft_len for rid, r in requests.items()}
+    cap = load_cap if shed is None else min(load_cap, shed)
     reason = (
-        f"{load}: {load_why}; default L {state.default.draft_len} -> {default.draft_len} "
-        f"(target {target}, {target_why}, streak {default.streak}); "
-        f"{_request_moves(state, requests)}; fleet acceptance {_fmt(fleet_accept)}"
+        f"{load}: {load_why}; default L {current} -> {default.draft_len} "
+        f"(target {target}, {target_why}{_cap_why(load_cap, in_flight, shed, config)}, "
+        f"streak {default.streak}); {_request_moves(state, requests)}; fleet acceptance {_fmt(fleet_accept)}"
     )
-    return new_state, Decision(default.draft_len, per_request, load, fleet_accept, reason, signals)
+    return new_state, Decision(default.draft_len, per_request, load, fleet_accept, cap, reason, signals)
 
 
 def _accept_rates(
@@ -244,8 +299,10 @@ def _next_requests(
             continue  # finished or moved away; bounded memory
         # A request new to the policy has been running at the previous default.
         knob = prev.knob if prev is not None else LenKnob(state.default.draft_len)
+        if knob.draft_len > default_len:
+            knob = LenKnob(default_len)  # the default caps every request's L, at once
         target = request_target(knob.draft_len, accept, default_len, config)
-        knob = step_toward(knob, target, config, force=knob.draft_len > default_len)
+        knob = step_toward(knob, target, config)
         requests[rid] = RequestState(knob, accept, last_seen)
     return requests
 
@@ -257,6 +314,15 @@ def _request_moves(state: PolicyState, requests: dict[str, RequestState]) -> str
     dropped = len(before.keys() - requests.keys())
     shorter, longer = sum(m < 0 for m in moves), sum(m > 0 for m in moves)
     return f"requests: {len(requests)} tracked, {shorter} shorter, {longer} longer, {dropped} dropped"
+
+
+def _cap_why(load_cap: int, in_flight: float, shed: int | None, config: ControllerConfig) -> str:
+    why = ""
+    if config.verify_token_budget is not None:
+        why += f", load cap {load_cap} at {in_flight:.1f} requests per verify batch"
+    if shed is not None:
+        why += f", shed to {shed}: decode p95 > {1 + config.shed_margin_frac:g} x target"
+    return why
 
 
 def _fmt(value: float | None) -> str:

@@ -38,10 +38,15 @@ class LaneSignals:
     verify_batch_occupancy: float  # mean fraction of the verify batch capacity in use, 0..1
     decode_step_p95_ms: float  # p95 latency of one decode-lane (draft) step
     arrival_rate_rps: float  # new requests per second at the ingress
+    # Requests in flight (running + queued) per verify batch, for the busiest batch: what the next verify
+    # batches will hold. It rises as soon as arrivals outrun completions, before a queue forms. 0 = unknown.
+    requests_per_verify_batch: float = 0.0
     requests: dict[str, RequestDraftStats] = field(default_factory=dict)  # request id -> counter deltas
 
     def __post_init__(self) -> None:
-        if self.verify_queue_depth < 0 or self.decode_step_p95_ms < 0 or self.arrival_rate_rps < 0:
+        signals = (self.verify_queue_depth, self.decode_step_p95_ms, self.arrival_rate_rps,
+                   self.requests_per_verify_batch)
+        if min(signals) < 0:
             raise ValueError(f"negative lane signal: {self}")
         if not 0.0 <= self.verify_batch_occupancy <= 1.0:
             raise ValueError(f"verify_batch_occupancy must lie in [0, 1], got {self.verify_batch_occupancy}")

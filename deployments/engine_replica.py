@@ -2,12 +2,15 @@
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ray import serve
 
 from deployments.engine_metrics import EngineMetrics
+from deployments.kv_transfer import Placement
+from deployments.timeline import TIMELINE, replica_report
 from lanes.async_engine import AsyncEngine
 from lanes.outputs import RequestOutput
 from lanes.params import ParamError, SamplingParams
@@ -30,9 +33,13 @@ class EngineServer:
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.
         loop = asyncio.get_event_loop()
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
-        self.metrics = EngineMetrics("decode" if mode in ("pd", "pdv") else "engine", mode)
+        self.lane = "decode" if mode in ("pd", "pdv") else "engine"
+        self.metrics = EngineMetrics(self.lane, mode)
         core = engine_factory(loop=loop, prefill=prefill, verify=verify)
-        self.engine = AsyncEngine(core, on_step=self.metrics.on_step, on_idle=self.metrics.on_idle)
+        # The draft runner's device, or the target's where there is no draft (nospec).
+        device = core.draft.device if core.draft is not None else core.verifier.pool.kv.device
+        self.placement_ = Placement.here(device)
+        self.engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str
@@ -65,6 +72,16 @@ class EngineServer:
                 "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
             }
         return await self.engine.call(read)
+
+    async def timeline(self, start_s: float = 0.0) -> dict:
+        """Where this replica runs and its engine steps (and, in pdv, its waits on the verify lane)
+        since `start_s` (deployments/timeline.py)."""
+        return replica_report(self.lane, self.placement_, start_s)
+
+    def _on_step(self, core, step_ms: float, batch_size: int) -> None:
+        end_s = time.time()
+        TIMELINE.record("step", end_s - step_ms / 1e3, end_s, rows=batch_size)
+        self.metrics.on_step(core, step_ms, batch_size)
 
     def __del__(self):
         self.engine.shutdown()

@@ -11,6 +11,7 @@ from deployments.lane_worker import LaneWorker
 from lanes.streams import PREFILL_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.remote import PrefillDone, PrefillJob
+from deployments.timeline import TIMELINE, replica_report
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
 
 
@@ -37,7 +38,9 @@ class PrefillServer:
         self.metrics.set_queue_depth(self.pending)
         try:
             start = time.perf_counter()
-            kvs = await self.worker.run(self.prefiller.prefill, [j.request for j in jobs])
+            tokens = sum(len(j.request.prompt_ids) for j in jobs)
+            kvs = await self.worker.run(TIMELINE.timed("prefill", self.prefiller.prefill, rows=len(jobs), tokens=tokens),
+                                        [j.request for j in jobs])
             self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(jobs))
             return [await self._hand_over(job, kv) for job, kv in zip(jobs, kvs)]
         finally:
@@ -48,19 +51,30 @@ class PrefillServer:
         return {"pending": self.pending, "handed_over": dict(self.handed_over),
                 "verify_in_place": self._verify_in_place}
 
+    async def timeline(self, start_s: float = 0.0) -> dict:
+        """Where this replica runs, its prefill forwards and each request's KV hand-over since `start_s`."""
+        return replica_report("prefill", self.placement_, start_s)
+
     async def _hand_over(self, job: PrefillJob, kv: PrefilledKV) -> PrefillDone:
+        start_s, target = time.time(), "none"
         done = PrefillDone(kv.first_token, None, None, None)
         if job.draft_pool is not None:
             await self.worker.run(self._write_in_place, job.draft_pool, job.draft_slot, kv.draft_kv)
         elif kv.draft_kv is not None:
-            done.draft_kv = kv.draft_kv.cpu()
+            done.draft_kv = await self.worker.run(kv.draft_kv.cpu)
         if self.verify is not None:
             done.target_slot = await self._to_verify(kv.target_kv)
+            target = "in_place" if self._verify_in_place else "copied"
         elif job.target_pool is not None:
             await self.worker.run(self._write_in_place, job.target_pool, job.target_slot, kv.target_kv)
+            target = "in_place"
         elif job.want_target_kv:
-            done.target_kv = kv.target_kv.cpu()
-        self.handed_over["in_place" if job.draft_pool is not None else "copied"] += 1
+            done.target_kv = await self.worker.run(kv.target_kv.cpu)
+            target = "copied"
+        draft = "in_place" if job.draft_pool is not None else "copied"
+        self.handed_over[draft] += 1
+        TIMELINE.record("handover", start_s, time.time(), tokens=kv.target_kv.shape[3], target=target, draft=draft,
+                        target_bytes=_nbytes(kv.target_kv), draft_bytes=_nbytes(kv.draft_kv))
         return done
 
     async def _to_verify(self, target_kv: torch.Tensor) -> int:
@@ -70,7 +84,9 @@ class PrefillServer:
             if self._verify_in_place:
                 self._verify_pool = await self.verify.pool_handle.remote()
         if not self._verify_in_place:
-            return await self.verify.load_kv.remote(target_kv.cpu())  # a real copy, via the object store
+            # A real copy, via the object store. Read to the host on the worker thread: its stream
+            # is the one the prefill wrote the KV on, so the copy is ordered after those writes.
+            return await self.verify.load_kv.remote(await self.worker.run(target_kv.cpu))
         slot = await self.verify.allocate.remote()
         await self.worker.run(self._write_in_place, self._verify_pool, slot, target_kv)
         await self.verify.commit.remote(slot, target_kv.shape[3])
@@ -79,6 +95,10 @@ class PrefillServer:
     def _write_in_place(self, handle, slot: int, kv: torch.Tensor) -> None:
         self.views.get(handle).write_slot(slot, kv)
         torch.cuda.synchronize(kv.device)  # the owner reads this memory next, from its own process
+
+
+def _nbytes(kv: torch.Tensor | None) -> int:
+    return 0 if kv is None else kv.numel() * kv.element_size()
 
 
 PrefillDeployment = serve.deployment(PrefillServer, name="PrefillLane")

@@ -8,6 +8,7 @@ the answer (verification), never for prefill, whose results are collected betwee
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from lanes.kv_pool import KVPool
@@ -17,6 +18,7 @@ from lanes.scheduler import Scheduler
 from lanes.sequence import SeqStatus, Sequence
 from lanes.verify import VerifyBatch, VerifyResult
 from deployments.kv_transfer import Placement, PoolHandle
+from deployments.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,12 @@ class RemoteVerifier:
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
         # The whole batch in one call: only ids and probabilities cross the process boundary.
-        call = self._call("verify", batch.to("cpu"))
-        return asyncio.run_coroutine_threadsafe(call, self.loop).result(self.timeout_s)
+        on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
+        start_s = time.time()
+        try:
+            return asyncio.run_coroutine_threadsafe(self._call("verify", on_host), self.loop).result(self.timeout_s)
+        finally:
+            TIMELINE.record("verify_wait", start_s, time.time(), rows=len(batch.target_slots))
 
     def allocate(self) -> int | None:
         return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane

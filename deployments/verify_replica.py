@@ -9,6 +9,7 @@ from deployments.kv_transfer import Placement, PoolHandle
 from deployments.lane_worker import LaneWorker
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
+from deployments.timeline import TIMELINE, replica_report
 from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
 
 
@@ -44,7 +45,8 @@ class VerifyServer:
             slot = self.lane.pool.allocate()
             self.lane.pool.write_slot(slot, kv.to(self.lane.pool.kv.device))
             return slot
-        return await self.worker.run(load)
+        timed = TIMELINE.timed("load_kv", load, tokens=kv.shape[3], bytes=kv.numel() * kv.element_size())
+        return await self.worker.run(timed)
 
     async def release(self, slots: list[int]) -> None:
         def free():
@@ -61,7 +63,8 @@ class VerifyServer:
         self.metrics.set_queue_depth(self.pending_rows)
         try:
             start = time.perf_counter()
-            result = await self.worker.run(self.lane.verify, merged)
+            result = await self.worker.run(TIMELINE.timed("verify", self.lane.verify, rows=rows, calls=len(batches)),
+                                           merged)
             self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
         finally:
             self.pending_rows -= rows
@@ -73,6 +76,10 @@ class VerifyServer:
     async def stats(self) -> dict:
         return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,
                 "pending_rows": self.pending_rows}
+
+    async def timeline(self, start_s: float = 0.0) -> dict:
+        """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
+        return replica_report("verify", self.placement_, start_s)
 
 
 def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:

@@ -17,17 +17,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")  # files only; no display on servers or CI
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, SymmetricalLogLocator  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
-from loadtest.runner import RunResult  # noqa: E402
-from loadtest.summary import LATENCY_METRICS, Summary, latency_values  # noqa: E402
+from loadtest.arrivals import ClosedLoop, OpenLoop
+from loadtest.runner import RunResult
+from loadtest.summary import LATENCY_METRICS, Summary, latency_values
 
 
 @dataclass(frozen=True)
@@ -80,6 +75,7 @@ def _table_column(s: Summary) -> dict[str, float | int | None]:
         "request_throughput_rps": s.request_throughput_rps,
         "output_token_throughput_tps": s.output_token_throughput_tps,
         "goodput_rps": s.goodput_rps,
+        "mean_in_flight": s.mean_in_flight, "max_in_flight": s.max_in_flight,
     }
     for metric in LATENCY_METRICS:
         stats = s.latency_ms[metric]
@@ -121,8 +117,19 @@ def markdown_table(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pyplot():
+    # Imported on first plot, not with the module: tables and JSON need no matplotlib (the GPU
+    # machine's image may lack it).
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers or CI
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot_latency_cdfs(points: list[Point], path: Path) -> None:
     """One panel per latency metric; a colour per label, a line style per load."""
+    plt = _pyplot()
     colours = _label_colours(points)
     styles = dict(zip(dict.fromkeys(p.result.arrivals for p in points),
                       ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))] * 4))
@@ -148,6 +155,8 @@ def plot_latency_cdfs(points: list[Point], path: Path) -> None:
 def _log_latency_axis(axis, largest_ms: float) -> None:
     # Latencies span orders of magnitude; symlog keeps the 0 ms gaps of chunks that arrived
     # together on the axis, which a log scale would drop. Ticks at 1-2-5 unless that crowds.
+    from matplotlib.ticker import FuncFormatter, SymmetricalLogLocator
+
     axis.set_xscale("symlog", linthresh=1.0)
     subs = [1, 2, 5] if largest_ms < 1000 else [1, 3]
     axis.xaxis.set_major_locator(SymmetricalLogLocator(base=10, linthresh=1.0, subs=subs))
@@ -160,6 +169,7 @@ def _label_colours(points: list[Point]) -> dict[str, str]:
 
 def plot_load_curves(points: list[Point], path: Path) -> None:
     """Throughput and p95 latencies against load, one line per label."""
+    plt = _pyplot()
     panels = [("output_token_throughput_tps", "output tokens/s"),
               ("request_throughput_rps", "completed requests/s"),
               ("ttft_ms", "p95 TTFT (ms)"), ("tpot_ms", "p95 TPOT (ms)"),

@@ -7,6 +7,8 @@
 - Throughput is over the measured window's wall time, from the first submission to the last
   request's end, failed and timed-out requests included: the run is never cut short.
 - Goodput: completed requests meeting every SLO given, per second of that same wall time.
+- Requests in flight, as the client sees them (submitted, not yet ended, whatever the status):
+  the time-weighted mean over that wall time (sum of E2E / wall time, Little's law) and the peak.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Summary:
     output_token_throughput_tps: float  # completion tokens of completed requests per second
     total_token_throughput_tps: float  # prompt + completion tokens of completed requests
     goodput_rps: float | None  # None when no SLO was given
+    mean_in_flight: float  # requests in flight, time-weighted over wall_s
+    max_in_flight: int
     slos: dict[str, float]
     latency_ms: dict[str, LatencyStats]  # by metric name: ttft_ms, tpot_ms, itl_ms, e2e_ms
     latency_ms_by_kind: dict[str, dict[str, LatencyStats]]  # the same, per workload kind
@@ -97,6 +101,19 @@ def wall_time_s(records: list[RequestRecord]) -> float:
     return max(r.end_s for r in records) - min(r.start_s for r in records)
 
 
+def in_flight(records: list[RequestRecord]) -> tuple[float, int]:
+    """(time-weighted mean, peak) of the requests in flight over the measured window."""
+    wall_s = wall_time_s(records)
+    mean = sum(r.end_s - r.start_s for r in records) / wall_s if wall_s > 0 else float(len(records))
+    # An end and a start at the same instant: the end first, so the peak is not overstated.
+    events = sorted([(r.start_s, 1) for r in records] + [(r.end_s, -1) for r in records])
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return mean, peak
+
+
 def summarize(records: list[RequestRecord], slos: dict[str, float] | None = None, *,
               warmup_requests: int = 0, spec_decode: SpecDecodeSummary | None = None,
               spec_decode_error: str | None = None) -> Summary:
@@ -104,6 +121,7 @@ def summarize(records: list[RequestRecord], slos: dict[str, float] | None = None
     counts = {status: sum(r.status == status for r in records) for status in STATUSES}
     completed = [r for r in records if r.status == "completed"]
     wall_s = wall_time_s(records)
+    mean_in_flight, max_in_flight = in_flight(records)
     output_tokens = sum(r.completion_tokens for r in completed)
     prompt_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len
                         for r in completed)
@@ -114,6 +132,7 @@ def summarize(records: list[RequestRecord], slos: dict[str, float] | None = None
         output_token_throughput_tps=_per_s(output_tokens, wall_s),
         total_token_throughput_tps=_per_s(prompt_tokens + output_tokens, wall_s),
         goodput_rps=_per_s(sum(meets_slos(r, slos) for r in records), wall_s) if slos else None,
+        mean_in_flight=mean_in_flight, max_in_flight=max_in_flight,
         slos=slos,
         latency_ms=_latency_stats(records),
         latency_ms_by_kind={kind: _latency_stats([r for r in records if r.kind == kind])

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from controller.config import ControllerConfig
-from controller.policy import Decision, Load, PolicyState, decide, optimal_draft_len
+from controller.policy import Decision, Load, PolicyState, decide, load_cap_draft_len, optimal_draft_len
 from controller.signals import LaneSignals, RequestDraftStats, estimate_acceptance_rate, expected_tokens_per_step
 
 VERIFY_STEPS_PER_DECISION = 20
@@ -44,9 +44,11 @@ def _config(**overrides) -> ControllerConfig:
     return ControllerConfig(**(BASE_CONFIG | overrides))
 
 
-def _lane(queue: int = 4, occupancy: float = 0.5, p95_ms: float = 20.0, arrival_rps: float = 10.0) -> LaneSignals:
+def _lane(
+    queue: int = 4, occupancy: float = 0.5, p95_ms: float = 20.0, arrival_rps: float = 10.0, in_flight: float = 0.0
+) -> LaneSignals:
     """Defaults are headroom under BASE_CONFIG."""
-    return LaneSignals(queue, occupancy, p95_ms, arrival_rps)
+    return LaneSignals(queue, occupancy, p95_ms, arrival_rps, in_flight)
 
 
 def _draft(rng: random.Random, accept_rate: float, draft_len: int) -> RequestDraftStats:
@@ -185,6 +187,99 @@ def test_reason_names_the_signal_that_caused_the_cut():
     assert decisions[1].signals.verify_queue_depth == 40
 
 
+# --- load cap and shedding: a rising load lowers L fast, a falling one raises it with hysteresis --------
+
+# The benchmark's CPU calibration: 16 slots, L = 2 best at a full batch, so 16 x (2 + 1) tokens.
+TOKEN_BUDGET = 48
+
+
+def _step_up_lane(step_at: int) -> Callable[[int], LaneSignals]:
+    """The shape of the 6 requests/s step of the CPU ramp (benchmarks/results/controller_ramp_cpu.json):
+    3 requests in flight at light load; from `step_at` arrivals outrun completions, 3 more requests per
+    decision until the 16 slots are full, then a queue grows by 2 per decision. Queue and p95 stay below
+    their saturation marks (32, 50 ms) throughout: the signals that lag."""
+
+    def lane_at(i: int) -> LaneSignals:
+        if i < step_at:
+            return _lane(queue=0, occupancy=3 / 16, arrival_rps=2.0, in_flight=3)
+        in_flight = 4 + 3 * (i - step_at)
+        queue = max(0, min(30, in_flight - 16))
+        return _lane(queue=queue, occupancy=min(1.0, in_flight / 16), p95_ms=45.0, arrival_rps=6.0,
+                     in_flight=min(16, in_flight) + queue)
+
+    return lane_at
+
+
+def test_load_cap_is_the_longest_draft_that_fits_the_token_budget():
+    config = _config(verify_token_budget=TOKEN_BUDGET, min_draft_len=1)
+    # n (L + 1) <= 48
+    assert [load_cap_draft_len(n, config) for n in (0, 1, 5, 6, 8, 10, 12, 16, 24, 50)] == [8, 8, 8, 7, 5, 3, 3, 2, 1, 1]
+    assert load_cap_draft_len(100, _config()) == 8  # no budget, no cap
+
+
+def test_step_up_in_arrivals_takes_default_from_8_to_2_within_4_decisions():
+    """N = 4: with lower_dwell = 2, the cap falls below L at the second decision of the step
+    (7 requests: cap 5), L moves to the cap at the third (10 requests: 3) and to 2 at the fourth
+    (13 requests: 2). Without a token budget, L stays at 8 through the whole step: the queue and the p95
+    never reach their marks."""
+    config = _config(verify_token_budget=TOKEN_BUDGET)
+    accept = {"a": 0.95, "b": 0.95}
+    step_at = 8
+    _, decisions = _run(config, _step_up_lane(step_at), accept, step_at + 12)
+    assert _defaults(decisions)[:step_at][-3:] == [8, 8, 8]
+    after = _defaults(decisions)[step_at:]
+    assert after[:4] == [8, 8, 3, 2]
+    assert "load cap 2 at 13.0 requests per verify batch" in decisions[step_at + 3].reason
+    assert all(d.per_request_draft_len == {"a": 2, "b": 2} for d in decisions[step_at + 3 : step_at + 5])
+    # As the queue grows, on down (min_draft_len = 0): never back up while the load stays.
+    assert after == sorted(after, reverse=True) and after[-1] == 0
+
+    _, uncapped = _run(_config(), _step_up_lane(step_at), accept, step_at + 12)
+    assert _defaults(uncapped)[step_at:] == [8] * 12
+
+
+def test_one_decision_burst_of_requests_does_not_move_the_cap():
+    config = _config(verify_token_budget=TOKEN_BUDGET)
+    accept = {"a": 0.95}
+    state, _ = _run(config, lambda i: _lane(in_flight=3), accept, 8)
+    assert state.default.draft_len == 8
+    bursts = [3, 20, 3, 3, 20, 3, 20, 3]
+    _, decisions = _run(config, lambda i: _lane(in_flight=bursts[i]), accept, len(bursts), state=state)
+    assert _defaults(decisions) == [8] * len(bursts)
+    assert [d.draft_len_cap for d in decisions] == [8, 1, 8, 8, 1, 8, 1, 8]
+
+
+def test_falling_load_raises_default_stepwise_with_a_band():
+    """Back from the cap, L rises only by raise_dwell and max_step, and only as far as the cap holds at
+    in_flight / decode_headroom_frac: with 10 requests in flight the cap is 3 but a raise stops at 2
+    (12.5 requests: cap 2); with 4 requests in flight (5 with headroom: 8) it climbs back to 8."""
+    config = _config(verify_token_budget=TOKEN_BUDGET)
+    accept = {"a": 0.95, "b": 0.95}
+    state, _ = _run(config, lambda i: _lane(in_flight=16, occupancy=1.0, queue=4, p95_ms=45.0), accept, 6)
+    assert state.default.draft_len == 2
+    state, band = _run(config, lambda i: _lane(in_flight=10), accept, 8, state=state)
+    assert _defaults(band) == [2] * 8
+    assert "the load cap with headroom is 2" in band[-1].reason
+    _, recover = _run(config, lambda i: _lane(in_flight=4), accept, 8, state=state)
+    assert _defaults(recover) == [2, 2, 4, 6, 8, 8, 8, 8]
+
+
+def test_decode_p95_far_over_target_sheds_at_once_in_proportion():
+    """p95 at twice the target: L = 8 falls at once to floor(9 x 50 / 100) - 1 = 3, then keeps falling
+    (the p95 window still holds the slow steps). Within the margin (p95 60 <= 1.5 x 50), the usual
+    dwell and steps: 8 -> 6 after two decisions."""
+    config = _config()
+    accept = {"a": 0.95, "b": 0.95}
+    state, _ = _run(config, lambda i: _lane(), accept, 8)
+    assert state.default.draft_len == 8
+    _, shed = _run(config, lambda i: _lane(p95_ms=100.0), accept, 4, state=state)
+    assert _defaults(shed) == [3, 1, 0, 0]
+    assert "shed to 3: decode p95 > 1.5 x target" in shed[0].reason
+    assert shed[0].per_request_draft_len == {"a": 3, "b": 3}
+    _, mild = _run(config, lambda i: _lane(p95_ms=60.0), accept, 4, state=state)
+    assert _defaults(mild) == [8, 6, 4, 2]
+
+
 # --- acceptance ---------------------------------------------------------------------------------------
 
 
@@ -286,16 +381,53 @@ def test_noisy_steady_trace_does_not_oscillate():
     assert all(_num_changes(naive, rid) > max_request_changes for rid in accept)
 
 
-def _random_lane(rng: random.Random) -> Callable[[int], LaneSignals]:
+def _noisy_loaded_lane(rng: random.Random, mean_in_flight: float) -> Callable[[int], LaneSignals]:
+    # Poisson-like noise on the requests in flight (sd = sqrt(mean)) over a steady load; queue in the band.
     def lane_at(_: int) -> LaneSignals:
-        return LaneSignals(rng.randrange(0, 60), rng.random(), rng.uniform(0, 80), rng.uniform(0, 40))
+        in_flight = max(0.0, rng.gauss(mean_in_flight, mean_in_flight**0.5))
+        return LaneSignals(
+            verify_queue_depth=max(0, round(rng.gauss(4, 2))),
+            verify_batch_occupancy=min(1.0, in_flight / 16),
+            decode_step_p95_ms=max(0.0, rng.gauss(30, 5)),
+            arrival_rate_rps=max(0.0, rng.gauss(4, 0.5)),
+            requests_per_verify_batch=in_flight,
+        )
 
     return lane_at
 
 
-@pytest.mark.parametrize(("seed", "min_draft_len"), [(0, 0), (1, 0), (2, 1), (3, 1)])
-def test_step_and_bounds_hold_on_random_traces(seed: int, min_draft_len: int):
-    config = _config(min_draft_len=min_draft_len, max_draft_len=6, initial_draft_len=3, raise_dwell=1, lower_dwell=2)
+@pytest.mark.parametrize("mean_in_flight", [6, 10, 13])
+def test_noisy_load_near_a_cap_boundary_does_not_oscillate(mean_in_flight: float):
+    """Oscillation bound with the load cap on: over 200 decisions of a steady load whose requests in flight
+    are noisy (Poisson-like, sd = sqrt(mean)) around 6, 10 or 13 (caps 7, 3, 2, each near a boundary),
+    the default L changes at most 12 times (convergence moves included). Over 200 seeds the observed
+    maxima were . Without the dwell on cuts and the raise band (lower_dwell = 1,
+    decode_headroom_frac near 1, raise_dwell = 1) the same traces change it far more often."""
+    max_changes = 12
+    budget = dict(verify_token_budget=TOKEN_BUDGET)
+    accept = {"r70": 0.7, "r80": 0.8, "r95": 0.95}
+    _, decisions = _run(_config(**budget), _noisy_loaded_lane(random.Random(3), mean_in_flight), accept, 200, seed=3)
+    assert _num_changes(decisions, None) <= max_changes
+
+    naive = _config(**budget, raise_dwell=1, lower_dwell=1, decode_headroom_frac=0.99)
+    _, naive_decisions = _run(naive, _noisy_loaded_lane(random.Random(3), mean_in_flight), accept, 200, seed=3)
+    assert _num_changes(naive_decisions, None) > 3 * max_changes
+
+
+def _random_lane(rng: random.Random) -> Callable[[int], LaneSignals]:
+    def lane_at(_: int) -> LaneSignals:
+        return LaneSignals(rng.randrange(0, 60), rng.random(), rng.uniform(0, 80), rng.uniform(0, 40),
+                           rng.uniform(0, 30))
+
+    return lane_at
+
+
+@pytest.mark.parametrize(("seed", "min_draft_len", "budget"), [(0, 0, None), (1, 0, 48), (2, 1, None), (3, 1, 48)])
+def test_step_and_bounds_hold_on_random_traces(seed: int, min_draft_len: int, budget: int | None):
+    """Every L stays in its bounds; a rise is at most max_step; a fall is at most max_step unless it
+    lands at or above the load cap (load cap, p95 shed); a per-request L never exceeds the default."""
+    config = _config(min_draft_len=min_draft_len, max_draft_len=6, initial_draft_len=3, raise_dwell=1, lower_dwell=2,
+                     verify_token_budget=budget)
     rng = random.Random(seed)
     lane_at = _random_lane(rng)
     state = PolicyState.initial(config)
@@ -307,11 +439,15 @@ def test_step_and_bounds_hold_on_random_traces(seed: int, min_draft_len: int):
         requests |= {rid: RequestDraftStats(0, 0, 0) for rid in requests if rng.random() < 0.2}
         prev_default = state.default.draft_len
         state, decision = decide(state, replace(lane_at(0), requests=requests), config)
-        assert abs(decision.default_draft_len - prev_default) <= config.max_step
-        assert config.min_draft_len <= decision.default_draft_len <= config.max_draft_len
+        new_default = decision.default_draft_len
+        assert new_default - prev_default <= config.max_step
+        assert new_default >= min(prev_default - config.max_step, decision.draft_len_cap)
+        assert config.min_draft_len <= new_default <= config.max_draft_len
         for rid, draft_len in decision.per_request_draft_len.items():
-            assert abs(draft_len - running.get(rid, prev_default)) <= config.max_step
-            assert config.min_draft_len <= draft_len <= decision.default_draft_len
+            was = running.get(rid, prev_default)
+            assert draft_len - was <= config.max_step
+            assert draft_len >= min(was - config.max_step, new_default)
+            assert config.min_draft_len <= draft_len <= new_default
         running = dict(decision.per_request_draft_len)
 
 

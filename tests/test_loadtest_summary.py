@@ -85,6 +85,19 @@ def test_throughput_is_over_first_submit_to_last_end_including_failures():
         sum(r.completion_tokens + 101 for r in completed) / wall_s)
 
 
+def test_requests_in_flight_mean_and_peak_from_the_records():
+    records = _records()
+    summary = summarize(records)
+    origin = min(r.start_s for r in records)
+    # On a fine grid: how many requests had started and not yet ended at each instant.
+    grid = np.linspace(origin, origin + summary.wall_s, 200_001)[:-1]
+    counts = sum(((grid >= r.start_s) & (grid < r.end_s)).astype(int) for r in records)
+    assert summary.max_in_flight == counts.max()
+    assert summary.mean_in_flight == pytest.approx(counts.mean(), rel=1e-3)
+    assert summary.mean_in_flight == pytest.approx(
+        sum(r.end_s - r.start_s for r in records) / summary.wall_s)
+
+
 def test_goodput_counts_completed_requests_meeting_every_slo():
     records = _records()
     slos = parse_slos(["ttft_ms=200", "tpot_ms=25"])
