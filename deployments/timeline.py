@@ -1,0 +1,77 @@
+"""When this replica's lane was busy, and with what: intervals on the host's wall clock.
+
+Benchmarks line the lanes up against each other from these (benchmarks/dual_gpu.py): whether the
+verify lane scores one group of requests while the decode lane drafts for another, and what each
+KV hand-over from the prefill lane costs. `time.time()` is one clock for every process of a node,
+so intervals of different replicas compare directly (across nodes only as well as NTP keeps them).
+
+Kinds recorded (one interval per event, extra fields as noted):
+    step         decode lane / co-located engine: one engine step                      rows
+    verify_wait  decode lane (pdv): waiting on the verify lane for one batch           rows
+    verify       verify lane: one target forward over merged batches                   rows, calls
+    load_kv      verify lane: taking in a prompt's KV copied from elsewhere            tokens, bytes
+    prefill      prefill lane: one batched prefill forward                             rows, tokens
+    handover     prefill lane: one request's KV from its scratch slot into its owners  tokens, target,
+                 (target / draft: "in_place" or "copied"; *_bytes: KV size moved)       draft, *_bytes
+
+One timeline per process, hence one per replica; bounded, so a long-running server only keeps
+the most recent events.
+"""
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TypeVar
+
+import ray
+
+from deployments.kv_transfer import Placement
+
+MAX_EVENTS_PER_KIND = 50_000  # a verify step every ~20 ms fills this in ~17 minutes
+
+T = TypeVar("T")
+
+
+class Timeline:
+    def __init__(self, max_events: int = MAX_EVENTS_PER_KIND):
+        self.max_events = max_events
+        self._events: dict[str, deque[dict]] = {}
+        self._lock = threading.Lock()  # worker threads record while the event loop reads
+
+    def record(self, kind: str, start_s: float, end_s: float, **info) -> None:
+        with self._lock:
+            events = self._events.setdefault(kind, deque(maxlen=self.max_events))
+            events.append({"start_s": start_s, "end_s": end_s, **info})
+
+    def timed(self, kind: str, fn: Callable[..., T], **info) -> Callable[..., T]:
+        """`fn`, recording the interval it runs in (wrap what a lane worker thread executes)."""
+        def run(*args):
+            start_s = time.time()
+            try:
+                return fn(*args)
+            finally:
+                self.record(kind, start_s, time.time(), **info)
+        return run
+
+    def since(self, start_s: float) -> dict[str, list[dict]]:
+        """Every kept event that ended at or after `start_s`, by kind."""
+        with self._lock:
+            return {kind: [e for e in events if e["end_s"] >= start_s] for kind, events in self._events.items()}
+
+
+TIMELINE = Timeline()
+
+
+def replica_report(lane: str, placement: Placement, start_s: float) -> dict:
+    """What a lane deployment's `timeline()` returns: who it is, where it runs, what it did."""
+    try:
+        from ray import serve
+        replica = serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a replica (tests): the process id names it
+        replica = f"pid-{os.getpid()}"
+    gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+    return {"lane": lane, "replica": replica, "placement": asdict(placement), "ray_gpu_ids": gpu_ids,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "events": TIMELINE.since(start_s)}

@@ -1,0 +1,52 @@
+"""The busy intervals lanes record for benchmarks (deployments/timeline.py)."""
+
+import threading
+import time
+
+from deployments.kv_transfer import Placement
+from deployments.timeline import Timeline, replica_report
+
+
+def test_timed_records_the_interval_and_passes_results_and_errors():
+    timeline = Timeline()
+    before = time.time()
+    assert timeline.timed("verify", lambda a, b: a + b, rows=3)(1, 2) == 3
+    try:
+        timeline.timed("verify", lambda: 1 / 0, rows=1)()
+    except ZeroDivisionError:
+        pass
+    events = timeline.since(before)["verify"]
+    assert [e["rows"] for e in events] == [3, 1]  # a failed call still occupied the lane
+    assert all(before <= e["start_s"] <= e["end_s"] <= time.time() for e in events)
+
+
+def test_since_keeps_later_events_and_the_bound_drops_the_oldest():
+    timeline = Timeline(max_events=3)
+    for i in range(5):
+        timeline.record("step", float(i), i + 0.5, rows=i)
+    assert [e["rows"] for e in timeline.since(0.0)["step"]] == [2, 3, 4]
+    assert [e["rows"] for e in timeline.since(3.2)["step"]] == [3, 4]  # ended after 3.2
+
+
+def test_recording_from_threads_while_reading():
+    timeline = Timeline()
+
+    def work():
+        for i in range(2000):
+            timeline.record("prefill", i, i + 1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        timeline.since(0.0)
+    for t in threads:
+        t.join()
+    assert len(timeline.since(0.0)["prefill"]) == 8000
+
+
+def test_replica_report_names_the_replica_and_where_it_runs():
+    report = replica_report("verify", Placement("node-1", None), 0.0)
+    assert report["lane"] == "verify" and report["replica"].startswith("pid-")
+    assert report["placement"] == {"node_id": "node-1", "gpu_uuid": None}
+    assert isinstance(report["events"], dict)
