@@ -22,32 +22,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import ray
-import torch
-import yaml
 from ray import serve
-from safetensors import safe_open
 
-from deployments.builder import build_app
-from loadtest.arrivals import ClosedLoop
-from loadtest.report import (Point, comparison_table, markdown_table, plot_latency_cdfs,
-                             plot_load_curves)
-from loadtest.runner import run_load
-from loadtest.summary import parse_slos
-from loadtest.workload import LogNormal, WorkloadRequest, load_tokenizer, synthetic
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-REPO = Path(__file__).resolve().parent.parent
-ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
+from benchmarks.serving import (ALL_MODES, REPO, count_parameters, git_commit,  # noqa: E402
+                                load_average, machine, mode_args, start_cluster)
+from deployments.builder import build_app  # noqa: E402
+from loadtest.arrivals import ClosedLoop  # noqa: E402
+from loadtest.report import (Point, comparison_table, markdown_table,  # noqa: E402
+                             plot_latency_cdfs, plot_load_curves)
+from loadtest.runner import run_load  # noqa: E402
+from loadtest.summary import parse_slos  # noqa: E402
+from loadtest.workload import LogNormal, WorkloadRequest, load_tokenizer, synthetic  # noqa: E402
+
 # The machine is shared: its 1-minute load average when each run ended goes into the table.
 LOAD_ROW = "load_average_1m_at_end"
 SUMMARY_ROWS = ["submitted", "completed", "failed", "timed_out", "wall_s",
@@ -78,16 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def mode_args(mode: str, target: Path | None, draft: Path | None) -> dict:
-    """The `args:` of configs/<mode>.yaml with model paths absolute (replicas may run elsewhere)."""
-    config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())
-    args = config["applications"][0]["args"]
-    for role, override in (("target", target), ("draft", draft)):
-        path = override or REPO / args[role]["path"]
-        args[role]["path"] = str(Path(path).resolve())
-    return args
-
-
 def workload(args: argparse.Namespace, tokenizer_dir: str) -> tuple[list[WorkloadRequest],
                                                                     list[WorkloadRequest]]:
     """(warm-up, measured) requests, drawn once and sent to every mode."""
@@ -96,12 +81,6 @@ def workload(args: argparse.Namespace, tokenizer_dir: str) -> tuple[list[Workloa
     requests = synthetic(load_tokenizer(tokenizer_dir), args.warmup_requests + args.num_requests,
                          args.seed, prompt_lengths, output_lengths)
     return requests[:args.warmup_requests], requests[args.warmup_requests:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_mode(mode: str, app_args: dict, port: int, loads: list[ClosedLoop],
@@ -129,37 +108,6 @@ def run_mode(mode: str, app_args: dict, port: int, loads: list[ClosedLoop],
     return runs
 
 
-def start_cluster() -> int:
-    """A Ray cluster of this machine with Serve's proxy on a free port; returns the port."""
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return port
-
-
-def machine() -> dict:
-    cpu_model = next((line.split(":", 1)[1].strip() for line in
-                      Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor())
-    return {"cpu_model": cpu_model, "cpu_cores": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-                                1),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "ray": ray.__version__,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-
-
-def count_parameters(model_dir: str) -> int:
-    """Stored parameters (tied embeddings once), read from the safetensors headers."""
-    total = 0
-    for shard in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as tensors:
-            total += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
-    return total
-
-
 def models(app_args: dict) -> dict:
     """Both models' paths and sizes, and the pair's offline acceptance where it was measured."""
     target, draft = app_args["target"]["path"], app_args["draft"]["path"]
@@ -181,13 +129,6 @@ def models(app_args: dict) -> dict:
 
 def _shown(path: str) -> str:
     return str(Path(path).relative_to(REPO)) if Path(path).is_relative_to(REPO) else path
-
-
-def git_commit() -> str:
-    """HEAD, with "-dirty" when the working tree has uncommitted changes."""
-    done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=REPO,
-                          capture_output=True, text=True)
-    return done.stdout.strip()
 
 
 def write_results(args: argparse.Namespace, runs: list[tuple[Point, float]],
@@ -278,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    context |= {"load_average_after": _load_average(),
+    context |= {"load_average_after": load_average(),
                 "duration_s": time.monotonic() - started_s}
     write_results(args, runs, context)
     print((args.output_dir / f"{args.name}.md").read_text())
@@ -302,11 +243,7 @@ def run_context(args: argparse.Namespace, argv: list[str], configs: dict[str, di
                          "prompt_tokens": sum(r.prompt_len for r in requests),
                          "output_tokens": sum(r.output_len for r in requests),
                          "concurrencies": [a.concurrency for a in loads], "slos": slos},
-            "configs": shown_configs, "load_average_before": _load_average()}
-
-
-def _load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+            "configs": shown_configs, "load_average_before": load_average()}
 
 
 if __name__ == "__main__":

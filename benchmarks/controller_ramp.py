@@ -2,15 +2,22 @@
 
     python -m benchmarks.controller_ramp --out benchmarks/results/controller_ramp_cpu
 
-Deploys one app per arm on the shipped pair (models/vpd-target + models/vpd-draft), all in mode unified:
+Deploys one app per arm on a draft/target pair (by default the shipped models/vpd-target + models/vpd-draft;
+`--target`, `--draft` and `--device cuda` for another pair on a GPU), all in mode unified:
 "L0", "L2", "L4", "L8" (controller off, num_speculative_tokens = L) and "controller" (controller on,
 starting at L = 4, lowest L 2); `--arms` may add "controller-min0", the same controller allowed to turn
 speculation off (min_draft_len 0). Then drives each arm, one after the other, through the whole ramp: for
 every rate, `--step-duration-s` seconds of open-loop (Poisson) arrivals with the load tester
 (loadtest.runner.run_load), which waits for every request in flight to end before the next rate starts.
 An arm's steps follow each other without a pause, so a controller meets the ramp as one rising load, with
-its state carried from step to step. The whole sequence runs `--passes` times, every other pass with the
-arms in reverse order, and goodput is averaged over passes.
+its state carried from step to step. Every arm gets the same seeded arrival times at a given rate.
+
+The machine may be shared, so the whole sequence runs `--passes` times with the arms' order rotated from
+pass to pass, and every step records the CPU that processes outside this benchmark's process tree used
+meanwhile (`foreign_cores`, mean cores) and the 1-minute load average. An arm's ramp during which another
+process used more than `--disturbed-cores` cores in some step is run again (at most `--max-reruns` times in
+all; the disturbed run stays in the JSON, marked). Goodput is reported per pass, as the median over passes
+(the headline: one disturbed pass cannot move it) and as the mean.
 
 Prompts are windows of the held-out part of the training corpus (Python source the pair never saw),
 decoded greedily, the setting in which models/pair_metrics.json measured the pair's acceptance.
@@ -21,6 +28,7 @@ Writes <out>.json (every summary, the controllers' decisions sampled during thei
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,6 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import ray
 from ray import serve
 
@@ -58,6 +67,10 @@ DEFAULT_CONTROLLER = {
     # mean the lanes are past the load at which the SLO holds.
     "target_decode_p95_ms": 200,
     "verify_queue_high": 8, "verify_queue_low": 2,
+    # The same calibration: at 16 running requests L = 2 gave each request the most tokens per second
+    # (2.57 / 132 ms against 3.68 / 199 at L = 4 and 5.15 / 366 at L = 8, whose TPOT broke the SLO), so a
+    # verify batch holds 16 x (2 + 1) tokens before longer drafts cost more than they yield.
+    "verify_token_budget": 48,
 }
 LANE = {"num_cpus": 0.05}
 
@@ -79,7 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     all_arms = [*CONTROLLER_ARMS, *(f"L{n}" for n in FIXED_LENGTHS)]
     parser.add_argument("--arms", default=",".join(a for a in all_arms if a != "controller-min0"),
                         help=f"comma-separated, of: {', '.join(all_arms)}")
-    parser.add_argument("--passes", type=int, default=2, help="times each arm runs the whole ramp")
+    parser.add_argument("--passes", type=int, default=3, help="times each arm runs the whole ramp")
+    parser.add_argument("--disturbed-cores", type=float, default=0.5, help="an arm's ramp during which other "
+                        "processes used more than this many cores in some step is run again")
+    parser.add_argument("--max-reruns", type=int, default=3, help="reruns of disturbed ramps, in all")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model directory (HF format, with tokenizer)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model directory")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the decode lane (the whole engine in mode unified) gets one GPU")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.slo = parse_slos(args.slo or DEFAULT_SLOS)
@@ -87,9 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def app_configs(args: argparse.Namespace) -> dict[str, dict]:
+    decode_lane = {**LANE, "num_gpus": 1} if args.device == "cuda" else LANE
     base = {
-        "mode": "unified", "target": {"path": DEFAULT_TARGET}, "draft": {"path": DEFAULT_DRAFT},
-        "ingress": LANE, "decode_lane": LANE,
+        "mode": "unified", "target": {"path": args.target}, "draft": {"path": args.draft},
+        "ingress": LANE, "decode_lane": decode_lane,
         "engine": {"max_model_len": 512, "max_num_seqs": args.max_num_seqs, "max_draft_len": 8},
     }
     arms = {f"L{n}": {**base, "engine": {**base["engine"], "num_speculative_tokens": n}} for n in FIXED_LENGTHS}
@@ -102,7 +123,7 @@ def app_configs(args: argparse.Namespace) -> dict[str, dict]:
 
 def heldout_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     """`num_prompts` windows of `prompt_tokens` tokens spread evenly over the held-out source files."""
-    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    tokenizer = load_tokenizer(args.target)
     heldout = collect_corpus(include_site_packages=False).heldout
     stream = [t for f in heldout for t in tokenizer.encode(f.text, add_special_tokens=False)]
     step = (len(stream) - args.prompt_tokens) // args.num_prompts
@@ -111,16 +132,44 @@ def heldout_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
             for p in prompts]
 
 
+TRACED_SIGNALS = ("verify_queue_depth", "requests_per_verify_batch", "decode_step_p95_ms", "arrival_rate_rps")
+
+
+def cpu_sample() -> tuple[float, float, dict[int, float]]:
+    """(monotonic s, busy CPU s of the whole machine, CPU s of every process in this benchmark's tree: the
+    driver, Ray's daemons and workers, the Serve replicas)."""
+    t = psutil.cpu_times()
+    busy_s = t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+    ours = {}
+    me = psutil.Process()
+    for proc in (me, *me.children(recursive=True)):
+        try:
+            c = proc.cpu_times()
+            ours[proc.pid] = c.user + c.system
+        except psutil.Error:
+            pass  # exited meanwhile
+    return time.monotonic(), busy_s, ours
+
+
+def foreign_cores(before: tuple, after: tuple) -> float:
+    """Mean cores busy with processes outside this benchmark's tree between two `cpu_sample`s."""
+    (t0, busy0, ours0), (t1, busy1, ours1) = before, after
+    ours_s = sum(s - ours0.get(pid, 0.0) for pid, s in ours1.items())
+    return max(0.0, (busy1 - busy0 - ours_s) / (t1 - t0)) if t1 > t0 else 0.0
+
+
 async def sample_controller(url: str, trace: list[dict], every_s: float = 0.5) -> None:
     """Append the controller's last decision to `trace` every `every_s` until cancelled."""
     start = time.monotonic()
     async with httpx.AsyncClient(timeout=10) as http:
         while True:
             state = (await http.get(url)).json()
+            signals = state.get("signals") or {}
             trace.append({"t_s": round(time.monotonic() - start, 2), "decision_index": state.get("decision_index"),
                           "default_draft_len": state.get("default_draft_len"),
+                          "draft_len_cap": state.get("draft_len_cap"),
                           "load": state.get("load"), "fleet_accept_rate": state.get("fleet_accept_rate"),
-                          "verify_queue_depth": (state.get("signals") or {}).get("verify_queue_depth")})
+                          **{k: signals.get(k) for k in TRACED_SIGNALS}})
             await asyncio.sleep(every_s)
 
 
@@ -130,16 +179,19 @@ async def run_arm(name: str, rate_rps: float, workload: list[WorkloadRequest], a
     sampler = None
     if name in CONTROLLER_ARMS:
         sampler = asyncio.create_task(sample_controller(f"{base}/v1/controller", trace))
+    cpu_before = cpu_sample()
     try:
         result = await run_load(base, workload, OpenLoop(rate_rps), duration_s=args.step_duration_s,
                                 options=RequestOptions(temperature=0.0), seed=args.seed, progress=False)
     finally:
         if sampler is not None:
             sampler.cancel()
-    return result, trace
+    machine = {"foreign_cores": round(foreign_cores(cpu_before, cpu_sample()), 3),
+               "load_average_1m": round(os.getloadavg()[0], 2)}
+    return result, trace, machine
 
 
-def arm_row(result: RunResult, trace: list[dict], slos: dict[str, float]) -> dict:
+def arm_row(result: RunResult, trace: list[dict], machine: dict, slos: dict[str, float]) -> dict:
     s = result.summary(slos)
     assert s.submitted == s.completed + s.failed + s.timed_out == len(result.records)
     spec = s.spec_decode
@@ -153,6 +205,7 @@ def arm_row(result: RunResult, trace: list[dict], slos: dict[str, float]) -> dic
         "mean_draft_len": spec.num_draft_tokens / spec.num_drafts if spec and spec.num_drafts else 0.0,
         "acceptance_rate": spec.acceptance_rate if spec else None,
         "mean_acceptance_length": spec.mean_acceptance_length if spec else None,
+        **machine,
         "summary": s.to_dict(),
     }
     if trace:
@@ -160,10 +213,11 @@ def arm_row(result: RunResult, trace: list[dict], slos: dict[str, float]) -> dic
     return row
 
 
-def verdict(step: dict, arm: str) -> dict:
-    fixed = {n: r["goodput_rps"] for n, r in step["arms"].items() if n not in CONTROLLER_ARMS}
+def verdict(step: dict, arm: str, stat: str) -> dict:
+    """The controller arm against the best fixed L on one statistic over passes ("median" or "mean")."""
+    fixed = {n: r[f"goodput_rps_{stat}"] for n, r in step["arms"].items() if n not in CONTROLLER_ARMS}
     best = max(fixed, key=fixed.get)
-    ours = step["arms"][arm]["goodput_rps"]
+    ours = step["arms"][arm][f"goodput_rps_{stat}"]
     if fixed[best] == 0:
         return {"best_fixed": best, "best_fixed_goodput_rps": 0.0, "controller_goodput_rps": ours, "ratio": None,
                 "outcome": "beats" if ours > 0 else "matches"}
@@ -173,38 +227,80 @@ def verdict(step: dict, arm: str) -> dict:
             "ratio": ratio, "outcome": outcome}
 
 
-async def ramp(args: argparse.Namespace, arms: list[str], workload: list[WorkloadRequest]) -> list[dict]:
+def pass_order(arms: list[str], p: int, passes: int) -> list[str]:
+    """Pass p runs the arms rotated by p * len / passes: every arm meets the machine early, midway and late."""
+    shift = p * len(arms) // passes
+    return arms[shift:] + arms[:shift]
+
+
+async def arm_ramp(name: str, rates: list[float], workload: list[WorkloadRequest], args) -> list[dict]:
+    # A few requests first, so that no arm pays for cold caches in its first step.
+    await run_load(base_url(name).removesuffix("/v1"), workload[:8], OpenLoop(2.0), progress=False)
+    rows = []
+    for rate in rates:
+        result, trace, machine = await run_arm(name, rate, workload, args)
+        rows.append(arm_row(result, trace, machine, args.slo))
+    return rows
+
+
+async def ramp(args: argparse.Namespace, arms: list[str], workload: list[WorkloadRequest]) -> tuple[list, list]:
+    """Every arm through the ramp `passes` times; (steps with per-arm results, discarded disturbed ramps)."""
     rates = [float(r) for r in args.rates.split(",")]
     runs: dict[tuple[float, str], list[dict]] = {(rate, name): [] for rate in rates for name in arms}
+    discarded, reruns_left = [], args.max_reruns
     for p in range(args.passes):
-        # Every other pass in reverse order: a drift in the machine's other load then hits all arms alike.
-        for name in arms if p % 2 == 0 else arms[::-1]:
-            # A few requests first, so that no arm pays for cold caches in its first step.
-            await run_load(base_url(name).removesuffix("/v1"), workload[:8], OpenLoop(2.0), progress=False)
-            for rate in rates:
-                result, trace = await run_arm(name, rate, workload, args)
-                row = arm_row(result, trace, args.slo)
+        for name in pass_order(arms, p, args.passes):
+            while True:
+                rows = await arm_ramp(name, rates, workload, args)
+                for rate, row in zip(rates, rows):
+                    print(f"pass {p}  {name:16s} rate {rate:g} rps  goodput {row['goodput_rps']:.2f} rps  "
+                          f"mean L {row['mean_draft_len']:.2f}  other processes {row['foreign_cores']:.2f} cores  "
+                          f"load {row['load_average_1m']:.1f}", flush=True)
+                disturbed = max(r["foreign_cores"] for r in rows) > args.disturbed_cores
+                if not (disturbed and reruns_left > 0):
+                    break
+                reruns_left -= 1
+                discarded.append({"pass": p, "arm": name, "rows": dict(zip(map(str, rates), rows))})
+                print(f"pass {p}  {name}: disturbed (other processes > {args.disturbed_cores} cores), again", flush=True)
+            for rate, row in zip(rates, rows):
+                row["pass"] = p
                 runs[rate, name].append(row)
-                print(f"pass {p}  {name:16s} rate {rate:g} rps  goodput {row['goodput_rps']:.2f} rps  "
-                      f"mean L {row['mean_draft_len']:.2f}", flush=True)
     steps = []
     for rate in rates:
         step = {"rate_rps": rate, "arms": {name: combine(runs[rate, name]) for name in arms}}
         if any(a not in CONTROLLER_ARMS for a in arms):
-            step["verdicts"] = {a: verdict(step, a) for a in arms if a in CONTROLLER_ARMS}
+            step["verdicts"] = {a: verdict(step, a, "median") for a in arms if a in CONTROLLER_ARMS}
+            step["verdicts_mean"] = {a: verdict(step, a, "mean") for a in arms if a in CONTROLLER_ARMS}
+            step["per_pass_ratios"] = {a: per_pass_ratios(step, a) for a in arms if a in CONTROLLER_ARMS}
         steps.append(step)
-    return steps
+    return steps, discarded
+
+
+def per_pass_ratios(step: dict, arm: str) -> list[float | None]:
+    """Controller / best fixed L within each pass (the arms of one pass ran within minutes of each other)."""
+    ratios = []
+    fixed = [r for n, r in step["arms"].items() if n not in CONTROLLER_ARMS]
+    for p, ours in enumerate(step["arms"][arm]["passes"]):
+        best = max(r["passes"][p]["goodput_rps"] for r in fixed)
+        ratios.append(ours["goodput_rps"] / best if best > 0 else None)
+    return ratios
 
 
 def combine(passes: list[dict]) -> dict:
-    """One arm at one rate over all passes: mean goodput and L, every pass kept."""
-    return {"goodput_rps": statistics.mean(r["goodput_rps"] for r in passes),
+    """One arm at one rate over all passes: median, mean and range of goodput, mean L, every pass kept."""
+    goodput = [r["goodput_rps"] for r in passes]
+    return {"goodput_rps_median": statistics.median(goodput), "goodput_rps_mean": statistics.mean(goodput),
+            "goodput_rps_min": min(goodput), "goodput_rps_max": max(goodput),
             "mean_draft_len": statistics.mean(r["mean_draft_len"] for r in passes),
             "submitted": sum(r["submitted"] for r in passes), "completed": sum(r["completed"] for r in passes),
             "passes": passes}
 
 
-def pair_card() -> dict:
+def pair_card(args: argparse.Namespace) -> dict:
+    if (args.target, args.draft) != (DEFAULT_TARGET, DEFAULT_DRAFT):
+        # Another pair: its acceptance is the one this run measures (the fixed arms' table rows).
+        return {"target": args.target, "draft": args.draft, "greedy_acceptance_per_drafted_token": {},
+                "source": "measured in this run"}
     metrics = json.loads((REPO_ROOT / "models/pair_metrics.json").read_text())
     return {"target": "models/vpd-target", "draft": "models/vpd-draft",
             "greedy_acceptance_per_drafted_token": {L: m["acceptance_per_drafted_token"]
@@ -218,12 +314,15 @@ def markdown(report: dict) -> str:
     arms = report["arms"]
     controllers = [a for a in arms if a in CONTROLLER_ARMS]
     slos = ", ".join(f"{k} <= {v:g}" for k, v in report["slos"].items())
-    accept = ", ".join(f"L={L}: {a:.3f}" for L, a in report["pair"]["greedy_acceptance_per_drafted_token"].items())
+    pair = report["pair"]
+    accept = ", ".join(f"L={L}: {a:.3f}" for L, a in pair["greedy_acceptance_per_drafted_token"].items())
+    accept = f"greedy acceptance per drafted token ({pair['source']}): {accept}" if accept else pair["source"]
+    m = report["machine_load"]
     lines = [
-        "# Controller vs fixed draft length: goodput across a load ramp (CPU)",
+        "# Controller vs fixed draft length: goodput across a load ramp",
         "",
-        f"Machine: {report['machine']}. Pair: {report['pair']['target']} + {report['pair']['draft']}, greedy "
-        f"acceptance per drafted token as measured in models/pair_metrics.json: {accept}.",
+        f"Machine: {report['machine']}; load average (1, 5, 15 min) {m['start']} at the start, {m['end']} at "
+        f"the end. Pair: {pair['target']} + {pair['draft']}, {accept}.",
         "",
         f"Mode unified (one replica, max_num_seqs {report['args']['max_num_seqs']}), held-out Python prompts of "
         f"{report['args']['prompt_tokens']} tokens, {report['args']['output_tokens']} output tokens, temperature 0, "
@@ -232,32 +331,47 @@ def markdown(report: dict) -> str:
         f"min_draft_len per arm: {', '.join(f'{a} {CONTROLLER_ARMS[a]}' for a in controllers)}. "
         f"Command: `{report['command']}`.",
         "",
-        f"Goodput (requests/s), mean over {report['args']['passes']} passes (each pass in parentheses); "
-        f"controller / best fixed on the means, 'matches' meaning within ±{MATCH_TOLERANCE:.0%}:",
+        f"Goodput (requests/s), median over {report['args']['passes']} passes (each pass in parentheses, in pass "
+        f"order); controller / best fixed on the medians, then on the means, 'matches' meaning within "
+        f"±{MATCH_TOLERANCE:.0%}:",
         "",
-        "| rate (req/s) | " + " | ".join(arms) + " | best fixed | "
-        + " | ".join(f"{a} / best" for a in controllers) + " |",
+        "| rate (req/s) | " + " | ".join(arms) + " | best fixed (median) | "
+        + " | ".join(f"{a} / best: median; mean" for a in controllers) + " |",
         "|---" * (len(arms) + 2 + len(controllers)) + "|",
     ]
     for step in report["steps"]:
-        verdicts = step.get("verdicts", {})
+        verdicts, means = step.get("verdicts", {}), step.get("verdicts_mean", {})
         cells = [_goodput_cell(step["arms"][a]) for a in arms]
         best = next(iter(verdicts.values()), {}).get("best_fixed", "")
-        ratios = [f"{_fmt(v['ratio'], '.2f')} ({v['outcome']})" for v in verdicts.values()]
+        ratios = [f"{_fmt(v['ratio'], '.2f')} ({v['outcome']}); {_fmt(means[a]['ratio'], '.2f')} ({means[a]['outcome']})"
+                  for a, v in verdicts.items()]
         lines.append(f"| {step['rate_rps']:g} | " + " | ".join(cells + [best] + ratios) + " |")
+    if controllers and "per_pass_ratios" in report["steps"][0]:
+        lines += ["", "Controller / best fixed L within each pass (the arms of a pass ran minutes apart, the passes "
+                  "tens of minutes apart):", "",
+                  "| rate (req/s) | " + " | ".join(controllers) + " |", "|---" * (len(controllers) + 1) + "|"]
+        for step in report["steps"]:
+            cells = [", ".join(_fmt(r, ".2f") for r in step["per_pass_ratios"][a]) for a in controllers]
+            lines.append(f"| {step['rate_rps']:g} | " + " | ".join(cells) + " |")
     lines += ["", "Mean L of speculated verify steps; p95 TPOT ms and p95 TTFT ms per pass; completed of "
-              "submitted, all passes:", "",
+              "submitted, all passes; CPU cores used by other processes during the step, per pass:", "",
               "| rate (req/s) | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
     for step in report["steps"]:
         cells = [f"L {r['mean_draft_len']:.1f}; TPOT {', '.join(_fmt(p['tpot_ms_p95']) for p in r['passes'])}; "
-                 f"TTFT {', '.join(_fmt(p['ttft_ms_p95']) for p in r['passes'])}; {r['completed']} of {r['submitted']}"
+                 f"TTFT {', '.join(_fmt(p['ttft_ms_p95']) for p in r['passes'])}; {r['completed']} of {r['submitted']}; "
+                 f"other {', '.join(_fmt(p['foreign_cores'], '.2f') for p in r['passes'])}"
                  for r in (step["arms"][a] for a in arms)]
         lines.append(f"| {step['rate_rps']:g} | " + " | ".join(cells) + " |")
+    if report["discarded"]:
+        lines += ["", "Ramps run again because other processes used more than "
+                  f"{report['args']['disturbed_cores']:g} cores in some step (kept in the JSON): "
+                  + "; ".join(f"pass {d['pass']} {d['arm']}" for d in report["discarded"]) + "."]
     return "\n".join(lines) + "\n"
 
 
 def _goodput_cell(arm: dict) -> str:
-    return f"{arm['goodput_rps']:.2f} ({', '.join(f'{p:.2f}' for p in (r['goodput_rps'] for r in arm['passes']))})"
+    per_pass = ", ".join(f"{r['goodput_rps']:.2f}" for r in arm["passes"])
+    return f"{arm['goodput_rps_median']:.2f} ({per_pass})"
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -268,19 +382,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configs = app_configs(args)
     workload = heldout_workload(args)
+    load_start = [round(x, 2) for x in os.getloadavg()]
     start_ray()
     try:
         deploy(configs)
-        steps = asyncio.run(ramp(args, list(configs), workload))
+        steps, discarded = asyncio.run(ramp(args, list(configs), workload))
     finally:
         serve.shutdown()
         ray.shutdown()
+    device = "one GPU for the engine" if args.device == "cuda" else "no GPU"
     report = {
-        "machine": f"2-core CPU ({platform.processor() or platform.machine()}), no GPU, shared with other work",
+        "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), {device}, "
+                   "shared with other work",
+        "machine_load": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "command": " ".join(["python -m benchmarks.controller_ramp", *(argv or [])]),
-        "pair": pair_card(), "arms": list(configs), "slos": args.slo,
+        "pair": pair_card(args), "arms": list(configs), "slos": args.slo,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "app_configs": configs, "steps": steps,
+        "app_configs": configs, "steps": steps, "discarded": discarded,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))

@@ -63,7 +63,8 @@ def profile_fn(fn, steps: int = 5) -> dict:
 
 
 def profile_verify(config: EngineConfig) -> dict:
-    target = build_random_model(LLAMA2_7B, dtype="bfloat16", device="cuda").model
+    with torch.device("cuda"):  # random init on the GPU: seconds, not minutes on the host
+        target = build_random_model(LLAMA2_7B, dtype="bfloat16", device="cuda").model
     lane = VerifyLane(build_runner(target, config))
     slots = fill_pool(lane.runner, 64, CONTEXT - 1)
     drafts = torch.randint(0, 32000, (64, 4), device="cuda")
@@ -78,7 +79,8 @@ def profile_verify(config: EngineConfig) -> dict:
 
 
 def profile_draft(config: EngineConfig) -> dict:
-    draft = build_random_model(TINYLLAMA, dtype="bfloat16", device="cuda").model
+    with torch.device("cuda"):
+        draft = build_random_model(TINYLLAMA, dtype="bfloat16", device="cuda").model
     runner = build_runner(draft, config)
     slot = fill_pool(runner, 1, CONTEXT - 1)[0]
     seq = Sequence("0", list(range(1, CONTEXT + 1)), SamplingParams(), 0, 4, draft_slot=slot)

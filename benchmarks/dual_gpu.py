@@ -1,0 +1,796 @@
+"""Lanes placed over the two GPUs of one host, against one GPU and against data parallelism
+(issue 8; method and results in docs/dual_gpu.md).
+
+Placements, each one file of configs/placements/ deployed as it is (only the model paths are
+replaced by the pair this run saves):
+
+    a   unified-1gpu        the co-located engine on one GPU (the one-GPU reference)
+    a2  pdv-1gpu            the three lanes on one GPU (KV by CUDA IPC)
+    b   pdv-verify-apart    prefill + 2 decode replicas on one GPU, verify alone on the other
+    c   pdv-prefill-apart   prefill alone on one GPU, 2 decode replicas + verify on the other
+    d   unified-dp2         two co-located engines, one per GPU (data parallel)
+
+Per placement, in one Ray cluster, one placement at a time: deploy and record which GPU every
+replica got (checked against what the config means); warm up (a burst that passes every CUDA-graph
+batch bucket); a Poisson rate sweep with the load tester (rates doubling until p95 TTFT shows
+queueing or a request fails, then one rate between the last two), every request accounted for,
+acceptance measured from each response's spec-decode counters; from the lanes' timelines
+(deployments/timeline.py), how long the verify lane ran while a decode replica was drafting;
+in pdv placements the cost of each KV hand-over against prompt length (one request at a time).
+Ends with a device-to-device copy between the two GPUs of the same sizes, as a reference for
+what the hand-over could cost over NVLink.
+
+The whole run keeps to --budget-s: a placement that no longer fits is recorded as skipped, a
+placement that fails is recorded with its error, and results are rewritten after each placement.
+
+    python3 benchmarks/dual_gpu.py --out DIR                      # two-H200 machine, ~9 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dual_gpu.py --shape small --device cpu \\
+        --rates 1,2 --window-s 4 --out DIR                        # CPU dry run (no placement on GPUs)
+    .venv/bin/python benchmarks/dual_gpu.py --plot-only DIR       # plots from DIR/dual_gpu.json
+
+Writes DIR/dual_gpu.json (everything, every request), dual_gpu.md (tables), dual_gpu.csv (one
+column per placement and rate) and, where matplotlib is installed, dual_gpu_load_curve.png,
+dual_gpu_tpot_throughput.png and dual_gpu_handover.png.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "0")  # replicas inherit it: kernels compile for the GPU
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.serving import REPO, count_parameters, deploy, git_commit, machine, start_cluster  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
+from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
+from loadtest.records import RequestRecord  # noqa: E402
+from loadtest.report import Point, comparison_table, markdown_table, plot_load_curves  # noqa: E402
+from loadtest.runner import RunResult, run_load  # noqa: E402
+from loadtest.spec_stats import SpecDecodeCounters, summarize_spec  # noqa: E402
+from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_tokenizer,  # noqa: E402
+                               random_prompt, synthetic, usable_token_ids)
+
+NAME = "dual_gpu"
+LANE_DEPLOYMENTS = {"unified": ("DecodeLane",), "pdv": ("PrefillLane", "DecodeLane", "VerifyLane")}
+TPOT_BOUNDS_MS = (10, 15, 20, 30, 50, 100)  # p95 TPOT bounds of the throughput-at-latency table
+RESERVE_S = 20.0  # kept back from the budget for the last results and the reference copy
+DELETE_S = 10.0  # what removing an app takes, allowed for in every placement
+HANDOVER_S = {"cuda": 20.0, "cpu": 30.0}  # the hand-over measurement, allowed for in pdv placements
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    key: str
+    config: str  # file in configs/placements/
+    title: str
+    # Lanes of the replicas sharing each GPU (one tuple per GPU, sorted): what the config means.
+    gpus: tuple[tuple[str, ...], ...]
+
+
+PLACEMENTS = {p.key: p for p in (
+    PlacementSpec("a", "a-unified-1gpu.yaml", "(a) unified, one GPU", (("engine",),)),
+    PlacementSpec("a2", "a2-pdv-1gpu.yaml", "(a') pdv, one GPU", (("decode", "decode", "prefill", "verify"),)),
+    PlacementSpec("b", "b-pdv-verify-apart.yaml", "(b) prefill + draft | verify",
+                  (("decode", "decode", "prefill"), ("verify",))),
+    PlacementSpec("c", "c-pdv-prefill-apart.yaml", "(c) prefill | draft + verify",
+                  (("decode", "decode", "verify"), ("prefill",))),
+    PlacementSpec("d", "d-unified-dp2.yaml", "(d) unified x2, data parallel", (("engine",), ("engine",))),
+)}
+
+
+# ---- time ----------------------------------------------------------------------------------
+
+class Budget:
+    """The run's wall-clock allowance; every step prints how far into it it is."""
+
+    def __init__(self, total_s: float):
+        self.total_s = total_s
+        self.started_s = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started_s
+
+    @property
+    def left_s(self) -> float:
+        return self.total_s - self.elapsed_s
+
+    def log(self, message: str) -> None:
+        print(f"[{self.elapsed_s:6.1f} s] {message}", flush=True)
+
+
+# ---- intervals (lane timelines) --------------------------------------------------------------
+
+Interval = tuple[float, float]
+
+
+def union(intervals) -> list[Interval]:
+    """Sorted, non-overlapping intervals covering the same time."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def total_s(intervals: list[Interval]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Time in both (each a union)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if end > start:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Time in `a` but not in `b` (each a union)."""
+    out = []
+    for start, end in a:
+        for s, e in b:
+            if e <= start or s >= end:
+                continue
+            if s > start:
+                out.append((start, s))
+            start = max(start, e)
+        if end > start:
+            out.append((start, end))
+    return out
+
+
+def spans(report: dict, kind: str) -> list[Interval]:
+    return [(e["start_s"], e["end_s"]) for e in report["events"].get(kind, [])]
+
+
+def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
+    """How busy each lane was in [start_s, end_s], and whether verify and drafting overlapped.
+
+    A decode replica drafts during its steps except while it waits on the verify lane; the verify
+    lane is busy during its forwards. `verify_with_drafting_share` is the part of the verify
+    lane's busy time during which at least one decode replica was drafting: 0 means the lanes took
+    turns, near 1 means the verify lane scored one group while the decode lane drafted for another.
+    """
+    window_s = max(end_s - start_s, 1e-9)
+    by_lane: dict[str, list[dict]] = {}
+    for r in reports:
+        by_lane.setdefault(r["lane"], []).append(r)
+    out = {"window_s": round(window_s, 3)}
+    for r in by_lane.get("engine", []):  # co-located: draft and verify take turns inside each step
+        out.setdefault("engine_busy_share", []).append(
+            round(total_s(clip(union(spans(r, "step")), start_s, end_s)) / window_s, 3))
+    if "verify" not in by_lane:
+        return out
+    verify = clip(union(s for r in by_lane["verify"] for s in spans(r, "verify")), start_s, end_s)
+    drafting_each = [clip(subtract(union(spans(r, "step")), union(spans(r, "verify_wait"))), start_s, end_s)
+                     for r in by_lane.get("decode", [])]
+    drafting = union(s for d in drafting_each for s in d)
+    both = total_s(intersect(verify, drafting))
+    forwards = [e for r in by_lane["verify"] for e in r["events"].get("verify", [])
+                if start_s <= e["start_s"] < end_s]
+    out |= {
+        "verify_busy_share": round(total_s(verify) / window_s, 3),
+        "drafting_busy_share": round(total_s(drafting) / window_s, 3),
+        "drafting_busy_share_per_replica": [round(total_s(d) / window_s, 3) for d in drafting_each],
+        "overlap_s": round(both, 3),
+        "verify_with_drafting_share": round(both / total_s(verify), 3) if verify else None,
+        "verify_forwards": len(forwards),
+        "rows_per_verify": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
+        "decode_calls_per_verify": round(statistics.mean(e["calls"] for e in forwards), 2) if forwards else None,
+    }
+    return out
+
+
+# ---- where replicas run ------------------------------------------------------------------------
+
+def gpu_inventory() -> list[dict]:
+    """The driver's view of this host's GPUs: index, name and UUID (replicas report UUIDs)."""
+    if not torch.cuda.is_available():
+        return []
+    return [{"index": i, "name": torch.cuda.get_device_name(i), "uuid": str(torch.cuda.get_device_properties(i).uuid)}
+            for i in range(torch.cuda.device_count())]
+
+
+def topology() -> str | None:
+    """`nvidia-smi topo -m`: how the GPUs are linked (NVLink or PCIe) decides what a KV copy costs."""
+    try:
+        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+def timelines(app: str, mode: str, start_s: float) -> list[dict]:
+    """Every lane replica's timeline() report since `start_s` (placement and busy intervals)."""
+    from ray import serve
+
+    reports = []
+    for deployment in LANE_DEPLOYMENTS[mode]:
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        reports += handle.broadcast("timeline", start_s).results(timeout_s=60)
+    return reports
+
+
+def observed_gpus(reports: list[dict], inventory: list[dict]) -> dict:
+    """Which GPU each replica got, grouped the way PlacementSpec.gpus states intent."""
+    index = {g["uuid"]: g["index"] for g in inventory}
+    replicas, groups = [], {}
+    for r in reports:
+        uuid = r["placement"]["gpu_uuid"]
+        replicas.append({"lane": r["lane"], "replica": r["replica"], "gpu_uuid": uuid, "gpu_index": index.get(uuid),
+                         "ray_gpu_ids": r["ray_gpu_ids"], "cuda_visible_devices": r["cuda_visible_devices"]})
+        if uuid is not None:
+            groups.setdefault(uuid, []).append(r["lane"])
+    shared = sorted(tuple(sorted(lanes)) for lanes in groups.values())
+    return {"replicas": replicas, "gpu_groups": [list(g) for g in shared]}
+
+
+def as_intended(spec: PlacementSpec, observed: dict) -> bool | None:
+    """True when the replicas share GPUs exactly as the config means; None without GPUs."""
+    if not observed["gpu_groups"]:
+        return None
+    return [tuple(g) for g in observed["gpu_groups"]] == sorted(spec.gpus)
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+def placement_args(spec: PlacementSpec, target: str, draft: str, device: str) -> dict:
+    """The `args:` of the placement's config with this run's pair; on the CPU, a dry-run version."""
+    config = yaml.safe_load((REPO / "configs" / "placements" / spec.config).read_text())
+    args = config["applications"][0]["args"]
+    args["target"]["path"], args["draft"]["path"] = target, draft
+    if device == "cpu":
+        args = cpu_dry_run(args)
+    AppConfig.model_validate(args)  # a config error names the field before anything starts
+    return args
+
+
+def cpu_dry_run(args: dict) -> dict:
+    """The same graph (modes, replica counts) on CPU-sized engines: no GPUs, small pools, fp32."""
+    args = json.loads(json.dumps(args))
+    for lane in ("ingress", "prefill_lane", "decode_lane", "verify_lane"):
+        if lane in args:
+            args[lane] |= {"num_gpus": 0, "num_cpus": 0.1}
+    args["engine"] |= {"max_model_len": 640, "max_num_seqs": 8, "prefill_chunk_tokens": 128}
+    args["target"]["dtype"] = args["draft"]["dtype"] = "float32"
+    return args
+
+
+def decode_slots(args: dict) -> int:
+    cfg = AppConfig.model_validate(args)
+    return cfg.engine.max_num_seqs * (cfg.decode_lane.num_replicas or 1)
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+def sweep_requests(args: argparse.Namespace, tokenizer, rate: float) -> list[WorkloadRequest]:
+    """About `window_s` seconds of requests at `rate`; the same for every placement (seeded by rate)."""
+    count = max(8, round(rate * args.window_s))
+    return synthetic(tokenizer, count, args.seed + round(rate * 100),
+                     LogNormal(args.prompt_len_median, 0.7, 16, args.max_prompt_len),
+                     LogNormal(args.output_len_median, 0.5, 16, args.max_output_len))
+
+
+def warmup_requests(args: argparse.Namespace, tokenizer, count: int) -> list[WorkloadRequest]:
+    # Outputs spread from 2 to 64 tokens: as requests finish the batch shrinks through every bucket.
+    return synthetic(tokenizer, count, args.seed + 7, LogNormal(args.prompt_len_median, 1.0, 16, args.max_prompt_len),
+                     LogNormal(16, 1.0, 2, 64))
+
+
+def fixed_length_requests(tokenizer, lengths: list[int], reps: int, seed: int) -> list[WorkloadRequest]:
+    """For each length, reps + 1 prompts of exactly that many tokens (the first warms that shape)."""
+    rng, usable = np.random.default_rng(seed), usable_token_ids(tokenizer)
+    out = []
+    for length in lengths:
+        for _ in range(reps + 1):
+            prompt = random_prompt(tokenizer, usable, length, rng)
+            out.append(WorkloadRequest(prompt, count_tokens(tokenizer, prompt), 2))
+    return out
+
+
+def measured_acceptance(records: list[RequestRecord]) -> dict | None:
+    """vLLM's acceptance counters summed over the completed requests' own usage.spec_decode (each
+    ingress replica counts only its own requests, so the server's totals would be partial)."""
+    done = [r for r in records if r.status == "completed" and r.num_draft_tokens]
+    if not done:
+        return None
+    total = SpecDecodeCounters(sum(r.num_drafts for r in done), sum(r.num_draft_tokens for r in done),
+                               sum(r.num_accepted_tokens for r in done), [])
+    spec = summarize_spec(SpecDecodeCounters(0, 0, 0, []), total)
+    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens, "acceptance_rate": spec.acceptance_rate,
+            "mean_acceptance_length": spec.mean_acceptance_length}
+
+
+# ---- one placement ----------------------------------------------------------------------------
+
+def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace, tokenizer, port: int,
+                  budget: Budget, deadline_s: float, inventory: list[dict]) -> dict:
+    """Deploy, check where replicas run, warm up, sweep, measure hand-overs; the app is removed after."""
+    from ray import serve
+
+    mode = app_args["mode"]
+    result: dict = {"key": spec.key, "title": spec.title, "config": f"configs/placements/{spec.config}",
+                    "app_args": app_args, "status": "running", "timings_s": {}, "sweep": []}
+    url = f"http://127.0.0.1:{port}/{spec.key}"
+    try:
+        phase_s = time.monotonic()
+        deploy(spec.key, app_args, timeout_s=max(30.0, deadline_s - time.monotonic() - DELETE_S))
+        result["timings_s"]["deploy"] = round(time.monotonic() - phase_s, 1)
+        budget.log(f"{spec.key}: deployed in {result['timings_s']['deploy']} s")
+        observed = observed_gpus(timelines(spec.key, mode, time.time()), inventory)
+        result |= {"placement": observed, "as_intended": as_intended(spec, observed)}
+        budget.log(f"{spec.key}: GPUs {observed['gpu_groups'] or 'none (CPU)'}, as intended: {result['as_intended']}")
+
+        phase_s = time.monotonic()
+        warm = warmup_requests(args, tokenizer, decode_slots(app_args))
+        warmed = asyncio.run(run_load(url, warm, OpenLoop(math.inf), timeout_s=args.request_timeout_s,
+                                      seed=args.seed, progress=False))
+        result["warmup"] = {"requests": len(warm), "completed": sum(r.status == "completed" for r in warmed.records)}
+        result["timings_s"]["warmup"] = round(time.monotonic() - phase_s, 1)
+        budget.log(f"{spec.key}: warm-up {result['warmup']['completed']}/{len(warm)} in "
+                   f"{result['timings_s']['warmup']} s")
+
+        phase_s, sweep_start_s = time.monotonic(), time.time()
+        reserve_s = DELETE_S + (HANDOVER_S[args.device] if mode == "pdv" else 0.0)
+        result["sweep"] = sweep(spec, url, args, tokenizer, budget, deadline_s - reserve_s)
+        reports = timelines(spec.key, mode, sweep_start_s)
+        for point in result["sweep"]:
+            point["lanes"] = lane_activity(reports, point["window_unix_s"][0], point["window_unix_s"][1])
+        result["timings_s"]["sweep"] = round(time.monotonic() - phase_s, 1)
+
+        if mode == "pdv":
+            phase_s = time.monotonic()
+            max_model_len = AppConfig.model_validate(app_args).engine.max_model_len
+            result["handover"] = handover_costs(spec.key, url, args, tokenizer, max_model_len)
+            result["timings_s"]["handover"] = round(time.monotonic() - phase_s, 1)
+            budget.log(f"{spec.key}: hand-over measured in {result['timings_s']['handover']} s")
+        result["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded; the next placement still runs
+        result |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        budget.log(f"{spec.key}: FAILED {result['error']}")
+    finally:
+        phase_s = time.monotonic()
+        try:
+            serve.delete(spec.key)
+        except Exception as exc:  # noqa: BLE001
+            budget.log(f"{spec.key}: delete failed: {exc}")
+        result["timings_s"]["delete"] = round(time.monotonic() - phase_s, 1)
+    return result
+
+
+def sweep(spec: PlacementSpec, url: str, args: argparse.Namespace, tokenizer, budget: Budget,
+          deadline_s: float) -> list[dict]:
+    """Poisson arrivals at each rate until one saturates or time runs out; after the first saturated
+    rate, one rate between it and the last unsaturated one (the knee is where placements differ)."""
+    points: list[dict] = []
+    rates, last_ok = list(args.rates), None
+    while rates:
+        rate = rates.pop(0)
+        requests = sweep_requests(args, tokenizer, rate)
+        # Arrivals, then the slowest requests still running: the previous rate's p95 E2E says how long.
+        tail_s = (points[-1]["summary"]["latency_ms"]["e2e_ms"]["p95"] or 5e3) / 1e3 if points else 5.0
+        if time.monotonic() + len(requests) / rate + tail_s > deadline_s:
+            budget.log(f"{spec.key}: rate {rate:g} skipped, {deadline_s - time.monotonic():.0f} s left for it")
+            break
+        point = sweep_point(url, requests, rate, args)
+        points.append(point)
+        budget.log(f"{spec.key}: {point_line(point)}")
+        if not point["saturated"]:
+            last_ok = rate
+            continue
+        between = round(math.sqrt(last_ok * rate), 2) if last_ok is not None else None
+        rates = [between] if args.refine and between is not None and between not in args.rates + [rate] else []
+        last_ok = None  # after the rate between, stop whatever it shows
+    return sorted(points, key=lambda p: p["rate_rps"])
+
+
+def point_line(point: dict) -> str:
+    s, acc = point["summary"], point["acceptance"]
+    return (f"rate {point['rate_rps']:g}/s: {s['completed']}/{s['submitted']} completed, "
+            f"{s['output_token_throughput_tps']:.0f} tok/s, TTFT p95 {_ms(s, 'ttft_ms', 'p95')}, "
+            f"TPOT p95 {_ms(s, 'tpot_ms', 'p95')}, acceptance {acc['acceptance_rate'] if acc else None}"
+            + (" SATURATED" if point["saturated"] else ""))
+
+
+def sweep_point(url: str, requests: list[WorkloadRequest], rate: float, args: argparse.Namespace) -> dict:
+    start_s = time.time()
+    result = asyncio.run(run_load(url, requests, OpenLoop(rate), timeout_s=args.request_timeout_s, seed=args.seed,
+                                  progress=False))
+    end_s = time.time()
+    summary = result.summary().to_dict()
+    ttft_p95 = summary["latency_ms"]["ttft_ms"]["p95"]
+    saturated = summary["completed"] < summary["submitted"] or ttft_p95 is None or ttft_p95 > args.sat_ttft_ms
+    return {"rate_rps": rate, "window_unix_s": [start_s, end_s], "summary": summary, "saturated": saturated,
+            "acceptance": measured_acceptance(result.records),
+            "requests": [{k: v for k, v in r.to_row().items() if k != "itl_ms"} for r in result.records]}
+
+
+def handover_costs(app: str, url: str, args: argparse.Namespace, tokenizer, max_model_len: int) -> list[dict]:
+    """One request at a time at each prompt length: what moving its KV from the prefill lane to the
+    decode and verify lanes took, seen by the prefill lane (from KV ready to the owners holding it),
+    by the verify lane (its worker busy taking the copy in) and by the client (TTFT)."""
+    lengths = [n for n in args.handover_lens if n + 2 < max_model_len]
+    requests = fixed_length_requests(tokenizer, lengths, args.handover_reps, args.seed + 31)
+    start_s = time.time()
+    result = asyncio.run(run_load(url, requests, ClosedLoop(1), timeout_s=args.request_timeout_s, seed=args.seed,
+                                  progress=False))
+    reports = timelines(app, "pdv", start_s)
+    handovers = sorted((e for r in reports if r["lane"] == "prefill" for e in r["events"].get("handover", [])),
+                       key=lambda e: e["start_s"])
+    loads = sorted((e for r in reports if r["lane"] == "verify" for e in r["events"].get("load_kv", [])),
+                   key=lambda e: e["start_s"])
+    records = sorted(result.records, key=lambda r: r.index)
+    if len(handovers) != len(records):
+        raise RuntimeError(f"{len(handovers)} hand-overs recorded for {len(records)} requests")
+    rows = []
+    for k, length in enumerate(lengths):
+        first, last = k * (args.handover_reps + 1) + 1, (k + 1) * (args.handover_reps + 1)  # skip the warm one
+        mine = handovers[first:last]
+        window = (mine[0]["start_s"], mine[-1]["end_s"] + 5.0)
+        taken_in = [e for e in loads if window[0] <= e["start_s"] <= window[1]][: len(mine)]
+        ttfts = [r.ttft_ms for r in records[first:last] if r.ttft_ms is not None]
+        rows.append({
+            "prompt_tokens": mine[0]["tokens"], "target": mine[0]["target"], "draft": mine[0]["draft"],
+            "target_kv_mib": round(mine[0]["target_bytes"] / 2**20, 2),
+            "draft_kv_mib": round(mine[0]["draft_bytes"] / 2**20, 2),
+            "handover_ms": _median_ms(e["end_s"] - e["start_s"] for e in mine),
+            "verify_load_ms": _median_ms(e["end_s"] - e["start_s"] for e in taken_in) if taken_in else None,
+            "ttft_ms": round(statistics.median(ttfts), 2) if ttfts else None,
+            "samples": len(mine),
+        })
+    return rows
+
+
+def _median_ms(seconds) -> float:
+    return round(statistics.median(seconds) * 1e3, 2)
+
+
+def _ms(summary: dict, metric: str, stat: str) -> str:
+    value = summary["latency_ms"][metric][stat]
+    return "n/a" if value is None else f"{value:.1f} ms"
+
+
+# ---- reference copy ---------------------------------------------------------------------------
+
+def p2p_reference(sizes_bytes: list[int]) -> list[dict] | None:
+    """Device-to-device copies GPU 0 -> GPU 1 of the hand-over sizes (median of 5): what the KV
+    hand-over could cost over NVLink/PCIe peer copies (NCCL would ride the same links)."""
+    if torch.cuda.device_count() < 2 or not sizes_bytes:
+        return None
+    rows = []
+    for size in sorted(set(sizes_bytes)):
+        src = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(size, dtype=torch.uint8, device="cuda:1")
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            start = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(1)
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times[1:]) * 1e3
+        rows.append({"mib": round(size / 2**20, 2), "copy_ms": round(ms, 3), "gb_per_s": round(size / ms / 1e6, 1)})
+        del src, dst
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ---- results ----------------------------------------------------------------------------------
+
+def points_of(document: dict) -> list[Point]:
+    """The sweep points as the load tester's Points (for its table and plots), from the JSON."""
+    points = []
+    for placement in document["placements"]:
+        for p in placement.get("sweep", []):
+            records = [RequestRecord(**{k: v for k, v in row.items() if k != "e2e_ms"}) for row in p["requests"]]
+            result = RunResult(base_url="", model="", arrivals=OpenLoop(p["rate_rps"]), records=records,
+                               warmup_records=[])
+            points.append(Point(label=placement["key"], result=result, summary=result.summary()))
+    return points
+
+
+def throughput_at_tpot(document: dict) -> list[dict]:
+    """Per placement and p95 TPOT bound: the most output tok/s among its unsaturated points that meet it."""
+    rows = []
+    for placement in document["placements"]:
+        ok = [p for p in placement.get("sweep", []) if not p["saturated"]]
+        row = {"placement": placement["key"]}
+        for bound in TPOT_BOUNDS_MS:
+            meets = [p["summary"]["output_token_throughput_tps"] for p in ok
+                     if (p["summary"]["latency_ms"]["tpot_ms"]["p95"] or math.inf) <= bound]
+            row[f"tpot_p95<={bound}ms"] = round(max(meets), 1) if meets else None
+        rows.append(row)
+    return rows
+
+
+def write_results(out: Path, document: dict, plots: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    document["throughput_at_tpot"] = throughput_at_tpot(document)
+    (out / f"{NAME}.json").write_text(json.dumps(document, indent=1))
+    points = points_of(document)
+    if points:
+        comparison_table(points).to_csv(out / f"{NAME}.csv")
+    (out / f"{NAME}.md").write_text(markdown(document))
+    if plots:
+        try:
+            write_plots(out, document, points)
+        except ImportError as exc:  # the GPU image may lack matplotlib: plot later with --plot-only
+            print(f"plots skipped ({exc}); run --plot-only {out} where matplotlib is installed", flush=True)
+
+
+def write_plots(out: Path, document: dict, points: list[Point]) -> None:
+    from loadtest.report import _pyplot
+
+    if points:
+        plot_load_curves(points, out / f"{NAME}_load_curve.png")
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 5))
+    for placement in document["placements"]:
+        sweep_points = placement.get("sweep", [])
+        if sweep_points:
+            axis.plot([p["summary"]["latency_ms"]["tpot_ms"]["p95"] or np.nan for p in sweep_points],
+                      [p["summary"]["output_token_throughput_tps"] for p in sweep_points], marker="o",
+                      label=placement["title"])
+    axis.set_xlabel("p95 TPOT (ms)")
+    axis.set_ylabel("output tokens/s")
+    axis.set_title("throughput at a latency: up and to the left is better")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out / f"{NAME}_tpot_throughput.png", dpi=110)
+    plt.close(figure)
+    with_handover = [p for p in document["placements"] if p.get("handover")]
+    if not with_handover:
+        return
+    figure, axis = plt.subplots(figsize=(7, 5))
+    for placement in with_handover:
+        rows = placement["handover"]
+        axis.plot([r["prompt_tokens"] for r in rows], [r["handover_ms"] for r in rows], marker="o",
+                  label=f"{placement['title']}: target KV {rows[0]['target']}")
+    reference = document.get("p2p_reference") or []
+    per_token = with_handover[0]["handover"][0]["target_kv_mib"] / with_handover[0]["handover"][0]["prompt_tokens"]
+    if reference:
+        axis.plot([r["mib"] / per_token for r in reference], [r["copy_ms"] for r in reference], linestyle="--",
+                  color="grey", label="GPU0 -> GPU1 device copy of the same bytes")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("prompt tokens")
+    axis.set_ylabel("KV hand-over per request (ms)")
+    axis.grid(True, alpha=0.3, which="both")
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out / f"{NAME}_handover.png", dpi=110)
+    plt.close(figure)
+
+
+def markdown(document: dict) -> str:
+    m, w, pair = document["machine"], document["workload"], document["pair"]
+    gpus = ", ".join(f"{g['index']}: {g['name']}" for g in document["gpus"]) or "none"
+    lines = [
+        f"# Lanes over two GPUs: {NAME}", "",
+        f"- Machine: {m['cpu_cores']} CPU cores, GPUs {gpus}; torch {m['torch']}, Ray {m['ray']}; "
+        f"commit {document['commit']}; {document['duration_s']:.0f} s in all (budget {document['budget_s']:.0f} s).",
+        f"- Pair: target {pair['target_config']} ({pair['target_parameters']:,} parameters), draft "
+        f"{pair['draft_config']} ({pair['draft_parameters']:,}), constructed with agreement {pair['agreement']} "
+        f"(docs/constructed_pair.md), {pair['dtype']}.",
+        f"- Workload: Poisson arrivals, {w['window_s']:g} s of requests per rate; random-token prompts, "
+        f"log-normal lengths (median {w['prompt_len_median']:g}, max {w['max_prompt_len']}), outputs median "
+        f"{w['output_len_median']:g} (max {w['max_output_len']}), greedy, ignore_eos. A rate is saturated when a "
+        f"request fails or p95 TTFT exceeds {w['sat_ttft_ms']:g} ms; the sweep stops there after one rate between.",
+        f"- Command: `{document['command']}`", "",
+    ]
+    if document.get("topology"):
+        lines += ["GPU links (`nvidia-smi topo -m`):", "", "```", document["topology"], "```", ""]
+    lines += ["## Where each replica ran", "", "| placement | status | GPUs (lanes sharing each) | as intended | "
+              "deploy s | warm-up s | sweep s |", "|---|---|---|---|---|---|---|"]
+    for p in document["placements"]:
+        t = p.get("timings_s", {})
+        groups = " / ".join("+".join(g) for g in (p.get("placement") or {}).get("gpu_groups", [])) or "n/a"
+        lines.append(f"| {p['title']} | {p['status']} | {groups} | {p.get('as_intended')} | {t.get('deploy')} | "
+                     f"{t.get('warmup')} | {t.get('sweep')} |")
+    for p in document["placements"]:
+        if p.get("error"):
+            lines += ["", f"{p['key']} failed: `{p['error']}`"]
+        if p.get("reason"):
+            lines += ["", f"{p['key']} skipped: {p['reason']}"]
+    lines += ["", "## Rate sweep", "", "| placement | rate/s | done/sent | out tok/s | TTFT p50 / p95 / p99 ms | "
+              "TPOT p50 / p95 / p99 ms | acceptance | in flight | verify busy | verify while drafting |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in document["placements"]:
+        for pt in p.get("sweep", []):
+            s, lanes, acc = pt["summary"], pt.get("lanes", {}), pt["acceptance"]
+            accepted = f"{acc['acceptance_rate']:.3f} / {acc['mean_acceptance_length']:.2f}" if acc else "n/a"
+            lines.append(
+                f"| {p['key']} | {pt['rate_rps']:g}{' (sat.)' if pt['saturated'] else ''} | "
+                f"{s['completed']}/{s['submitted']} | {s['output_token_throughput_tps']:.0f} | "
+                f"{_triple(s, 'ttft_ms')} | {_triple(s, 'tpot_ms')} | {accepted} | {s['mean_in_flight']:.1f} | "
+                f"{lanes.get('verify_busy_share', 'n/a')} | {lanes.get('verify_with_drafting_share', 'n/a')} |")
+    lines += ["", "acceptance: vLLM's acceptance rate / mean acceptance length, summed over the responses' own "
+              "counters. verify busy: share of the window the verify lane ran forwards; verify while drafting: share "
+              "of that time during which a decode replica was drafting (0 = the lanes took turns).", "",
+              "## Output throughput at a p95 TPOT bound", "",
+              "The most output tok/s among a placement's unsaturated rates whose p95 TPOT is within the bound.", ""]
+    rows = document.get("throughput_at_tpot", [])
+    if rows:
+        header = list(rows[0])
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join("n/a" if r[h] is None else str(r[h]) for h in header) + " |" for r in rows]
+    lines += ["", "## KV hand-over per request against prompt length", "",
+              "One request at a time; median of the repeats after one warm request per length. hand-over: the "
+              "prefill lane, from the prompt's KV ready to its owners holding it (allocation, copy and RPCs); verify "
+              "load: the verify lane's worker busy taking a copied KV in.", "",
+              "| placement | prompt tokens | target KV | draft KV | target MiB | hand-over ms | verify load ms | "
+              "TTFT ms |", "|---|---|---|---|---|---|---|---|"]
+    for p in document["placements"]:
+        for r in p.get("handover") or []:
+            lines.append(f"| {p['key']} | {r['prompt_tokens']} | {r['target']} | {r['draft']} | {r['target_kv_mib']} "
+                         f"| {r['handover_ms']} | {r['verify_load_ms']} | {r['ttft_ms']} |")
+    if document.get("p2p_reference"):
+        lines += ["", "Reference, GPU 0 -> GPU 1 device copy of the same sizes (median of 5):", "",
+                  "| MiB | copy ms | GB/s |", "|---|---|---|"]
+        lines += [f"| {r['mib']} | {r['copy_ms']} | {r['gb_per_s']} |" for r in document["p2p_reference"]]
+    points = points_of(document)
+    if points:
+        lines += ["", "## Every metric, one column per placement and rate", "",
+                  markdown_table(comparison_table(points))]
+    return "\n".join(lines) + "\n"
+
+
+def _triple(summary: dict, metric: str) -> str:
+    stats = summary["latency_ms"][metric]
+    return " / ".join("n/a" if stats[k] is None else f"{stats[k]:.1f}" for k in ("p50", "p95", "p99"))
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="results directory")
+    parser.add_argument("--plot-only", type=Path, default=None, help="re-draw plots and tables from DIR/dual_gpu.json")
+    parser.add_argument("--placements", default="a,b,d,c,a2", help="in run order (the budget may skip the last)")
+    parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
+    parser.add_argument("--models-dir", type=Path, default=Path("/tmp/vpd-dual-gpu-pair"))
+    parser.add_argument("--rates", default="4,8,16,32,64,128", help="requests/s, swept in order until one saturates")
+    parser.add_argument("--no-refine", dest="refine", action="store_false",
+                        help="no extra rate between the last unsaturated and the saturated one")
+    parser.add_argument("--window-s", type=float, default=5.0, help="seconds of arrivals per rate")
+    parser.add_argument("--sat-ttft-ms", type=float, default=3000.0, help="p95 TTFT that marks a rate saturated")
+    parser.add_argument("--prompt-len-median", type=float, default=256)
+    parser.add_argument("--max-prompt-len", type=int, default=1024)
+    parser.add_argument("--output-len-median", type=float, default=64)
+    parser.add_argument("--max-output-len", type=int, default=128)
+    parser.add_argument("--handover-lens", default="128,512,1024,2048", help="prompt tokens of the hand-over test")
+    parser.add_argument("--handover-reps", type=int, default=3)
+    parser.add_argument("--request-timeout-s", type=float, default=60.0)
+    parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock allowance of the whole run")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.plot_only is None and args.out is None:
+        parser.error("--out is required (or --plot-only DIR)")
+    args.rates = [float(r) for r in args.rates.split(",")]
+    args.handover_lens = [int(n) for n in args.handover_lens.split(",")]
+    args.placements = args.placements.split(",")
+    unknown = [k for k in args.placements if k not in PLACEMENTS]
+    if unknown:
+        parser.error(f"unknown placements {unknown}; choose from {sorted(PLACEMENTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.plot_only is not None:
+        document = json.loads((args.plot_only / f"{NAME}.json").read_text())
+        write_results(args.plot_only, document)
+        print(f"wrote plots and tables in {args.plot_only}")
+        return
+    budget = Budget(args.budget_s)
+    budget.log(f"dual_gpu: placements {args.placements}, device {args.device}, budget {args.budget_s:.0f} s")
+    target, draft, pair = save_pair(args)
+    budget.log(f"pair saved: {target}, {draft}")
+    tokenizer = load_tokenizer(target)
+    inventory = gpu_inventory()
+    document = {"command": " ".join(["python3", *sys.argv]), "machine": machine(), "gpus": inventory,
+                "topology": topology(), "commit": git_commit(), "budget_s": args.budget_s, "pair": pair,
+                "workload": {k: getattr(args, k) for k in ("window_s", "prompt_len_median", "max_prompt_len",
+                                                           "output_len_median", "max_output_len", "sat_ttft_ms",
+                                                           "rates", "handover_lens", "handover_reps", "seed")},
+                "started_unix_s": time.time(), "placements": [], "duration_s": 0.0}
+    env = {"TRITON_INTERPRET": os.environ["TRITON_INTERPRET"], "TOKENIZERS_PARALLELISM": "false"}
+    port = start_cluster(env)
+    budget.log(f"Ray and Serve up (HTTP port {port}); GPUs: {[g['name'] for g in inventory] or 'none'}")
+    try:
+        for n, key in enumerate(args.placements):
+            spec = PLACEMENTS[key]
+            left_s = budget.left_s - RESERVE_S
+            allowance_s = left_s / (len(args.placements) - n)
+            if allowance_s < min_placement_s(args.device):
+                document["placements"].append({"key": key, "title": spec.title, "status": "skipped",
+                                               "reason": f"{left_s:.0f} s of the budget left for "
+                                                         f"{len(args.placements) - n} placements"})
+                budget.log(f"{key}: skipped ({left_s:.0f} s left)")
+                continue
+            app_args = placement_args(spec, target, draft, args.device)
+            budget.log(f"{key}: {spec.title}: {allowance_s:.0f} s allowed")
+            document["placements"].append(run_placement(spec, app_args, args, tokenizer, port, budget,
+                                                        time.monotonic() + allowance_s, inventory))
+            document["duration_s"] = budget.elapsed_s
+            write_results(args.out, document, plots=False)
+    finally:
+        from ray import serve
+        import ray
+
+        serve.shutdown()
+        ray.shutdown()
+    sizes = [round(r["target_kv_mib"] * 2**20) for p in document["placements"] for r in p.get("handover") or []]
+    if budget.left_s > 10:
+        document["p2p_reference"] = p2p_reference(sizes)
+    document["duration_s"] = budget.elapsed_s
+    write_results(args.out, document)
+    budget.log(f"done: {args.out / (NAME + '.md')}")
+    print((args.out / f"{NAME}.md").read_text())
+
+
+def min_placement_s(device: str) -> float:
+    """Less than this and a placement cannot deploy, warm up and run two rates."""
+    return 75.0 if device == "cuda" else 60.0
+
+
+# TEMPORARY (replaced by benchmarks.gpu_modes' pair saver once it lands)
+def save_pair(args):
+    from benchmarks.constructed_pair import build_constructed_pair, shape_configs
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    tcfg, dcfg = shape_configs(args.shape)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    target, draft = build_constructed_pair(tcfg, dcfg, args.agreement, dtype=dtype, device=args.device)
+    vocab = {f"t{i}": i for i in range(tcfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    paths = []
+    for name, m in (("target", target), ("draft", draft)):
+        path = args.models_dir / name
+        m.model.save_pretrained(path)
+        fast.save_pretrained(path)
+        paths.append(str(path))
+    return paths[0], paths[1], {"target_config": "x", "draft_config": "y", "target_parameters": count_parameters(paths[0]),
+                                "draft_parameters": count_parameters(paths[1]), "agreement": args.agreement, "dtype": dtype}
+
+
+if __name__ == "__main__":
+    main()

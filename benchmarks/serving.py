@@ -1,0 +1,128 @@
+"""What the serving benchmarks share: one Ray cluster with Serve's proxy, apps of the five modes
+deployed from configs/<mode>.yaml and removed again, and where and how a run was measured.
+
+Used by compare_modes.py (CPU, the shipped pair) and gpu_modes.py (one GPU, constructed pairs).
+No matplotlib here: the GPU machine's image may lack it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import ray
+import torch
+import yaml
+from ray import serve
+from ray.serve.schema import ApplicationStatus
+from safetensors import safe_open
+
+from deployments.builder import build_app
+
+REPO = Path(__file__).resolve().parent.parent
+ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
+
+
+class DeployFailed(RuntimeError):
+    """An app did not reach RUNNING; the message says why (Serve's own status message)."""
+
+
+def mode_args(mode: str, target: Path | None, draft: Path | None) -> dict:
+    """The `args:` of configs/<mode>.yaml with model paths absolute (replicas may run elsewhere)."""
+    config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())
+    args = config["applications"][0]["args"]
+    for role, override in (("target", target), ("draft", draft)):
+        path = override or REPO / args[role]["path"]
+        args[role]["path"] = str(Path(path).resolve())
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(env_vars: dict[str, str] | None = None) -> int:
+    """A Ray cluster of this machine with Serve's proxy on a free port; returns the port.
+
+    `env_vars` reach every replica (OMP_NUM_THREADS=1 always: replicas share the cores).
+    """
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **(env_vars or {})}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def deploy(name: str, app_args: dict, timeout_s: float) -> float:
+    """Deploy `app_args` as app `name` (route /name) and wait until it runs; returns the seconds taken.
+
+    Raises DeployFailed with Serve's message when the app fails or is not running within
+    `timeout_s`, after deleting it, so that the next app gets the machine.
+    """
+    started_s = time.monotonic()
+    try:
+        serve.run_many([serve.RunTarget(build_app(app_args), name=name, route_prefix=f"/{name}")],
+                       wait_for_applications_running=False)
+        while True:
+            status = serve.status().applications.get(name)
+            if status is not None and status.status == ApplicationStatus.RUNNING:
+                return time.monotonic() - started_s
+            failed = status is not None and status.status in (ApplicationStatus.DEPLOY_FAILED,
+                                                              ApplicationStatus.UNHEALTHY)
+            if failed or time.monotonic() - started_s > timeout_s:
+                why = _status_message(status) if failed else f"not running after {timeout_s:.0f} s"
+                raise DeployFailed(f"{name}: {why}")
+            time.sleep(1.0)
+    except BaseException:
+        serve.delete(name)
+        raise
+
+
+def _status_message(status) -> str:
+    parts = [f"{status.status}: {status.message}"]
+    parts += [f"{dep}: {d.status} {d.message}" for dep, d in status.deployments.items() if d.message]
+    return " | ".join(parts)
+
+
+def machine() -> dict:
+    cpu_model = next((line.split(":", 1)[1].strip() for line in
+                      Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    return {"cpu_model": cpu_model, "cpu_cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+                                1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def count_parameters(model_dir: str) -> int:
+    """Stored parameters (tied embeddings once), read from the safetensors headers."""
+    total = 0
+    for shard in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as tensors:
+            total += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+    return total
+
+
+def git_commit() -> str:
+    """HEAD, with "-dirty" when the working tree has uncommitted changes ("unknown" without git:
+    the GPU machine gets a copy of the working tree, not the repository)."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=REPO,
+                              capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
