@@ -14,9 +14,10 @@ its state carried from step to step. Every arm gets the same seeded arrival time
 
 The machine may be shared, so the whole sequence runs `--passes` times with the arms' order rotated from
 pass to pass, and every step records the CPU that processes outside this benchmark's process tree used
-meanwhile (`foreign_cores`, mean cores) and the 1-minute load average. An arm's ramp during which another
-process used more than `--disturbed-cores` cores in some step is run again (at most `--max-reruns` times in
-all; the disturbed run stays in the JSON, marked). Goodput is reported per pass, as the median over passes
+meanwhile (`foreign_cores`, mean cores) and the 1-minute load average. Each arm's ramp starts once other
+processes use at most `--disturbed-cores` cores over 2 s (waiting at most `--quiet-wait-s`), and a ramp
+during which they used more in some step is run again (at most `--max-reruns` times in all; the disturbed
+run stays in the JSON, marked). Goodput is reported per pass, as the median over passes
 (the headline: one disturbed pass cannot move it) and as the mean.
 
 Prompts are windows of the held-out part of the training corpus (Python source the pair never saw),
@@ -95,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--passes", type=int, default=3, help="times each arm runs the whole ramp")
     parser.add_argument("--disturbed-cores", type=float, default=0.5, help="an arm's ramp during which other "
                         "processes used more than this many cores in some step is run again")
-    parser.add_argument("--max-reruns", type=int, default=3, help="reruns of disturbed ramps, in all")
+    parser.add_argument("--max-reruns", type=int, default=2, help="reruns of disturbed ramps, in all")
+    parser.add_argument("--quiet-wait-s", type=float, default=15.0,
+                        help="longest wait for other processes to quieten before an arm's ramp")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model directory (HF format, with tokenizer)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model directory")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -233,13 +236,26 @@ def pass_order(arms: list[str], p: int, passes: int) -> list[str]:
     return arms[shift:] + arms[:shift]
 
 
+async def wait_for_quiet(max_cores: float, max_wait_s: float, window_s: float = 2.0) -> float:
+    """Wait until other processes used at most `max_cores` over `window_s`, or `max_wait_s` passed; the
+    seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < max_wait_s:
+        before = cpu_sample()
+        await asyncio.sleep(window_s)
+        if foreign_cores(before, cpu_sample()) <= max_cores:
+            break
+    return time.monotonic() - start
+
+
 async def arm_ramp(name: str, rates: list[float], workload: list[WorkloadRequest], args) -> list[dict]:
+    waited_s = await wait_for_quiet(args.disturbed_cores, args.quiet_wait_s)
     # A few requests first, so that no arm pays for cold caches in its first step.
     await run_load(base_url(name).removesuffix("/v1"), workload[:8], OpenLoop(2.0), progress=False)
     rows = []
     for rate in rates:
         result, trace, machine = await run_arm(name, rate, workload, args)
-        rows.append(arm_row(result, trace, machine, args.slo))
+        rows.append(arm_row(result, trace, machine, args.slo) | {"waited_for_quiet_s": round(waited_s, 1)})
     return rows
 
 
