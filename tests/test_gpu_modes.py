@@ -1,0 +1,62 @@
+"""The pieces of benchmarks/gpu_modes.py that must be right before a device call: the saved pair
+and its tokenizer, the memory plan, and rates taken from earlier points."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from benchmarks.gpu_modes import Load, check_stored_head, fit_lengths, parse_args, save_pair, word_tokenizer
+from loadtest.arrivals import ClosedLoop, OpenLoop
+from loadtest.workload import random_prompt, usable_token_ids
+
+H200_MIB, H100_MIB = 143771, 81559
+
+
+def test_word_tokenizer_counts_words_as_tokens_and_has_no_special_ids(tmp_path):
+    word_tokenizer(32000).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == 32000 and tokenizer.all_special_ids == [] and tokenizer.eos_token_id is None
+    ids = usable_token_ids(tokenizer)
+    assert len(ids) == 32000
+    for n in (1, 17, 900):
+        text = random_prompt(tokenizer, ids, n, np.random.default_rng(n))
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        assert len(encoded) == n and tokenizer.decode(encoded) == text
+
+
+def test_saved_small_pair_reloads_with_its_map_and_untied_heads(tmp_path):
+    pair = save_pair("small", 0.8, tmp_path, dtype="float32", device="cpu", reload_check="full")
+    check = pair.check
+    assert check["ok"], check
+    assert check["map_fidelity"] == {"target": 1.0, "draft": 1.0}
+    assert abs(check["predicted_per_token_acceptance"]["greedy"] - 0.8) <= 0.05
+    assert check_stored_head(pair.target)["ok"] and check_stored_head(pair.draft)["ok"]
+    # A second agreement reuses the saved target (the target does not depend on it).
+    mtime = [p.stat().st_mtime_ns for p in pair.target.glob("*.safetensors")]
+    other = save_pair("small", 0.5, tmp_path, dtype="float32", device="cpu", reload_check="structure")
+    assert other.target == pair.target and other.draft != pair.draft
+    assert [p.stat().st_mtime_ns for p in pair.target.glob("*.safetensors")] == mtime
+
+
+def test_memory_plan_sizes_the_context_to_the_gpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (H200_MIB * 2**20, H200_MIB * 2**20))
+    args = parse_args(["--out", str(tmp_path)])
+    plan = fit_lengths(args)
+    # pd / pdv: both models twice (~29 GiB) + 170 slots of (max_model_len + 64) tokens at 534 KiB each.
+    assert args.max_model_len == plan["max_model_len"] == 1024
+    assert args.long_prompt_len == 1024 - args.max_output_len
+    assert 2 * plan["weights_gib_per_copy"] + plan["pools_gib"] + plan["reserve_gib"] <= plan["gpu_gib"]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (H100_MIB * 2**20, H100_MIB * 2**20))
+    with pytest.raises(SystemExit, match="lower --max-num-seqs"):
+        fit_lengths(parse_args(["--out", str(tmp_path)]))
+
+
+def test_rates_come_from_an_earlier_point_or_the_load_is_skipped():
+    class Done:
+        request_throughput_rps = 8.0
+
+    load = Load("rate_high", [], rate_of="c64", factor=4.0)
+    assert load.resolve({"c64": Done()}) == OpenLoop(32.0)
+    assert load.resolve({}) is None
+    assert Load("c1", [], ClosedLoop(1)).resolve({}) == ClosedLoop(1)
