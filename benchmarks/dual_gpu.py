@@ -23,10 +23,10 @@ what the hand-over could cost over NVLink.
 The whole run keeps to --budget-s: a placement that no longer fits is recorded as skipped, a
 placement that fails is recorded with its error, and results are rewritten after each placement.
 
-    python3 benchmarks/dual_gpu.py --out DIR                      # two-H200 machine, ~9 minutes
+    python3 benchmarks/dual_gpu.py --out DIR                       # two-H200 machine, under 9 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dual_gpu.py --shape small --device cpu \\
-        --rates 1,2 --window-s 4 --out DIR                        # CPU dry run (no placement on GPUs)
-    .venv/bin/python benchmarks/dual_gpu.py --plot-only DIR       # plots from DIR/dual_gpu.json
+        --budget-s 1300 --out DIR                                  # CPU dry run: every step, no GPUs
+    .venv/bin/python benchmarks/dual_gpu.py --plot-only DIR        # plots from DIR/dual_gpu.json
 
 Writes DIR/dual_gpu.json (everything, every request), dual_gpu.md (tables), dual_gpu.csv (one
 column per placement and rate) and, where matplotlib is installed, dual_gpu_load_curve.png,
@@ -52,18 +52,25 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+import ray  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from ray import serve  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import REPO, count_parameters, deploy, git_commit, machine, start_cluster  # noqa: E402
+from benchmarks.constructed_pair import shape_configs  # noqa: E402
+from benchmarks.gpu_modes import (PRESETS, log, parameter_count, replica_log_tail, save_pair,  # noqa: E402
+                                  wait_for_device_memory)
+from benchmarks.serving import REPO, deploy, git_commit, machine, start_cluster  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
+from deployments.timeline import REPORT_PAGE_EVENTS, event_rows  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.records import RequestRecord  # noqa: E402
 from loadtest.report import Point, comparison_table, markdown_table, plot_load_curves  # noqa: E402
 from loadtest.runner import RunResult, run_load  # noqa: E402
-from loadtest.spec_stats import SpecDecodeCounters, summarize_spec  # noqa: E402
+from loadtest.spec_stats import SpecDecodeCounters, SpecDecodeSummary  # noqa: E402
+from loadtest.summary import LatencyStats, Summary  # noqa: E402
 from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_tokenizer,  # noqa: E402
                                random_prompt, synthetic, usable_token_ids)
 
@@ -71,6 +78,7 @@ NAME = "dual_gpu"
 LANE_DEPLOYMENTS = {"unified": ("DecodeLane",), "pdv": ("PrefillLane", "DecodeLane", "VerifyLane")}
 TPOT_BOUNDS_MS = (10, 15, 20, 30, 50, 100)  # p95 TPOT bounds of the throughput-at-latency table
 RESERVE_S = 20.0  # kept back from the budget for the last results and the reference copy
+MIN_PLACEMENT_S = {"cuda": 75.0, "cpu": 60.0}  # less, and a placement cannot deploy, warm up and run two rates
 DELETE_S = 10.0  # what removing an app takes, allowed for in every placement
 HANDOVER_S = {"cuda": 20.0, "cpu": 30.0}  # the hand-over measurement, allowed for in pdv placements
 
@@ -87,33 +95,12 @@ class PlacementSpec:
 PLACEMENTS = {p.key: p for p in (
     PlacementSpec("a", "a-unified-1gpu.yaml", "(a) unified, one GPU", (("engine",),)),
     PlacementSpec("a2", "a2-pdv-1gpu.yaml", "(a') pdv, one GPU", (("decode", "decode", "prefill", "verify"),)),
-    PlacementSpec("b", "b-pdv-verify-apart.yaml", "(b) prefill + draft | verify",
+    PlacementSpec("b", "b-pdv-verify-apart.yaml", "(b) prefill + draft, verify apart",
                   (("decode", "decode", "prefill"), ("verify",))),
-    PlacementSpec("c", "c-pdv-prefill-apart.yaml", "(c) prefill | draft + verify",
+    PlacementSpec("c", "c-pdv-prefill-apart.yaml", "(c) prefill apart, draft + verify",
                   (("decode", "decode", "verify"), ("prefill",))),
     PlacementSpec("d", "d-unified-dp2.yaml", "(d) unified x2, data parallel", (("engine",), ("engine",))),
 )}
-
-
-# ---- time ----------------------------------------------------------------------------------
-
-class Budget:
-    """The run's wall-clock allowance; every step prints how far into it it is."""
-
-    def __init__(self, total_s: float):
-        self.total_s = total_s
-        self.started_s = time.monotonic()
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self.started_s
-
-    @property
-    def left_s(self) -> float:
-        return self.total_s - self.elapsed_s
-
-    def log(self, message: str) -> None:
-        print(f"[{self.elapsed_s:6.1f} s] {message}", flush=True)
 
 
 # ---- intervals (lane timelines) --------------------------------------------------------------
@@ -230,15 +217,31 @@ def topology() -> str | None:
     return done.stdout.strip() or None
 
 
-def timelines(app: str, mode: str, start_s: float) -> list[dict]:
-    """Every lane replica's timeline() report since `start_s` (placement and busy intervals)."""
-    from ray import serve
+def shm_gib() -> float | None:
+    """Size of /dev/shm, where Ray's object store lives (copied KV passes through it)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
 
-    reports = []
+
+def timelines(app: str, mode: str, start_s: float) -> list[dict]:
+    """Every lane replica's timeline() since `start_s` (where it runs, its busy intervals), one
+    dict per replica with its events as rows, fetched page by page."""
+    merged: dict[str, dict] = {}
     for deployment in LANE_DEPLOYMENTS[mode]:
         handle = serve.get_deployment_handle(deployment, app_name=app)
-        reports += handle.broadcast("timeline", start_s).results(timeout_s=60)
-    return reports
+        offset, more = 0, True
+        while more:
+            pages = handle.broadcast("timeline", start_s, offset).results(timeout_s=60)
+            for page in pages:
+                report = merged.setdefault(page["replica"], {**page, "events": {}})
+                for kind, columns in page["events"].items():
+                    report["events"].setdefault(kind, []).extend(event_rows(columns))
+            more = any(page["more"] for page in pages)
+            offset += REPORT_PAGE_EVENTS
+    return list(merged.values())
 
 
 def observed_gpus(reports: list[dict], inventory: list[dict]) -> dict:
@@ -286,6 +289,15 @@ def cpu_dry_run(args: dict) -> dict:
     return args
 
 
+def replica_gpus(app_args: dict) -> list[tuple[str, float]]:
+    """(lane, num_gpus) of every lane replica the config asks for, lanes named as replicas report them."""
+    cfg = AppConfig.model_validate(app_args)
+    names = {"prefill_lane": "prefill", "verify_lane": "verify",
+             "decode_lane": "decode" if cfg.mode in ("pd", "pdv") else "engine"}
+    return [(names[lane], getattr(cfg, lane).num_gpus) for lane in cfg.lanes
+            for _ in range(getattr(cfg, lane).num_replicas or 1)]
+
+
 def decode_slots(args: dict) -> int:
     cfg = AppConfig.model_validate(args)
     return cfg.engine.max_num_seqs * (cfg.decode_lane.num_replicas or 1)
@@ -294,17 +306,18 @@ def decode_slots(args: dict) -> int:
 # ---- workloads ---------------------------------------------------------------------------------
 
 def sweep_requests(args: argparse.Namespace, tokenizer, rate: float) -> list[WorkloadRequest]:
-    """About `window_s` seconds of requests at `rate`; the same for every placement (seeded by rate)."""
-    count = max(8, round(rate * args.window_s))
-    return synthetic(tokenizer, count, args.seed + round(rate * 100),
-                     LogNormal(args.prompt_len_median, 0.7, 16, args.max_prompt_len),
-                     LogNormal(args.output_len_median, 0.5, 16, args.max_output_len))
+    """About `window_s` seconds of requests at `rate`, the same for every placement (seeded by the
+    rate); lengths drawn as gpu_modes.workloads draws them."""
+    return synthetic(tokenizer, max(8, round(rate * args.window_s)), args.seed + round(rate * 100),
+                     LogNormal(args.prompt_len_median, 0.6, args.min_prompt_len, args.max_prompt_len),
+                     LogNormal(args.output_len_median, 0.3, args.min_output_len, args.max_output_len))
 
 
 def warmup_requests(args: argparse.Namespace, tokenizer, count: int) -> list[WorkloadRequest]:
-    # Outputs spread from 2 to 64 tokens: as requests finish the batch shrinks through every bucket.
-    return synthetic(tokenizer, count, args.seed + 7, LogNormal(args.prompt_len_median, 1.0, 16, args.max_prompt_len),
-                     LogNormal(16, 1.0, 2, 64))
+    # Outputs of 4-64 tokens end at different times, so the batch passes every bucket going down.
+    return synthetic(tokenizer, count, args.seed + 7,
+                     LogNormal(args.prompt_len_median, 0.6, args.min_prompt_len, args.max_prompt_len),
+                     LogNormal(24, 0.6, 4, 64))
 
 
 def fixed_length_requests(tokenizer, lengths: list[int], reps: int, seed: int) -> list[WorkloadRequest]:
@@ -318,27 +331,30 @@ def fixed_length_requests(tokenizer, lengths: list[int], reps: int, seed: int) -
     return out
 
 
-def measured_acceptance(records: list[RequestRecord]) -> dict | None:
-    """vLLM's acceptance counters summed over the completed requests' own usage.spec_decode (each
-    ingress replica counts only its own requests, so the server's totals would be partial)."""
+def request_spec_counters(records: list[RequestRecord]) -> SpecDecodeCounters:
+    """vLLM's spec-decode counters summed over the completed requests' own usage.spec_decode. The
+    server's totals would be partial: each ingress replica counts only the requests it served."""
     done = [r for r in records if r.status == "completed" and r.num_draft_tokens]
-    if not done:
-        return None
-    total = SpecDecodeCounters(sum(r.num_drafts for r in done), sum(r.num_draft_tokens for r in done),
-                               sum(r.num_accepted_tokens for r in done), [])
-    spec = summarize_spec(SpecDecodeCounters(0, 0, 0, []), total)
-    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-            "num_accepted_tokens": spec.num_accepted_tokens, "acceptance_rate": spec.acceptance_rate,
-            "mean_acceptance_length": spec.mean_acceptance_length}
+    return SpecDecodeCounters(sum(r.num_drafts for r in done), sum(r.num_draft_tokens for r in done),
+                              sum(r.num_accepted_tokens for r in done), [])
+
+
+def summary_of(document_summary: dict) -> Summary:
+    """A Summary back from its JSON (to_dict) form."""
+    def stats(by_metric: dict) -> dict[str, LatencyStats]:
+        return {metric: LatencyStats(**values) for metric, values in by_metric.items()}
+
+    spec = document_summary["spec_decode"]
+    return Summary(**{**document_summary, "latency_ms": stats(document_summary["latency_ms"]),
+                      "latency_ms_by_kind": {kind: stats(v) for kind, v in document_summary["latency_ms_by_kind"].items()},
+                      "spec_decode": SpecDecodeSummary(**spec) if spec else None})
 
 
 # ---- one placement ----------------------------------------------------------------------------
 
 def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace, tokenizer, port: int,
-                  budget: Budget, deadline_s: float, inventory: list[dict]) -> dict:
+                  deadline_s: float, inventory: list[dict]) -> dict:
     """Deploy, check where replicas run, warm up, sweep, measure hand-overs; the app is removed after."""
-    from ray import serve
-
     mode = app_args["mode"]
     result: dict = {"key": spec.key, "title": spec.title, "config": f"configs/placements/{spec.config}",
                     "app_args": app_args, "status": "running", "timings_s": {}, "sweep": []}
@@ -347,10 +363,11 @@ def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace,
         phase_s = time.monotonic()
         deploy(spec.key, app_args, timeout_s=max(30.0, deadline_s - time.monotonic() - DELETE_S))
         result["timings_s"]["deploy"] = round(time.monotonic() - phase_s, 1)
-        budget.log(f"{spec.key}: deployed in {result['timings_s']['deploy']} s")
+        log(f"{spec.key}: deployed in {result['timings_s']['deploy']} s")
         observed = observed_gpus(timelines(spec.key, mode, time.time()), inventory)
-        result |= {"placement": observed, "as_intended": as_intended(spec, observed)}
-        budget.log(f"{spec.key}: GPUs {observed['gpu_groups'] or 'none (CPU)'}, as intended: {result['as_intended']}")
+        result |= {"placement": observed, "as_intended": as_intended(spec, observed),
+                   "asked_num_gpus": replica_gpus(app_args)}
+        log(f"{spec.key}: GPUs {observed['gpu_groups'] or 'none (CPU)'}, as intended: {result['as_intended']}")
 
         phase_s = time.monotonic()
         warm = warmup_requests(args, tokenizer, decode_slots(app_args))
@@ -358,12 +375,12 @@ def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace,
                                       seed=args.seed, progress=False))
         result["warmup"] = {"requests": len(warm), "completed": sum(r.status == "completed" for r in warmed.records)}
         result["timings_s"]["warmup"] = round(time.monotonic() - phase_s, 1)
-        budget.log(f"{spec.key}: warm-up {result['warmup']['completed']}/{len(warm)} in "
+        log(f"{spec.key}: warm-up {result['warmup']['completed']}/{len(warm)} in "
                    f"{result['timings_s']['warmup']} s")
 
         phase_s, sweep_start_s = time.monotonic(), time.time()
         reserve_s = DELETE_S + (HANDOVER_S[args.device] if mode == "pdv" else 0.0)
-        result["sweep"] = sweep(spec, url, args, tokenizer, budget, deadline_s - reserve_s)
+        result["sweep"] = sweep(spec, url, args, tokenizer, deadline_s - reserve_s)
         reports = timelines(spec.key, mode, sweep_start_s)
         for point in result["sweep"]:
             point["lanes"] = lane_activity(reports, point["window_unix_s"][0], point["window_unix_s"][1])
@@ -374,23 +391,23 @@ def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace,
             max_model_len = AppConfig.model_validate(app_args).engine.max_model_len
             result["handover"] = handover_costs(spec.key, url, args, tokenizer, max_model_len)
             result["timings_s"]["handover"] = round(time.monotonic() - phase_s, 1)
-            budget.log(f"{spec.key}: hand-over measured in {result['timings_s']['handover']} s")
+            log(f"{spec.key}: hand-over measured in {result['timings_s']['handover']} s")
         result["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - recorded; the next placement still runs
-        result |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        budget.log(f"{spec.key}: FAILED {result['error']}")
+        result |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                   "replica_logs": replica_log_tail(spec.key)[-6000:]}
+        log(f"{spec.key}: FAILED {result['error']}\n{result['replica_logs']}")
     finally:
         phase_s = time.monotonic()
         try:
             serve.delete(spec.key)
         except Exception as exc:  # noqa: BLE001
-            budget.log(f"{spec.key}: delete failed: {exc}")
+            log(f"{spec.key}: delete failed: {exc}")
         result["timings_s"]["delete"] = round(time.monotonic() - phase_s, 1)
     return result
 
 
-def sweep(spec: PlacementSpec, url: str, args: argparse.Namespace, tokenizer, budget: Budget,
-          deadline_s: float) -> list[dict]:
+def sweep(spec: PlacementSpec, url: str, args: argparse.Namespace, tokenizer, deadline_s: float) -> list[dict]:
     """Poisson arrivals at each rate until one saturates or time runs out; after the first saturated
     rate, one rate between it and the last unsaturated one (the knee is where placements differ)."""
     points: list[dict] = []
@@ -401,11 +418,11 @@ def sweep(spec: PlacementSpec, url: str, args: argparse.Namespace, tokenizer, bu
         # Arrivals, then the slowest requests still running: the previous rate's p95 E2E says how long.
         tail_s = (points[-1]["summary"]["latency_ms"]["e2e_ms"]["p95"] or 5e3) / 1e3 if points else 5.0
         if time.monotonic() + len(requests) / rate + tail_s > deadline_s:
-            budget.log(f"{spec.key}: rate {rate:g} skipped, {deadline_s - time.monotonic():.0f} s left for it")
+            log(f"{spec.key}: rate {rate:g} skipped, {deadline_s - time.monotonic():.0f} s left for it")
             break
         point = sweep_point(url, requests, rate, args)
         points.append(point)
-        budget.log(f"{spec.key}: {point_line(point)}")
+        log(f"{spec.key}: {point_line(point)}")
         if not point["saturated"]:
             last_ok = rate
             continue
@@ -416,7 +433,7 @@ def sweep(spec: PlacementSpec, url: str, args: argparse.Namespace, tokenizer, bu
 
 
 def point_line(point: dict) -> str:
-    s, acc = point["summary"], point["acceptance"]
+    s, acc = point["summary"], point["summary"]["spec_decode"]
     return (f"rate {point['rate_rps']:g}/s: {s['completed']}/{s['submitted']} completed, "
             f"{s['output_token_throughput_tps']:.0f} tok/s, TTFT p95 {_ms(s, 'ttft_ms', 'p95')}, "
             f"TPOT p95 {_ms(s, 'tpot_ms', 'p95')}, acceptance {acc['acceptance_rate'] if acc else None}"
@@ -428,11 +445,13 @@ def sweep_point(url: str, requests: list[WorkloadRequest], rate: float, args: ar
     result = asyncio.run(run_load(url, requests, OpenLoop(rate), timeout_s=args.request_timeout_s, seed=args.seed,
                                   progress=False))
     end_s = time.time()
+    result.spec_before, result.spec_after = SpecDecodeCounters(0, 0, 0, []), request_spec_counters(result.records)
+    result.spec_error = None
     summary = result.summary().to_dict()
     ttft_p95 = summary["latency_ms"]["ttft_ms"]["p95"]
     saturated = summary["completed"] < summary["submitted"] or ttft_p95 is None or ttft_p95 > args.sat_ttft_ms
     return {"rate_rps": rate, "window_unix_s": [start_s, end_s], "summary": summary, "saturated": saturated,
-            "acceptance": measured_acceptance(result.records),
+            # Every request, without its inter-token gaps (the summary keeps their percentiles).
             "requests": [{k: v for k, v in r.to_row().items() if k != "itl_ms"} for r in result.records]}
 
 
@@ -510,15 +529,11 @@ def p2p_reference(sizes_bytes: list[int]) -> list[dict] | None:
 # ---- results ----------------------------------------------------------------------------------
 
 def points_of(document: dict) -> list[Point]:
-    """The sweep points as the load tester's Points (for its table and plots), from the JSON."""
-    points = []
-    for placement in document["placements"]:
-        for p in placement.get("sweep", []):
-            records = [RequestRecord(**{k: v for k, v in row.items() if k != "e2e_ms"}) for row in p["requests"]]
-            result = RunResult(base_url="", model="", arrivals=OpenLoop(p["rate_rps"]), records=records,
-                               warmup_records=[])
-            points.append(Point(label=placement["key"], result=result, summary=result.summary()))
-    return points
+    """The sweep points as the load tester's Points (for its table and load curves), from the JSON."""
+    return [Point(label=placement["key"], summary=summary_of(p["summary"]),
+                  result=RunResult(base_url="", model="", arrivals=OpenLoop(p["rate_rps"]), records=[],
+                                   warmup_records=[]))
+            for placement in document["placements"] for p in placement.get("sweep", [])]
 
 
 def throughput_at_tpot(document: dict) -> list[dict]:
@@ -602,13 +617,14 @@ def markdown(document: dict) -> str:
         f"# Lanes over two GPUs: {NAME}", "",
         f"- Machine: {m['cpu_cores']} CPU cores, GPUs {gpus}; torch {m['torch']}, Ray {m['ray']}; "
         f"commit {document['commit']}; {document['duration_s']:.0f} s in all (budget {document['budget_s']:.0f} s).",
-        f"- Pair: target {pair['target_config']} ({pair['target_parameters']:,} parameters), draft "
-        f"{pair['draft_config']} ({pair['draft_parameters']:,}), constructed with agreement {pair['agreement']} "
-        f"(docs/constructed_pair.md), {pair['dtype']}.",
-        f"- Workload: Poisson arrivals, {w['window_s']:g} s of requests per rate; random-token prompts, "
-        f"log-normal lengths (median {w['prompt_len_median']:g}, max {w['max_prompt_len']}), outputs median "
-        f"{w['output_len_median']:g} (max {w['max_output_len']}), greedy, ignore_eos. A rate is saturated when a "
-        f"request fails or p95 TTFT exceeds {w['sat_ttft_ms']:g} ms; the sweep stops there after one rate between.",
+        f"- Pair: constructed (docs/constructed_pair.md), {pair['shape']}: target {pair['target_parameters']:,} "
+        f"and draft {pair['draft_parameters']:,} parameters, {pair['dtype']}, greedy next tokens agreeing on a share "
+        f"{pair['agreement']:g} of the vocabulary by design (the pair of benchmarks/gpu_modes.py).",
+        f"- Workload: Poisson arrivals, {w['window_s']:g} s of requests per rate (at least 8); random-token "
+        f"prompts of {w['min_prompt_len']}-{w['max_prompt_len']} tokens (log-normal, median {w['prompt_len_median']:g})"
+        f", outputs {w['min_output_len']}-{w['max_output_len']} (median {w['output_len_median']:g}), greedy, "
+        f"ignore_eos. A rate is saturated when a request fails or p95 TTFT passes {w['sat_ttft_ms']:g} ms; the "
+        "sweep stops at the first, after one rate between it and the last unsaturated one.",
         f"- Command: `{document['command']}`", "",
     ]
     if document.get("topology"):
@@ -630,7 +646,7 @@ def markdown(document: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for p in document["placements"]:
         for pt in p.get("sweep", []):
-            s, lanes, acc = pt["summary"], pt.get("lanes", {}), pt["acceptance"]
+            s, lanes, acc = pt["summary"], pt.get("lanes", {}), pt["summary"]["spec_decode"]
             accepted = f"{acc['acceptance_rate']:.3f} / {acc['mean_acceptance_length']:.2f}" if acc else "n/a"
             lines.append(
                 f"| {p['key']} | {pt['rate_rps']:g}{' (sat.)' if pt['saturated'] else ''} | "
@@ -683,26 +699,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
-    parser.add_argument("--models-dir", type=Path, default=Path("/tmp/vpd-dual-gpu-pair"))
-    parser.add_argument("--rates", default="4,8,16,32,64,128", help="requests/s, swept in order until one saturates")
+    parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"),
+                        help="where the pair is saved (gpu_modes.save_pair; a finished save there is reused)")
+    parser.add_argument("--rates", default=None, help="requests/s, swept in order until one saturates "
+                        "(default 4,8,16,32,64,128 on cuda, 1,2 on cpu)")
     parser.add_argument("--no-refine", dest="refine", action="store_false",
                         help="no extra rate between the last unsaturated and the saturated one")
-    parser.add_argument("--window-s", type=float, default=5.0, help="seconds of arrivals per rate")
+    parser.add_argument("--window-s", type=float, default=None, help="seconds of arrivals per rate (5 cuda, 4 cpu)")
     parser.add_argument("--sat-ttft-ms", type=float, default=3000.0, help="p95 TTFT that marks a rate saturated")
-    parser.add_argument("--prompt-len-median", type=float, default=256)
-    parser.add_argument("--max-prompt-len", type=int, default=1024)
-    parser.add_argument("--output-len-median", type=float, default=64)
-    parser.add_argument("--max-output-len", type=int, default=128)
-    parser.add_argument("--handover-lens", default="128,512,1024,2048", help="prompt tokens of the hand-over test")
+    parser.add_argument("--handover-lens", default=None, help="prompt tokens of the hand-over test "
+                        "(128,512,1024,2048 on cuda; 32,128,512 on cpu)")
     parser.add_argument("--handover-reps", type=int, default=3)
-    parser.add_argument("--request-timeout-s", type=float, default=60.0)
-    parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock allowance of the whole run")
+    parser.add_argument("--budget-s", type=float, default=520.0, help="wall-clock allowance of the whole run")
     parser.add_argument("--seed", type=int, default=0)
+    lengths = ("prompt_len_median", "min_prompt_len", "max_prompt_len", "output_len_median", "min_output_len",
+               "max_output_len", "request_timeout_s", "deploy_timeout_s")
+    for key in lengths:  # the single-GPU benchmark's workload (gpu_modes.PRESETS), unless overridden
+        parser.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cuda"][key]), default=None,
+                            help=f"default {PRESETS['cuda'][key]} on cuda, {PRESETS['cpu'][key]} on cpu")
     args = parser.parse_args(argv)
     if args.plot_only is None and args.out is None:
         parser.error("--out is required (or --plot-only DIR)")
-    args.rates = [float(r) for r in args.rates.split(",")]
-    args.handover_lens = [int(n) for n in args.handover_lens.split(",")]
+    for key in lengths:
+        if getattr(args, key) is None:
+            setattr(args, key, PRESETS[args.device][key])
+    on_gpu = args.device == "cuda"
+    args.rates = [float(r) for r in (args.rates or ("4,8,16,32,64,128" if on_gpu else "1,2")).split(",")]
+    args.window_s = args.window_s or (5.0 if on_gpu else 4.0)
+    args.handover_lens = [int(n) for n in (args.handover_lens or ("128,512,1024,2048" if on_gpu else
+                                                                  "32,128,512")).split(",")]
+    args.dtype = PRESETS[args.device]["dtype"]
     args.placements = args.placements.split(",")
     unknown = [k for k in args.placements if k not in PLACEMENTS]
     if unknown:
@@ -711,86 +737,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.plot_only is not None:
         document = json.loads((args.plot_only / f"{NAME}.json").read_text())
         write_results(args.plot_only, document)
-        print(f"wrote plots and tables in {args.plot_only}")
+        log(f"wrote plots and tables in {args.plot_only}")
         return
-    budget = Budget(args.budget_s)
-    budget.log(f"dual_gpu: placements {args.placements}, device {args.device}, budget {args.budget_s:.0f} s")
-    target, draft, pair = save_pair(args)
-    budget.log(f"pair saved: {target}, {draft}")
-    tokenizer = load_tokenizer(target)
+    deadline_s = time.monotonic() + args.budget_s
+    log(f"dual_gpu: placements {args.placements} on {args.device}, budget {args.budget_s:.0f} s")
+    pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device, seed=args.seed)
+    configs = {key: placement_args(PLACEMENTS[key], str(pair.target), str(pair.draft), args.device)
+               for key in args.placements}
+    fit_prompts(args, configs)
+    tokenizer = load_tokenizer(pair.target)
     inventory = gpu_inventory()
-    document = {"command": " ".join(["python3", *sys.argv]), "machine": machine(), "gpus": inventory,
-                "topology": topology(), "commit": git_commit(), "budget_s": args.budget_s, "pair": pair,
-                "workload": {k: getattr(args, k) for k in ("window_s", "prompt_len_median", "max_prompt_len",
-                                                           "output_len_median", "max_output_len", "sat_ttft_ms",
-                                                           "rates", "handover_lens", "handover_reps", "seed")},
-                "started_unix_s": time.time(), "placements": [], "duration_s": 0.0}
-    env = {"TRITON_INTERPRET": os.environ["TRITON_INTERPRET"], "TOKENIZERS_PARALLELISM": "false"}
-    port = start_cluster(env)
-    budget.log(f"Ray and Serve up (HTTP port {port}); GPUs: {[g['name'] for g in inventory] or 'none'}")
+    target_config, draft_config = shape_configs(args.shape)
+    document = {
+        "command": "python3 benchmarks/dual_gpu.py " + " ".join(argv), "machine": machine(), "gpus": inventory,
+        "topology": topology(), "dev_shm_gib": shm_gib(), "commit": git_commit(), "budget_s": args.budget_s,
+        "pair": {"shape": args.shape, "agreement": args.agreement, "dtype": args.dtype, "target": str(pair.target),
+                 "draft": str(pair.draft), "save_s": round(pair.save_s, 1), "check": pair.check,
+                 "target_parameters": parameter_count(target_config),
+                 "draft_parameters": parameter_count(draft_config)},
+        "workload": {k: getattr(args, k) for k in (
+            "rates", "window_s", "sat_ttft_ms", "prompt_len_median", "min_prompt_len", "max_prompt_len",
+            "output_len_median", "min_output_len", "max_output_len", "handover_lens", "handover_reps", "seed")},
+        "placements": [], "duration_s": 0.0}
+    # A replica that fails to start is not retried three times (each try would load 13.5 GB again).
+    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
+    port = start_cluster({"TRITON_INTERPRET": os.environ["TRITON_INTERPRET"], "TOKENIZERS_PARALLELISM": "false",
+                          "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    free_bytes = [torch.cuda.mem_get_info(g["index"])[0] for g in inventory]
+    log(f"Ray and Serve up (port {port}); GPUs {[g['name'] for g in inventory] or 'none'}")
     try:
         for n, key in enumerate(args.placements):
-            spec = PLACEMENTS[key]
-            left_s = budget.left_s - RESERVE_S
-            allowance_s = left_s / (len(args.placements) - n)
-            if allowance_s < min_placement_s(args.device):
-                document["placements"].append({"key": key, "title": spec.title, "status": "skipped",
-                                               "reason": f"{left_s:.0f} s of the budget left for "
-                                                         f"{len(args.placements) - n} placements"})
-                budget.log(f"{key}: skipped ({left_s:.0f} s left)")
+            spec, placements_left = PLACEMENTS[key], len(args.placements) - n
+            left_s = deadline_s - time.monotonic() - RESERVE_S
+            if left_s / placements_left < MIN_PLACEMENT_S[args.device]:
+                reason = f"{left_s:.0f} s of the budget left for {placements_left} placements"
+                document["placements"].append({"key": key, "title": spec.title, "status": "skipped", "reason": reason})
+                log(f"{key}: skipped ({reason})")
                 continue
-            app_args = placement_args(spec, target, draft, args.device)
-            budget.log(f"{key}: {spec.title}: {allowance_s:.0f} s allowed")
-            document["placements"].append(run_placement(spec, app_args, args, tokenizer, port, budget,
-                                                        time.monotonic() + allowance_s, inventory))
-            document["duration_s"] = budget.elapsed_s
+            log(f"{key}: {spec.title}: {left_s / placements_left:.0f} s for it")
+            document["placements"].append(run_placement(spec, configs[key], args, tokenizer, port,
+                                                        time.monotonic() + left_s / placements_left, inventory))
+            for gpu, free in zip(inventory, free_bytes):  # the deleted replicas' memory is back
+                with torch.cuda.device(gpu["index"]):
+                    wait_for_device_memory(free, timeout_s=30)
+            document["duration_s"] = round(args.budget_s - (deadline_s - time.monotonic()), 1)
             write_results(args.out, document, plots=False)
     finally:
-        from ray import serve
-        import ray
-
         serve.shutdown()
         ray.shutdown()
-    sizes = [round(r["target_kv_mib"] * 2**20) for p in document["placements"] for r in p.get("handover") or []]
-    if budget.left_s > 10:
+    if deadline_s - time.monotonic() > 10:
+        sizes = [round(r["target_kv_mib"] * 2**20) for p in document["placements"] for r in p.get("handover") or []]
         document["p2p_reference"] = p2p_reference(sizes)
-    document["duration_s"] = budget.elapsed_s
+    document["duration_s"] = round(args.budget_s - (deadline_s - time.monotonic()), 1)
     write_results(args.out, document)
-    budget.log(f"done: {args.out / (NAME + '.md')}")
-    print((args.out / f"{NAME}.md").read_text())
+    log(f"done: {args.out / (NAME + '.md')}")
+    print((args.out / f"{NAME}.md").read_text(), flush=True)
 
 
-def min_placement_s(device: str) -> float:
-    """Less than this and a placement cannot deploy, warm up and run two rates."""
-    return 75.0 if device == "cuda" else 60.0
-
-
-# TEMPORARY (replaced by benchmarks.gpu_modes' pair saver once it lands)
-def save_pair(args):
-    from benchmarks.constructed_pair import build_constructed_pair, shape_configs
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    tcfg, dcfg = shape_configs(args.shape)
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
-    target, draft = build_constructed_pair(tcfg, dcfg, args.agreement, dtype=dtype, device=args.device)
-    vocab = {f"t{i}": i for i in range(tcfg["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    paths = []
-    for name, m in (("target", target), ("draft", draft)):
-        path = args.models_dir / name
-        m.model.save_pretrained(path)
-        fast.save_pretrained(path)
-        paths.append(str(path))
-    return paths[0], paths[1], {"target_config": "x", "draft_config": "y", "target_parameters": count_parameters(paths[0]),
-                                "draft_parameters": count_parameters(paths[1]), "agreement": args.agreement, "dtype": dtype}
-
+def fit_prompts(args: argparse.Namespace, configs: dict[str, dict]) -> None:
+    """Prompts long enough to be refused would fail at every rate: cap them to the smallest context."""
+    context = min(AppConfig.model_validate(c).engine.max_model_len for c in configs.values())
+    longest = context - args.max_output_len - 8
+    if args.max_prompt_len > longest:
+        log(f"max prompt {args.max_prompt_len} -> {longest} tokens (context {context}, outputs up to "
+            f"{args.max_output_len})")
+        args.max_prompt_len = longest
 
 if __name__ == "__main__":
     main()

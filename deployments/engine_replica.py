@@ -73,10 +73,10 @@ class EngineServer:
             }
         return await self.engine.call(read)
 
-    async def timeline(self, start_s: float = 0.0) -> dict:
+    async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its engine steps (and, in pdv, its waits on the verify lane)
-        since `start_s` (deployments/timeline.py)."""
-        return replica_report(self.lane, self.placement_, start_s)
+        since `start_s`, one page from `offset` (deployments/timeline.py)."""
+        return replica_report(self.lane, self.placement_, start_s, offset)
 
     def _on_step(self, core, step_ms: float, batch_size: int) -> None:
         end_s = time.time()

@@ -1,5 +1,6 @@
 """Prefill lane deployment: prompts of many requests prefilled together, KV handed to the owners."""
 
+import asyncio
 import time
 
 import torch
@@ -42,7 +43,8 @@ class PrefillServer:
             kvs = await self.worker.run(TIMELINE.timed("prefill", self.prefiller.prefill, rows=len(jobs), tokens=tokens),
                                         [j.request for j in jobs])
             self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(jobs))
-            return [await self._hand_over(job, kv) for job, kv in zip(jobs, kvs)]
+            # Concurrently: one request's RPCs and object-store transfer overlap the next one's copy.
+            return list(await asyncio.gather(*(self._hand_over(job, kv) for job, kv in zip(jobs, kvs))))
         finally:
             self.pending -= len(jobs)
             self.metrics.set_queue_depth(self.pending)
@@ -51,9 +53,9 @@ class PrefillServer:
         return {"pending": self.pending, "handed_over": dict(self.handed_over),
                 "verify_in_place": self._verify_in_place}
 
-    async def timeline(self, start_s: float = 0.0) -> dict:
+    async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs, its prefill forwards and each request's KV hand-over since `start_s`."""
-        return replica_report("prefill", self.placement_, start_s)
+        return replica_report("prefill", self.placement_, start_s, offset)
 
     async def _hand_over(self, job: PrefillJob, kv: PrefilledKV) -> PrefillDone:
         start_s, target = time.time(), "none"

@@ -31,6 +31,7 @@ import ray
 from deployments.kv_transfer import Placement
 
 MAX_EVENTS_PER_KIND = 50_000  # a verify step every ~20 ms fills this in ~17 minutes
+REPORT_PAGE_EVENTS = 400  # events per kind in one timeline() reply: ~40 KB at most
 
 T = TypeVar("T")
 
@@ -56,22 +57,43 @@ class Timeline:
                 self.record(kind, start_s, time.time(), **info)
         return run
 
-    def since(self, start_s: float) -> dict[str, list[dict]]:
-        """Every kept event that ended at or after `start_s`, by kind."""
+    def since(self, start_s: float, offset: int = 0, limit: int | None = None) -> dict[str, list[dict]]:
+        """Events that ended at or after `start_s`, by kind: the `offset`-th to the `offset + limit`-th
+        of each kind (pages of a long timeline; new events only append)."""
+        end = None if limit is None else offset + limit
         with self._lock:
-            return {kind: [e for e in events if e["end_s"] >= start_s] for kind, events in self._events.items()}
+            return {kind: [e for e in events if e["end_s"] >= start_s][offset:end]
+                    for kind, events in self._events.items()}
 
 
 TIMELINE = Timeline()
 
 
-def replica_report(lane: str, placement: Placement, start_s: float) -> dict:
-    """What a lane deployment's `timeline()` returns: who it is, where it runs, what it did."""
+def replica_report(lane: str, placement: Placement, start_s: float, offset: int = 0,
+                   limit: int = REPORT_PAGE_EVENTS) -> dict:
+    """What a lane deployment's `timeline()` returns: who it is, where it runs, and one page of what
+    it did since `start_s`, as columns per kind ({"verify": {"start_s": [...], "rows": [...]}}).
+    `more` says whether a later page (offset + limit) has events. Pages keep each reply small:
+    Ray 2.60 crashes the caller of `handle.broadcast()` when a reply is large enough to go through
+    the object store (over 100 KB)."""
     try:
         from ray import serve
         replica = serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside a replica (tests): the process id names it
         replica = f"pid-{os.getpid()}"
     gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+    page = TIMELINE.since(start_s, offset, limit)
     return {"lane": lane, "replica": replica, "placement": asdict(placement), "ray_gpu_ids": gpu_ids,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "events": TIMELINE.since(start_s)}
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "events": {kind: _columns(events) for kind, events in page.items()},
+            "more": any(len(events) == limit for events in page.values())}
+
+
+def _columns(events: list[dict]) -> dict[str, list]:
+    return {key: [e[key] for e in events] for key in (events[0] if events else {})}
+
+
+def event_rows(columns: dict[str, list]) -> list[dict]:
+    """Events of one kind back as one dict each (the inverse of the report's columns)."""
+    keys = list(columns)
+    return [dict(zip(keys, values)) for values in zip(*(columns[k] for k in keys))]

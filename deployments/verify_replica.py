@@ -77,9 +77,9 @@ class VerifyServer:
         return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,
                 "pending_rows": self.pending_rows}
 
-    async def timeline(self, start_s: float = 0.0) -> dict:
+    async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
-        return replica_report("verify", self.placement_, start_s)
+        return replica_report("verify", self.placement_, start_s, offset)
 
 
 def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:

@@ -4,7 +4,7 @@ import threading
 import time
 
 from deployments.kv_transfer import Placement
-from deployments.timeline import Timeline, replica_report
+from deployments.timeline import TIMELINE, Timeline, event_rows, replica_report
 
 
 def test_timed_records_the_interval_and_passes_results_and_errors():
@@ -45,8 +45,14 @@ def test_recording_from_threads_while_reading():
     assert len(timeline.since(0.0)["prefill"]) == 8000
 
 
-def test_replica_report_names_the_replica_and_where_it_runs():
-    report = replica_report("verify", Placement("node-1", None), 0.0)
-    assert report["lane"] == "verify" and report["replica"].startswith("pid-")
-    assert report["placement"] == {"node_id": "node-1", "gpu_uuid": None}
-    assert isinstance(report["events"], dict)
+def test_replica_report_pages_its_events_as_columns():
+    for i in range(5):
+        TIMELINE.record("handover", 1e9 + i, 1e9 + i + 0.5, tokens=i, target="copied")
+    first = replica_report("prefill", Placement("node-1", None), 1e9, offset=0, limit=3)
+    assert first["lane"] == "prefill" and first["replica"].startswith("pid-")
+    assert first["placement"] == {"node_id": "node-1", "gpu_uuid": None}
+    assert first["events"]["handover"]["tokens"] == [0, 1, 2] and first["more"]
+    second = replica_report("prefill", Placement("node-1", None), 1e9, offset=3, limit=3)
+    assert [e["tokens"] for e in event_rows(second["events"]["handover"])] == [3, 4] and not second["more"]
+    assert event_rows(second["events"]["handover"])[0] == {"start_s": 1e9 + 3, "end_s": 1e9 + 3.5, "tokens": 3,
+                                                           "target": "copied"}

@@ -1,0 +1,85 @@
+"""The dual-GPU benchmark's own logic: interval arithmetic over lane timelines, the placement check,
+and that every placement config means what it says when Ray packs it onto two GPUs."""
+
+import time
+
+import pytest
+import ray
+
+from benchmarks.dual_gpu import (PLACEMENTS, as_intended, intersect, lane_activity, observed_gpus,
+                                 placement_args, replica_gpus, subtract, total_s, union)
+
+
+def test_interval_arithmetic():
+    assert union([(3, 4), (0, 1), (0.5, 2), (2, 2.5), (5, 5)]) == [(0, 2.5), (3, 4)]
+    assert intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
+    assert subtract([(0, 10)], [(1, 2), (4, 5), (9, 11)]) == [(0, 1), (2, 4), (5, 9)]
+    assert subtract([(0, 1)], []) == [(0, 1)] and total_s([(0, 1), (2, 4)]) == 3
+
+
+def _report(lane, replica, uuid=None, **events):
+    return {"lane": lane, "replica": replica, "placement": {"node_id": "n", "gpu_uuid": uuid}, "ray_gpu_ids": [],
+            "cuda_visible_devices": None,
+            "events": {kind: [{"start_s": s, "end_s": e, "rows": 4, "calls": 1} for s, e in spans]
+                       for kind, spans in events.items()}}
+
+
+def test_lane_activity_measures_verify_while_another_replica_drafts():
+    # Replica A drafts 0-1 and waits 1-2; replica B drafts 1-2 and waits 2-3; verify runs 1-2 (A's
+    # batch) and 2-3 (B's): during 1-2 the verify lane scores A while B drafts, during 2-3 nobody drafts.
+    reports = [_report("decode", "A", step=[(0, 2)], verify_wait=[(1, 2)]),
+               _report("decode", "B", step=[(1, 3)], verify_wait=[(2, 3)]),
+               _report("verify", "V", verify=[(1, 2), (2, 3)])]
+    lanes = lane_activity(reports, 0.0, 4.0)
+    assert lanes["verify_busy_share"] == 0.5 and lanes["drafting_busy_share"] == 0.5
+    assert lanes["overlap_s"] == 1.0 and lanes["verify_with_drafting_share"] == 0.5
+    assert lanes["verify_forwards"] == 2 and lanes["rows_per_verify"] == 4
+    only_a = lane_activity([reports[0], reports[2]], 0.0, 4.0)
+    assert only_a["verify_with_drafting_share"] == 0.0  # one decode replica: the lanes take turns
+
+
+def test_observed_gpus_against_what_the_config_means():
+    b = PLACEMENTS["b"]
+    right = [_report("prefill", "p", "g0"), _report("decode", "d1", "g0"), _report("decode", "d2", "g0"),
+             _report("verify", "v", "g1")]
+    observed = observed_gpus(right, [{"index": 0, "uuid": "g0"}, {"index": 1, "uuid": "g1"}])
+    assert observed["gpu_groups"] == [["decode", "decode", "prefill"], ["verify"]]
+    assert [r["gpu_index"] for r in observed["replicas"]] == [0, 0, 0, 1]
+    assert as_intended(b, observed)
+    wrong = right[:2] + [_report("decode", "d2", "g1"), right[3]]
+    assert not as_intended(b, observed_gpus(wrong, []))
+    assert as_intended(b, observed_gpus([_report("verify", "v")], [])) is None  # CPU: nothing to check
+
+
+@pytest.fixture(scope="module")
+def two_fake_gpus():
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _Holder:
+    def gpu_ids(self) -> list:
+        return ray.get_gpu_ids()
+
+
+@pytest.mark.parametrize("key", sorted(PLACEMENTS))
+def test_ray_packs_each_placement_as_its_config_means(two_fake_gpus, key):
+    """Ray gives fractional GPU requests the GPU they fit most tightly and whole ones a free GPU:
+    the placement holds in whatever order the replicas start (here: as listed, and reversed)."""
+    spec = PLACEMENTS[key]
+    asked = replica_gpus(placement_args(spec, "models/vpd-target", "models/vpd-draft", "cuda"))
+    for order in (asked, asked[::-1]):
+        holders, reports = [], []
+        for n, (lane, num_gpus) in enumerate(order):
+            holder = _Holder.options(num_gpus=num_gpus).remote()
+            gpu_ids = ray.get(holder.gpu_ids.remote())  # placed before the next replica asks
+            holders.append(holder)
+            reports.append(_report(lane, str(n), uuid=f"gpu-{gpu_ids[0]}"))
+        assert as_intended(spec, observed_gpus(reports, [])), (order, observed_gpus(reports, [])["gpu_groups"])
+        for holder in holders:
+            ray.kill(holder)
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("GPU", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the next order starts from two free GPUs
