@@ -91,6 +91,6 @@ class DraftLane:
             starts = [pool.lengths[slot] for slot in slots]
             rows = [s.token_ids[n : min(n + CATCH_UP_CHUNK, len(s.token_ids) - 2)] for s, n in zip(behind, starts)]
             ids, last = pad_tokens(rows, self.runner.device)
-            self.runner.forward(slots, ids, starts, keep=last)
+            self.runner.forward(slots, ids, starts, keep=last, prefill=True)
             for slot, n, row in zip(slots, starts, rows):
                 pool.lengths[slot] = n + len(row)

@@ -38,12 +38,14 @@ class ModelRunner:
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
 
     @torch.inference_mode()
-    def forward(self, slots: list[int], input_ids: torch.Tensor, kv_lens: list[int], keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, slots: list[int], input_ids: torch.Tensor, kv_lens: list[int], keep: torch.Tensor | None = None,
+                prefill: bool = False) -> torch.Tensor:
         """Run the model on `input_ids` [B, Q] appended after `kv_lens` tokens of each row's slot.
 
         Writes the Q new keys/values of every row (padding included, past the row's valid length,
         where nothing reads them). Returns float32 logits [B, Q, V], or [B, V] at the per-row
-        query index `keep` [B] when given.
+        query index `keep` [B] when given. `prefill` forwards (prompt chunks, draft catch-up) run
+        eagerly: their widths vary, and a graph captured per (batch, width) would cost more than it saves.
         """
         batch, q_len = input_ids.shape
         assert len(slots) == batch == len(kv_lens), (len(slots), batch, len(kv_lens))
@@ -53,7 +55,7 @@ class ModelRunner:
         starts = to_device(kv_lens, torch.int32, self.device)
         input_ids = input_ids.to(self.device)
         rows = torch.arange(batch, device=self.device)
-        if self.graphs is not None and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
+        if self.graphs is not None and not prefill and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
             logits = self.graphs(slot_ids, starts, input_ids)  # [B, Q, V], replayed
             return logits[rows, keep.to(self.device)] if keep is not None else logits
         hidden = self._hidden(slot_ids, starts, input_ids, max(kv_lens) + q_len)  # [B, Q, H]

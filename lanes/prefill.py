@@ -76,7 +76,7 @@ class PrefillLane:
 
     @staticmethod
     def _write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, last) -> torch.Tensor:
-        logits = runner.forward(slots, ids, starts, keep=last)  # [B, V]
+        logits = runner.forward(slots, ids, starts, keep=last, prefill=True)  # [B, V]
         for slot, chunk in zip(slots, chunks):
             runner.pool.lengths[slot] = chunk.start + chunk.length
         return logits

@@ -1,13 +1,14 @@
 """Attention of a few new query tokens per sequence over that sequence's KV slot in the pool.
 
-Used for decode (Q = 1) and verify (Q = L + 1). It reads each row's keys and values straight from
+Used for decode (Q = 1), verify (Q = L + 1) and short prefill chunks. It reads each row's keys and values straight from
 its slot (no gather into a batch copy), split along the key axis so that small batches still fill
 the GPU (flash-decoding), then merges the splits. Causal: query i of row b sits at absolute
 position kv_lens[b] + i and sees keys 0 .. kv_lens[b] + i. The new tokens' keys and values are
 already in the pool when this runs (PoolCache writes them first).
 
 Shapes and the split count depend only on (batch, Q), never on sequence lengths, so the kernels
-can be captured in CUDA graphs. Runs on CPU under TRITON_INTERPRET=1 (tests).
+can be captured in CUDA graphs. Q is a runtime argument, not a compile-time one: prefill chunks
+come in every width up to MAX_ROWS / group, and a compile per width (~1 s each) stalled serving. Runs on CPU under TRITON_INTERPRET=1 (tests).
 """
 
 import torch
@@ -23,8 +24,8 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr,
     stride_qb, stride_qh, stride_qq,
     stride_ks, stride_kh, stride_kn,
-    scale,
-    KEYS_PER_SPLIT: tl.constexpr, Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale, Q,
+    KEYS_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -78,8 +79,8 @@ def _split_kernel(
 @triton.jit
 def _merge_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr,
-    stride_ob, stride_oq, stride_oh,
-    Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+    stride_ob, stride_oq, stride_oh, Q,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -135,13 +136,13 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         query, k_pool, v_pool, slot_ids, kv_lens, acc, row_max, row_sum,
         query.stride(0), query.stride(1), query.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        scale,
-        KEYS_PER_SPLIT=keys_per_split, Q=q_len, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
+        scale, q_len,
+        KEYS_PER_SPLIT=keys_per_split, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     _merge_kernel[(batch, kv_heads)](
-        acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2),
-        Q=q_len, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, SPLITS=splits,
+        acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, SPLITS=splits,
     )
     return out
