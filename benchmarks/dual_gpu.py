@@ -371,12 +371,12 @@ def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace,
 
         phase_s = time.monotonic()
         warm = warmup_requests(args, tokenizer, decode_slots(app_args))
-        warmed = asyncio.run(run_load(url, warm, OpenLoop(math.inf), timeout_s=args.request_timeout_s,
-                                      seed=args.seed, progress=False))
+        timeout_s = max(15.0, min(args.request_timeout_s, deadline_s - time.monotonic() - DELETE_S))
+        warmed = asyncio.run(run_load(url, warm, OpenLoop(math.inf), timeout_s=timeout_s, seed=args.seed,
+                                      progress=False))
         result["warmup"] = {"requests": len(warm), "completed": sum(r.status == "completed" for r in warmed.records)}
         result["timings_s"]["warmup"] = round(time.monotonic() - phase_s, 1)
-        log(f"{spec.key}: warm-up {result['warmup']['completed']}/{len(warm)} in "
-                   f"{result['timings_s']['warmup']} s")
+        log(f"{spec.key}: warm-up {result['warmup']['completed']}/{len(warm)} in {result['timings_s']['warmup']} s")
 
         phase_s, sweep_start_s = time.monotonic(), time.time()
         reserve_s = DELETE_S + (HANDOVER_S[args.device] if mode == "pdv" else 0.0)
@@ -389,9 +389,13 @@ def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace,
         if mode == "pdv":
             phase_s = time.monotonic()
             max_model_len = AppConfig.model_validate(app_args).engine.max_model_len
-            result["handover"] = handover_costs(spec.key, url, args, tokenizer, max_model_len)
+            try:
+                result["handover"] = handover_costs(spec.key, url, args, tokenizer, max_model_len)
+            except Exception as exc:  # noqa: BLE001 - the sweep's results stand without it
+                result["handover_error"] = f"{type(exc).__name__}: {exc}"
             result["timings_s"]["handover"] = round(time.monotonic() - phase_s, 1)
-            log(f"{spec.key}: hand-over measured in {result['timings_s']['handover']} s")
+            log(f"{spec.key}: hand-over in {result['timings_s']['handover']} s "
+                f"{result.get('handover_error') or json.dumps(result['handover'])}")
         result["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - recorded; the next placement still runs
         result |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
@@ -420,7 +424,9 @@ def sweep(spec: PlacementSpec, url: str, args: argparse.Namespace, tokenizer, de
         if time.monotonic() + len(requests) / rate + tail_s > deadline_s:
             log(f"{spec.key}: rate {rate:g} skipped, {deadline_s - time.monotonic():.0f} s left for it")
             break
-        point = sweep_point(url, requests, rate, args)
+        # A request never waits past the placement's time (a stuck lane must not eat the next one's).
+        timeout_s = max(15.0, min(args.request_timeout_s, deadline_s - time.monotonic()))
+        point = sweep_point(url, requests, rate, args.seed, args.sat_ttft_ms, timeout_s)
         points.append(point)
         log(f"{spec.key}: {point_line(point)}")
         if not point["saturated"]:
@@ -440,16 +446,16 @@ def point_line(point: dict) -> str:
             + (" SATURATED" if point["saturated"] else ""))
 
 
-def sweep_point(url: str, requests: list[WorkloadRequest], rate: float, args: argparse.Namespace) -> dict:
+def sweep_point(url: str, requests: list[WorkloadRequest], rate: float, seed: int, sat_ttft_ms: float,
+                timeout_s: float) -> dict:
     start_s = time.time()
-    result = asyncio.run(run_load(url, requests, OpenLoop(rate), timeout_s=args.request_timeout_s, seed=args.seed,
-                                  progress=False))
+    result = asyncio.run(run_load(url, requests, OpenLoop(rate), timeout_s=timeout_s, seed=seed, progress=False))
     end_s = time.time()
     result.spec_before, result.spec_after = SpecDecodeCounters(0, 0, 0, []), request_spec_counters(result.records)
     result.spec_error = None
     summary = result.summary().to_dict()
     ttft_p95 = summary["latency_ms"]["ttft_ms"]["p95"]
-    saturated = summary["completed"] < summary["submitted"] or ttft_p95 is None or ttft_p95 > args.sat_ttft_ms
+    saturated = summary["completed"] < summary["submitted"] or ttft_p95 is None or ttft_p95 > sat_ttft_ms
     return {"rate_rps": rate, "window_unix_s": [start_s, end_s], "summary": summary, "saturated": saturated,
             # Every request, without its inter-token gaps (the summary keeps their percentiles).
             "requests": [{k: v for k, v in r.to_row().items() if k != "itl_ms"} for r in result.records]}
@@ -601,6 +607,9 @@ def write_plots(out: Path, document: dict, points: list[Point]) -> None:
                   color="grey", label="GPU0 -> GPU1 device copy of the same bytes")
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
+    lengths = sorted({r["prompt_tokens"] for p in with_handover for r in p["handover"]})
+    axis.set_xticks(lengths, [str(n) for n in lengths])
+    axis.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     axis.set_xlabel("prompt tokens")
     axis.set_ylabel("KV hand-over per request (ms)")
     axis.grid(True, alpha=0.3, which="both")
@@ -625,7 +634,7 @@ def markdown(document: dict) -> str:
         f", outputs {w['min_output_len']}-{w['max_output_len']} (median {w['output_len_median']:g}), greedy, "
         f"ignore_eos. A rate is saturated when a request fails or p95 TTFT passes {w['sat_ttft_ms']:g} ms; the "
         "sweep stops at the first, after one rate between it and the last unsaturated one.",
-        f"- Command: `{document['command']}`", "",
+        f"- Command: `{document['command']}`; /dev/shm (Ray's object store) {document.get('dev_shm_gib')} GiB.", "",
     ]
     if document.get("topology"):
         lines += ["GPU links (`nvidia-smi topo -m`):", "", "```", document["topology"], "```", ""]
@@ -639,23 +648,28 @@ def markdown(document: dict) -> str:
     for p in document["placements"]:
         if p.get("error"):
             lines += ["", f"{p['key']} failed: `{p['error']}`"]
+        if p.get("handover_error"):
+            lines += ["", f"{p['key']} hand-over measurement failed: `{p['handover_error']}`"]
         if p.get("reason"):
             lines += ["", f"{p['key']} skipped: {p['reason']}"]
     lines += ["", "## Rate sweep", "", "| placement | rate/s | done/sent | out tok/s | TTFT p50 / p95 / p99 ms | "
-              "TPOT p50 / p95 / p99 ms | acceptance | in flight | verify busy | verify while drafting |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "TPOT p50 / p95 / p99 ms | acceptance | in flight | busy: verify or engines | drafting | "
+              "verify while drafting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in document["placements"]:
         for pt in p.get("sweep", []):
             s, lanes, acc = pt["summary"], pt.get("lanes", {}), pt["summary"]["spec_decode"]
             accepted = f"{acc['acceptance_rate']:.3f} / {acc['mean_acceptance_length']:.2f}" if acc else "n/a"
+            busy = lanes.get("verify_busy_share", " / ".join(map(str, lanes.get("engine_busy_share", []))) or "n/a")
             lines.append(
                 f"| {p['key']} | {pt['rate_rps']:g}{' (sat.)' if pt['saturated'] else ''} | "
                 f"{s['completed']}/{s['submitted']} | {s['output_token_throughput_tps']:.0f} | "
                 f"{_triple(s, 'ttft_ms')} | {_triple(s, 'tpot_ms')} | {accepted} | {s['mean_in_flight']:.1f} | "
-                f"{lanes.get('verify_busy_share', 'n/a')} | {lanes.get('verify_with_drafting_share', 'n/a')} |")
+                f"{busy} | {lanes.get('drafting_busy_share', 'n/a')} | {lanes.get('verify_with_drafting_share', 'n/a')} |")
     lines += ["", "acceptance: vLLM's acceptance rate / mean acceptance length, summed over the responses' own "
-              "counters. verify busy: share of the window the verify lane ran forwards; verify while drafting: share "
-              "of that time during which a decode replica was drafting (0 = the lanes took turns).", "",
+              "counters. busy: share of the window the verify lane ran forwards (pdv), or each co-located engine ran "
+              "steps (unified); drafting: share during which some decode replica drafted; verify while drafting: "
+              "share of the verify lane's busy time during which a decode replica was drafting (0 = the lanes took "
+              "turns).", "",
               "## Output throughput at a p95 TPOT bound", "",
               "The most output tok/s among a placement's unsaturated rates whose p95 TPOT is within the bound.", ""]
     rows = document.get("throughput_at_tpot", [])
