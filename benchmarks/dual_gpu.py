@@ -76,7 +76,8 @@ from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_to
 
 NAME = "dual_gpu"
 LANE_DEPLOYMENTS = {"unified": ("DecodeLane",), "pdv": ("PrefillLane", "DecodeLane", "VerifyLane")}
-TPOT_BOUNDS_MS = (10, 15, 20, 30, 50, 100)  # p95 TPOT bounds of the throughput-at-latency table
+TPOT_BOUNDS_MS = (5, 7.5, 10, 15, 20, 30, 50, 100)  # p95 TPOT bounds of the throughput-at-latency table
+REFERENCE = "a"  # the one-GPU placement the goal compares against
 RESERVE_S = 20.0  # kept back from the budget for the last results and the reference copy
 MIN_PLACEMENT_S = {"cuda": 75.0, "cpu": 60.0}  # less, and a placement cannot deploy, warm up and run two rates
 DELETE_S = 10.0  # what removing an app takes, allowed for in every placement
@@ -547,11 +548,11 @@ def throughput_at_tpot(document: dict) -> list[dict]:
     rows = []
     for placement in document["placements"]:
         ok = [p for p in placement.get("sweep", []) if not p["saturated"]]
-        row = {"placement": placement["key"]}
+        row = {"placement": placement["key"], "knee_found": any(p["saturated"] for p in placement.get("sweep", []))}
         for bound in TPOT_BOUNDS_MS:
             meets = [p["summary"]["output_token_throughput_tps"] for p in ok
                      if (p["summary"]["latency_ms"]["tpot_ms"]["p95"] or math.inf) <= bound]
-            row[f"tpot_p95<={bound}ms"] = round(max(meets), 1) if meets else None
+            row[f"tpot_p95<={bound:g}ms"] = round(max(meets), 1) if meets else None
         rows.append(row)
     return rows
 
@@ -673,10 +674,22 @@ def markdown(document: dict) -> str:
               "## Output throughput at a p95 TPOT bound", "",
               "The most output tok/s among a placement's unsaturated rates whose p95 TPOT is within the bound.", ""]
     rows = document.get("throughput_at_tpot", [])
+    header = [h for h in rows[0] if h != "knee_found"] if rows else []
     if rows:
-        header = list(rows[0])
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join("n/a" if r[h] is None else str(r[h]) for h in header) + " |" for r in rows]
+        lines += ["| " + " | ".join("n/a" if r[h] is None else ("" if r["knee_found"] or h == "placement" else "≥")
+                                    + str(r[h]) for h in header) + " |" for r in rows]
+        lines += ["", "Measured rates only: a value is the throughput of the fastest unsaturated rate, so it is "
+                  "known to within the rate grid (steps of 2x, one rate between at the knee); ≥ marks a placement "
+                  "whose sweep ended (time or rates) before any rate saturated."]
+    reference = next((r for r in rows if r["placement"] == REFERENCE), None)
+    if reference:
+        lines += ["", f"The same, as a multiple of ({REFERENCE}) one GPU at the same bound (the goal: a lane-isolated "
+                  "placement, b or c, at 1.5 or more):", "",
+                  "| placement | " + " | ".join(header[1:]) + " |", "|" + "---|" * len(header)]
+        for r in rows:
+            ratios = [f"{r[h] / reference[h]:.2f}" if r[h] and reference[h] else "n/a" for h in header[1:]]
+            lines.append(f"| {r['placement']} | " + " | ".join(ratios) + " |")
     lines += ["", "## KV hand-over per request against prompt length", "",
               "One request at a time; median of the repeats after one warm request per length. hand-over: the "
               "prefill lane, from the prompt's KV ready to its owners holding it (allocation, copy and RPCs); verify "
@@ -724,7 +737,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--handover-lens", default=None, help="prompt tokens of the hand-over test "
                         "(128,512,1024,2048 on cuda; 32,128,512 on cpu)")
     parser.add_argument("--handover-reps", type=int, default=3)
-    parser.add_argument("--budget-s", type=float, default=520.0, help="wall-clock allowance of the whole run")
+    parser.add_argument("--budget-s", type=float, default=500.0, help="wall-clock allowance of the whole run")
     parser.add_argument("--seed", type=int, default=0)
     lengths = ("prompt_len_median", "min_prompt_len", "max_prompt_len", "output_len_median", "min_output_len",
                "max_output_len", "request_timeout_s", "deploy_timeout_s")
