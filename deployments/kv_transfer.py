@@ -4,12 +4,15 @@ Chosen from where the replicas are, not by hand:
   - same GPU (fractional `num_gpus` on one device): the owner exports its pool once as a CUDA IPC
     handle; the prefill lane opens it and writes a request's KV in place. Only slot ids travel.
   - different GPUs, nodes, or CPU: the prefill lane copies the request's KV out of its scratch
-    slots and it travels through Ray's object store (a real copy) into the owner's pool.
+    slots and it travels through Ray's object store (a real copy) into the owner's pool, as a
+    `HostKV`: raw bytes that Ray ships out-of-band, never through torch's own pickling.
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -62,3 +65,39 @@ class PoolViews:
         if handle.owner not in self._views:
             self._views[handle.owner] = handle.open()
         return self._views[handle.owner]
+
+
+@dataclass(frozen=True)
+class HostKV:
+    """A request's KV on the host, [2, layers, kv_heads, tokens, head_dim], in the form Ray moves fastest.
+
+    Pickling a torch tensor serialises its storage in-band (torch.save into bytes): 64 MiB took
+    ~0.2 s each way (`benchmarks/kv_serialization.py`), which made every cross-GPU hand-over cost
+    1.4 ms per prompt token. A numpy array goes through pickle protocol 5 out-of-band: one copy into
+    the object store, and the receiver maps it without another.
+    """
+
+    data: np.ndarray  # uint8, the tensor's bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def from_tensor(cls, kv: torch.Tensor) -> "HostKV":
+        host = kv.detach().to("cpu").contiguous()
+        return cls(host.view(torch.uint8).numpy(), host.dtype, tuple(host.shape))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def tensor(self, device: str | torch.device) -> torch.Tensor:
+        """The KV as a tensor on `device` (a view of the received bytes on CPU: read, never written)."""
+        with warnings.catch_warnings():
+            # Arrays Ray maps from its object store are read-only; torch warns, we only copy out of it.
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.data)
+        return raw.view(self.dtype).view(self.shape).to(device)

@@ -6,7 +6,7 @@ import time
 import torch
 from ray import serve
 
-from deployments.kv_transfer import Placement, PoolViews
+from deployments.kv_transfer import HostKV, Placement, PoolViews
 from deployments.factories import PREFILL_BATCH_MAX
 from deployments.lane_worker import LaneWorker
 from lanes.streams import PREFILL_PRIORITY
@@ -63,7 +63,7 @@ class PrefillServer:
         if job.draft_pool is not None:
             await self.worker.run(self._write_in_place, job.draft_pool, job.draft_slot, kv.draft_kv)
         elif kv.draft_kv is not None:
-            done.draft_kv = await self.worker.run(kv.draft_kv.cpu)
+            done.draft_kv = await self.worker.run(HostKV.from_tensor, kv.draft_kv)
         if self.verify is not None:
             done.target_slot = await self._to_verify(kv.target_kv)
             target = "in_place" if self._verify_in_place else "copied"
@@ -71,7 +71,7 @@ class PrefillServer:
             await self.worker.run(self._write_in_place, job.target_pool, job.target_slot, kv.target_kv)
             target = "in_place"
         elif job.want_target_kv:
-            done.target_kv = await self.worker.run(kv.target_kv.cpu)
+            done.target_kv = await self.worker.run(HostKV.from_tensor, kv.target_kv)
             target = "copied"
         draft = "in_place" if job.draft_pool is not None else "copied"
         self.handed_over[draft] += 1
@@ -88,7 +88,7 @@ class PrefillServer:
         if not self._verify_in_place:
             # A real copy, via the object store. Read to the host on the worker thread: its stream
             # is the one the prefill wrote the KV on, so the copy is ordered after those writes.
-            return await self.verify.load_kv.remote(await self.worker.run(target_kv.cpu))
+            return await self.verify.load_kv.remote(await self.worker.run(HostKV.from_tensor, target_kv))
         slot = await self.verify.allocate.remote()
         await self.worker.run(self._write_in_place, self._verify_pool, slot, target_kv)
         await self.verify.commit.remote(slot, target_kv.shape[3])

@@ -17,7 +17,7 @@ from lanes.prompt_prefiller import PrefillRequest
 from lanes.scheduler import Scheduler
 from lanes.sequence import SeqStatus, Sequence
 from lanes.verify import VerifyBatch, VerifyResult
-from deployments.kv_transfer import Placement, PoolHandle
+from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ class PrefillJob:
 @dataclass
 class PrefillDone:
     first_token: int
-    draft_kv: object | None  # torch.Tensor when it travelled by copy
-    target_kv: object | None
+    draft_kv: HostKV | None  # when it travelled by copy
+    target_kv: HostKV | None
     target_slot: int | None  # pdv: the verify lane's slot that now holds the prompt
 
 
@@ -132,11 +132,11 @@ class RemotePrefiller:
             return seq, result
         prompt_len = seq.num_prompt_tokens
         if result.draft_kv is not None:
-            self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.to(self.draft_pool.kv.device))
+            self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.tensor(self.draft_pool.kv.device))
         self.draft_pool.lengths[seq.draft_slot] = prompt_len
         if self.target_pool is not None:
             if result.target_kv is not None:
-                self.target_pool.write_slot(seq.target_slot, result.target_kv.to(self.target_pool.kv.device))
+                self.target_pool.write_slot(seq.target_slot, result.target_kv.tensor(self.target_pool.kv.device))
             self.target_pool.lengths[seq.target_slot] = prompt_len
         else:
             seq.target_slot = result.target_slot

@@ -5,7 +5,7 @@ import time
 import torch
 from ray import serve
 
-from deployments.kv_transfer import Placement, PoolHandle
+from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.lane_worker import LaneWorker
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
@@ -39,13 +39,13 @@ class VerifyServer:
             self.lane.pool.lengths[slot] = length
         await self.worker.run(set_length)
 
-    async def load_kv(self, kv: torch.Tensor) -> int:
+    async def load_kv(self, kv: HostKV) -> int:
         """Take a prompt's KV copied from another GPU or node; returns the slot that now holds it."""
         def load():
             slot = self.lane.pool.allocate()
-            self.lane.pool.write_slot(slot, kv.to(self.lane.pool.kv.device))
+            self.lane.pool.write_slot(slot, kv.tensor(self.lane.pool.kv.device))
             return slot
-        timed = TIMELINE.timed("load_kv", load, tokens=kv.shape[3], bytes=kv.numel() * kv.element_size())
+        timed = TIMELINE.timed("load_kv", load, tokens=kv.num_tokens, bytes=kv.nbytes)
         return await self.worker.run(timed)
 
     async def release(self, slots: list[int]) -> None:
