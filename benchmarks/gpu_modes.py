@@ -472,6 +472,10 @@ def goals(results: AgreementResults, args: argparse.Namespace) -> dict:
     def tps(points: dict[str, Point], mode: str) -> float | None:
         return points[mode].summary.output_token_throughput_tps if mode in points else None
 
+    def decode_rate(points: dict[str, Point], mode: str) -> float | None:
+        tpot_ms = points[mode].summary.latency_ms["tpot_ms"].p50 if mode in points else None
+        return 1000 / tpot_ms if tpot_ms else None
+
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
 
@@ -498,9 +502,12 @@ def goals(results: AgreementResults, args: argparse.Namespace) -> dict:
             "accepted_at_position_1": {m: spec.acceptance_rate_per_pos[0] for m, spec in served.items()},
             "acceptance_rate": {m: spec.acceptance_rate for m, spec in served.items()},
             "mean_acceptance_length": {m: spec.mean_acceptance_length for m, spec in served.items()}},
-        "single_stream": {"spec_over_nospec": ratio(tps(single, "spec"), tps(single, "nospec")),
-                          "by_mode_over_nospec": {m: ratio(tps(single, m), tps(single, "nospec"))
+        # Decode rate (1 / median TPOT), not throughput: c1's few requests are dominated by TTFT,
+        # which the first request of a mode inflates (first captures).
+        "single_stream": {"spec_over_nospec": ratio(decode_rate(single, "spec"), decode_rate(single, "nospec")),
+                          "by_mode_over_nospec": {m: ratio(decode_rate(single, m), decode_rate(single, "nospec"))
                                                   for m in single},
+                          "measure": "1000 / tpot_ms p50 at c1",
                           "goal": ">= 2 at acceptance ~0.75"},
         f"at_{args.mid_concurrency}_in_flight": {
             "best_lane_mode": best, "best_over_nospec": ratio(tps(mid, best), tps(mid, "nospec")),
