@@ -26,7 +26,8 @@ How the controller actor applies it (controller/actor.py)
         1. broadcasts stats() to every decode replica (and the verify lane in pdv), turns the running
            totals into per-interval deltas, and merges them into one `LaneSignals`: decode p95 = max
            over replicas (the slowest replica bounds the latency target), arrival rate from the arrival
-           counts, requests = union (a request lives on one decode replica);
+           counts, requests per verify batch = running + queued of the busiest replica (pdv: of all, per
+           verify replica), requests = union (a request lives on one decode replica);
         2. state, decision = decide(state, signals, config), starting from PolicyState.initial(config);
         3. broadcasts set_draft_lengths(decision.default_draft_len, per-request lengths) when a replica
            reports lengths that differ from the decision;
