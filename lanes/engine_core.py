@@ -188,6 +188,7 @@ class EngineCore:
 
     def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
         draft_lens = [s.step_draft_len(self.config.max_draft_len) if self.draft_lane else 0 for s in running]
+        self.streams.decode_after_current()  # verify follows decode, so it is ordered after them too
         with on(self.streams.decode):
             proposal = self._propose(running, draft_lens)
         batch = VerifyBatch(

@@ -30,6 +30,12 @@ class LaneStreams:
         self.verify = lane_stream(device, VERIFY_PRIORITY)
         self.prefill = lane_stream(device, PREFILL_PRIORITY)
 
+    def decode_after_current(self) -> None:
+        """Prompt KV copied in from another process lands on the current stream (the engine writes it
+        into the pools between steps): order the next draft and verify work after those writes."""
+        if self.decode is not None:
+            self.decode.wait_stream(torch.cuda.current_stream(self.decode.device))
+
     def verify_after_decode(self) -> None:
         """Verification reads the drafts: order it after the decode stream's work."""
         if self.verify is not None:
