@@ -11,11 +11,7 @@ eager code rounds them, so bf16 results match HF's to the last bit or one ulp.
 import torch
 import triton
 import triton.language as tl
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from transformers.models.llama.modeling_llama import rotate_half
 
 
 # ---- residual add + RMSNorm --------------------------------------------------------------------
@@ -99,10 +95,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ids
     table (rounded to the model dtype); row b's tokens sit at starts[b] .. starts[b] + Q - 1 of
     slot slot_ids[b]; pools [slots, kv_heads, capacity, D]. Returns the rotated queries [B, Q, q_heads, D].
     """
-    batch, q_len, _ = qkv.shape
-    kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
     if not use_triton:
         return _rope_store_torch(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads)
+    batch, q_len, _ = qkv.shape
+    kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
     assert qkv.is_contiguous() and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
     q_out = torch.empty(batch, q_len, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_store_kernel[(batch * q_len, q_heads + 2 * kv_heads)](
