@@ -26,12 +26,12 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     check_controller(cfg)
     verify = prefill = None
     if cfg.mode == "pdv":
-        verify = VerifyDeployment.options(**cfg.verify_lane.deployment_options()).bind(
+        verify = VerifyDeployment.options(**cfg.verify_lane.deployment_options(cfg.kv_peer_access)).bind(
             partial(build_verify_lane, cfg), cfg.mode)
     if cfg.mode in ("pd", "pdv"):
-        prefill = PrefillDeployment.options(**cfg.prefill_lane.deployment_options()).bind(
+        prefill = PrefillDeployment.options(**cfg.prefill_lane.deployment_options(cfg.kv_peer_access)).bind(
             partial(build_prompt_prefiller, cfg), cfg.mode, verify)
-    engine = EngineDeployment.options(**cfg.decode_lane.deployment_options()).bind(
+    engine = EngineDeployment.options(**cfg.decode_lane.deployment_options(cfg.kv_peer_access)).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify)
     controller = None
     if cfg.controller.enabled:

@@ -16,6 +16,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from controller.config import ControllerConfig
+from deployments.gpu_binding import lane_device, peer_access_env
 from lanes.engine_core import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -62,13 +63,14 @@ class LaneConfig(_Strict):
 
     @property
     def device(self) -> str:
-        return "cuda" if self.num_gpus > 0 else "cpu"
+        """The device to run on, inside this lane's replica (binds the replica to its GPU)."""
+        return lane_device(self.num_gpus)
 
-    def deployment_options(self) -> dict:
-        opts = {
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
-        }
+    def deployment_options(self, peer_access: bool = False) -> dict:
+        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if env_vars := peer_access_env(self.num_gpus, peer_access):
+            actor["runtime_env"] = {"env_vars": env_vars}  # Ray merges these with the app's own env_vars
+        opts = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor}
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = self.autoscaling_config
         else:
@@ -112,6 +114,9 @@ class AppConfig(_Strict):
                                      "beyond which new ones get 429 with Retry-After.")
     request_timeout_s: float = Field(default=600, gt=0, description="A request still running after this "
                                      "is aborted in every lane.")
+    kv_peer_access: bool = Field(default=True, description="Lane replicas see every GPU of their node, so "
+                                 "a prompt's KV crosses GPUs by a peer copy (NVLink or PCIe) into its owner's "
+                                 "pool. False: it goes through host memory and Ray's object store.")
     require_gpus_present: bool = Field(default=True, description="Fail at build time when a lane asks for "
                                        "GPUs the cluster does not have (set false on an autoscaling cluster "
                                        "whose GPU nodes start on demand).")

@@ -3,9 +3,13 @@
 Chosen from where the replicas are, not by hand:
   - same GPU (fractional `num_gpus` on one device): the owner exports its pool once as a CUDA IPC
     handle; the prefill lane opens it and writes a request's KV in place. Only slot ids travel.
-  - different GPUs, nodes, or CPU: the prefill lane copies the request's KV out of its scratch
-    slots and it travels through Ray's object store (a real copy) into the owner's pool, as a
-    `HostKV`: raw bytes that Ray ships out-of-band, never through torch's own pickling.
+  - another GPU of the same node that the prefill lane can see and reach by peer access (the app's
+    `kv_peer_access`, deployments/gpu_binding.py): the same, and the write is a device-to-device
+    copy over NVLink or PCIe.
+  - otherwise (other nodes, GPUs hidden from each other, CPU): the prefill lane copies the
+    request's KV out of its scratch slots and it travels through Ray's object store (a real copy)
+    into the owner's pool, as a `HostKV`: raw bytes that Ray ships out-of-band, never through
+    torch's own pickling.
 """
 
 import os
@@ -24,6 +28,7 @@ from lanes.kv_pool import KVPool, PoolShape
 class Placement:
     node_id: str
     gpu_uuid: str | None  # None on CPU
+    peer_uuids: tuple[str, ...] = ()  # the other GPUs this process sees and can write to by peer access
 
     @classmethod
     def here(cls, device: str | torch.device) -> "Placement":
@@ -31,10 +36,16 @@ class Placement:
         device = torch.device(device)
         if device.type != "cuda":
             return cls(node, None)
-        return cls(node, str(torch.cuda.get_device_properties(device).uuid))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        peers = tuple(str(torch.cuda.get_device_properties(other).uuid) for other in range(torch.cuda.device_count())
+                      if other != index and torch.cuda.can_device_access_peer(index, other))
+        return cls(node, str(torch.cuda.get_device_properties(index).uuid), peers)
 
-    def shares_gpu_with(self, other: "Placement") -> bool:
-        return self.gpu_uuid is not None and self.gpu_uuid == other.gpu_uuid and self.node_id == other.node_id
+    def can_write_into(self, owner: "Placement") -> bool:
+        """Whether a process placed here can write straight into `owner`'s GPU memory (CUDA IPC)."""
+        if self.gpu_uuid is None or owner.gpu_uuid is None or self.node_id != owner.node_id:
+            return False
+        return owner.gpu_uuid == self.gpu_uuid or owner.gpu_uuid in self.peer_uuids
 
 
 @dataclass(frozen=True)
@@ -43,16 +54,30 @@ class PoolHandle:
 
     owner: str  # unique per exporting replica, to cache opened views
     shape: PoolShape
+    gpu_uuid: str  # the pool's GPU: device indices differ between processes that see several GPUs
     ipc: tuple
 
     @classmethod
     def export(cls, owner: str, pool: KVPool) -> "PoolHandle":
-        return cls(owner, pool.shape, reduce_tensor(pool.kv))
+        uuid = str(torch.cuda.get_device_properties(pool.kv.device).uuid)
+        return cls(owner, pool.shape, uuid, reduce_tensor(pool.kv))
 
     def open(self) -> KVPool:
         rebuild, args = self.ipc
+        args = list(args)
+        args[_IPC_DEVICE_ARG] = _local_index(self.gpu_uuid)  # the exporter's index for it may differ
         kv = rebuild(*args)
         return KVPool(self.shape, kv.dtype, kv.device, kv=kv)
+
+
+_IPC_DEVICE_ARG = 6  # storage_device in torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments
+
+
+def _local_index(gpu_uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == gpu_uuid:
+            return index
+    raise RuntimeError(f"GPU {gpu_uuid} is not visible to this process")
 
 
 class PoolViews:

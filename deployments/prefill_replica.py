@@ -25,7 +25,7 @@ class PrefillServer:
         self.views = PoolViews()
         self.metrics = LaneMetrics("prefill", mode)
         self.pending = 0
-        self.handed_over = {"in_place": 0, "copied": 0}  # KV hand-overs by transport, for stats()
+        self.handed_over = {"in_place": 0, "peer": 0, "copied": 0}  # draft KV hand-overs by transport
         self._verify_in_place: bool | None = None
         self._verify_pool = None
 
@@ -58,45 +58,51 @@ class PrefillServer:
         return replica_report("prefill", self.placement_, start_s, offset)
 
     async def _hand_over(self, job: PrefillJob, kv: PrefilledKV) -> PrefillDone:
-        start_s, target = time.time(), "none"
+        start_s, target, draft = time.time(), "none", "copied"
         done = PrefillDone(kv.first_token, None, None, None)
         if job.draft_pool is not None:
-            await self.worker.run(self._write_in_place, job.draft_pool, job.draft_slot, kv.draft_kv)
+            draft = await self.worker.run(self._write_in_place, job.draft_pool, job.draft_slot, kv.draft_kv)
         elif kv.draft_kv is not None:
             done.draft_kv = await self.worker.run(HostKV.from_tensor, kv.draft_kv)
         if self.verify is not None:
-            done.target_slot = await self._to_verify(kv.target_kv)
-            target = "in_place" if self._verify_in_place else "copied"
+            done.target_slot, target = await self._to_verify(kv.target_kv)
         elif job.target_pool is not None:
-            await self.worker.run(self._write_in_place, job.target_pool, job.target_slot, kv.target_kv)
-            target = "in_place"
+            target = await self.worker.run(self._write_in_place, job.target_pool, job.target_slot, kv.target_kv)
         elif job.want_target_kv:
             done.target_kv = await self.worker.run(HostKV.from_tensor, kv.target_kv)
             target = "copied"
-        draft = "in_place" if job.draft_pool is not None else "copied"
         self.handed_over[draft] += 1
         TIMELINE.record("handover", start_s, time.time(), tokens=kv.target_kv.shape[3], target=target, draft=draft,
                         target_bytes=_nbytes(kv.target_kv), draft_bytes=_nbytes(kv.draft_kv))
         return done
 
-    async def _to_verify(self, target_kv: torch.Tensor) -> int:
+    async def _to_verify(self, target_kv: torch.Tensor) -> tuple[int, str]:
+        """The verify lane's slot now holding the prompt's target KV, and how the KV got there."""
         if self._verify_in_place is None:
             peer = await self.verify.placement.remote()
-            self._verify_in_place = self.placement_.shares_gpu_with(peer)
+            self._verify_in_place = self.placement_.can_write_into(peer)
             if self._verify_in_place:
                 self._verify_pool = await self.verify.pool_handle.remote()
         if not self._verify_in_place:
             # A real copy, via the object store. Read to the host on the worker thread: its stream
             # is the one the prefill wrote the KV on, so the copy is ordered after those writes.
-            return await self.verify.load_kv.remote(await self.worker.run(HostKV.from_tensor, target_kv))
+            kv = await self.worker.run(HostKV.from_tensor, target_kv)
+            return await self.verify.load_kv.remote(kv), "copied"
         slot = await self.verify.allocate.remote()
-        await self.worker.run(self._write_in_place, self._verify_pool, slot, target_kv)
+        transport = await self.worker.run(self._write_in_place, self._verify_pool, slot, target_kv)
         await self.verify.commit.remote(slot, target_kv.shape[3])
-        return slot
+        return slot, transport
 
-    def _write_in_place(self, handle, slot: int, kv: torch.Tensor) -> None:
-        self.views.get(handle).write_slot(slot, kv)
-        torch.cuda.synchronize(kv.device)  # the owner reads this memory next, from its own process
+    def _write_in_place(self, handle, slot: int, kv: torch.Tensor) -> str:
+        """Write into the owner's pool; "in_place" on this GPU, "peer" on another (a peer copy)."""
+        pool = self.views.get(handle)
+        pool.write_slot(slot, kv)  # on another GPU torch runs the copy on this GPU's current stream
+        # The owner reads this memory next, from its own process: wait for the copy on both GPUs.
+        torch.cuda.synchronize(kv.device)
+        if pool.kv.device == kv.device:
+            return "in_place"
+        torch.cuda.synchronize(pool.kv.device)
+        return "peer"
 
 
 def _nbytes(kv: torch.Tensor | None) -> int:

@@ -29,7 +29,7 @@ class PrefillJob:
 
     request: PrefillRequest
     draft_slot: int | None
-    draft_pool: PoolHandle | None  # set when the decode replica shares the prefill lane's GPU
+    draft_pool: PoolHandle | None  # set when the prefill lane can write into the decode replica's GPU
     target_slot: int | None  # set in mode pd (the decode replica owns the target pool)
     target_pool: PoolHandle | None
     want_target_kv: bool  # pd over the object store: return the target KV to the caller
@@ -105,7 +105,7 @@ class RemotePrefiller:
             self._done.append((seq, result))
 
     def _job(self, seq: Sequence) -> PrefillJob:
-        in_place = self._peer is not None and self.placement.shares_gpu_with(self._peer)
+        in_place = self._peer is not None and self._peer.can_write_into(self.placement)
         return PrefillJob(
             request=PrefillRequest(seq.request_id, seq.prompt_ids, seq.params, seq.seed),
             draft_slot=seq.draft_slot,

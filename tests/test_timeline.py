@@ -50,7 +50,7 @@ def test_replica_report_pages_its_events_as_columns():
         TIMELINE.record("handover", 1e9 + i, 1e9 + i + 0.5, tokens=i, target="copied")
     first = replica_report("prefill", Placement("node-1", None), 1e9, offset=0, limit=3)
     assert first["lane"] == "prefill" and first["replica"].startswith("pid-")
-    assert first["placement"] == {"node_id": "node-1", "gpu_uuid": None}
+    assert first["placement"] == {"node_id": "node-1", "gpu_uuid": None, "peer_uuids": ()}
     assert first["events"]["handover"]["tokens"] == [0, 1, 2] and first["more"]
     second = replica_report("prefill", Placement("node-1", None), 1e9, offset=3, limit=3)
     assert [e["tokens"] for e in event_rows(second["events"]["handover"])] == [3, 4] and not second["more"]

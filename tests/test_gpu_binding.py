@@ -1,0 +1,84 @@
+"""Which GPUs a lane replica sees, and which KV transport follows from where two replicas are.
+
+The peer copy itself needs two GPUs (benchmarks/dual_gpu.py runs it); here Ray's side is real:
+two fake GPUs, replicas started with and without `kv_peer_access`'s environment."""
+
+import pytest
+import ray
+
+from deployments.config import AppConfig, LaneConfig
+from deployments.gpu_binding import NOSET_ENV, lane_device, own_gpu_first, peer_access_env
+from deployments.kv_transfer import Placement
+
+
+def test_own_gpu_is_listed_first_and_the_others_keep_their_order():
+    assert own_gpu_first("0", ["0", "1"]) == "0,1"
+    assert own_gpu_first("1", ["0", "1"]) == "1,0"
+    assert own_gpu_first("5", ["4", "5", "6", "7"]) == "5,4,6,7"  # a node started with CUDA_VISIBLE_DEVICES
+    with pytest.raises(ValueError):
+        own_gpu_first("2", ["0", "1"])
+
+
+def test_only_gpu_lanes_of_apps_with_peer_access_keep_ray_out_of_cuda_visible_devices():
+    assert peer_access_env(0.5, True) == {NOSET_ENV: "1"}
+    assert peer_access_env(0, True) == {}
+    assert peer_access_env(1, False) == {}
+    lane = LaneConfig(num_gpus=0.3)
+    assert lane.deployment_options(peer_access=True)["ray_actor_options"]["runtime_env"] == {
+        "env_vars": {NOSET_ENV: "1"}}
+    assert "runtime_env" not in lane.deployment_options(peer_access=False)["ray_actor_options"]
+    assert "runtime_env" not in LaneConfig().deployment_options(peer_access=True)["ray_actor_options"]  # CPU lane
+    assert AppConfig().kv_peer_access and not AppConfig(kv_peer_access=False).kv_peer_access
+
+
+def test_outside_ray_a_lane_device_is_plain(monkeypatch):
+    monkeypatch.setenv(NOSET_ENV, "1")
+    assert lane_device(0) == "cpu"
+    assert lane_device(1) == "cuda"
+
+
+def test_transport_follows_from_placements():
+    own = Placement("node-a", "gpu-0", peer_uuids=("gpu-1",))
+    assert own.can_write_into(Placement("node-a", "gpu-0"))  # same GPU: in place
+    assert own.can_write_into(Placement("node-a", "gpu-1"))  # a peer it sees: peer copy
+    assert not own.can_write_into(Placement("node-a", "gpu-2"))  # hidden from it: through the host
+    assert not own.can_write_into(Placement("node-b", "gpu-1"))  # another node
+    assert not Placement("node-a", "gpu-0").can_write_into(Placement("node-a", "gpu-1"))  # Ray hid gpu-1
+    assert not Placement("node-a", None).can_write_into(Placement("node-a", None))  # CPU lanes copy
+
+
+@pytest.fixture(scope="module")
+def two_fake_gpus():
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _Replica:
+    def bind(self) -> tuple[str, str, list]:
+        import os
+        device = lane_device(1)
+        return device, os.environ.get("CUDA_VISIBLE_DEVICES"), [str(i) for i in ray.get_gpu_ids()]
+
+
+def _start(peer_access: bool):
+    env = peer_access_env(1, peer_access)
+    replicas = [_Replica.options(num_gpus=1, runtime_env={"env_vars": env}).remote() for _ in range(2)]
+    results = ray.get([r.bind.remote() for r in replicas])
+    for replica in replicas:
+        ray.kill(replica)
+    return results
+
+
+def test_with_peer_access_each_replica_sees_both_gpus_its_own_first(two_fake_gpus):
+    results = _start(peer_access=True)
+    assert sorted(ids[0] for _, _, ids in results) == ["0", "1"]
+    for device, visible, ids in results:
+        assert device == "cuda"
+        assert visible == ("0,1" if ids == ["0"] else "1,0")
+
+
+def test_without_it_ray_shows_each_replica_only_its_own_gpu(two_fake_gpus):
+    for device, visible, ids in _start(peer_access=False):
+        assert device == "cuda" and visible == ids[0]
