@@ -92,6 +92,23 @@ class PoolViews:
         return self._views[handle.owner]
 
 
+def write_into(pool: KVPool, slot: int, kv: torch.Tensor) -> str:
+    """Write a request's KV into a pool opened from its owner; "in_place" on this GPU, "peer" on another.
+
+    Another GPU's pool gets a contiguous device-to-device copy (the copy engines, over NVLink or
+    PCIe) into a temporary on that GPU, then the slot write runs there: no kernel of this GPU
+    touches the owner's memory. torch orders the copy after the work on `kv`'s current stream.
+    """
+    peer = pool.kv.device != kv.device
+    if peer:
+        kv = kv.contiguous().to(pool.kv.device)
+    pool.write_slot(slot, kv)
+    # The owner reads this memory next, from its own process. torch makes the owner GPU's stream
+    # wait for a peer copy, so waiting for that GPU covers both copies.
+    torch.cuda.synchronize(pool.kv.device)
+    return "peer" if peer else "in_place"
+
+
 @dataclass(frozen=True)
 class HostKV:
     """A request's KV on the host, [2, layers, kv_heads, tokens, head_dim], in the form Ray moves fastest.

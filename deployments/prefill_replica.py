@@ -6,7 +6,7 @@ import time
 import torch
 from ray import serve
 
-from deployments.kv_transfer import HostKV, Placement, PoolViews
+from deployments.kv_transfer import HostKV, Placement, PoolViews, write_into
 from deployments.factories import PREFILL_BATCH_MAX
 from deployments.lane_worker import LaneWorker
 from lanes.streams import PREFILL_PRIORITY
@@ -94,15 +94,7 @@ class PrefillServer:
         return slot, transport
 
     def _write_in_place(self, handle, slot: int, kv: torch.Tensor) -> str:
-        """Write into the owner's pool; "in_place" on this GPU, "peer" on another (a peer copy)."""
-        pool = self.views.get(handle)
-        pool.write_slot(slot, kv)  # on another GPU torch runs the copy on this GPU's current stream
-        # The owner reads this memory next, from its own process: wait for the copy on both GPUs.
-        torch.cuda.synchronize(kv.device)
-        if pool.kv.device == kv.device:
-            return "in_place"
-        torch.cuda.synchronize(pool.kv.device)
-        return "peer"
+        return write_into(self.views.get(handle), slot, kv)
 
 
 def _nbytes(kv: torch.Tensor | None) -> int:
