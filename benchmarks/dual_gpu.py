@@ -659,7 +659,9 @@ def markdown(document: dict) -> str:
     for p in document["placements"]:
         for pt in p.get("sweep", []):
             s, lanes, acc = pt["summary"], pt.get("lanes", {}), pt["summary"]["spec_decode"]
-            accepted = f"{acc['acceptance_rate']:.3f} / {acc['mean_acceptance_length']:.2f}" if acc else "n/a"
+            # No completed request (a placement that failed) leaves the counters empty.
+            accepted = (f"{acc['acceptance_rate']:.3f} / {acc['mean_acceptance_length']:.2f}"
+                        if acc and acc.get("acceptance_rate") is not None else "n/a")
             busy = lanes.get("verify_busy_share", " / ".join(map(str, lanes.get("engine_busy_share", []))) or "n/a")
             lines.append(
                 f"| {p['key']} | {pt['rate_rps']:g}{' (sat.)' if pt['saturated'] else ''} | "
