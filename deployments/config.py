@@ -61,9 +61,8 @@ class LaneConfig(_Strict):
     autoscaling_config: dict | None = Field(default=None, description="Ray Serve autoscaling_config; "
                                             "replaces num_replicas.")
 
-    @property
-    def device(self) -> str:
-        """The device to run on, inside this lane's replica (binds the replica to its GPU)."""
+    def bind_device(self) -> str:
+        """Inside this lane's replica, before CUDA starts: the device to run on (and which GPUs it sees)."""
         return lane_device(self.num_gpus)
 
     def deployment_options(self, peer_access: bool = False) -> dict:

@@ -28,7 +28,7 @@ def _draft(cfg: AppConfig, device: str) -> LoadedModel:
 
 def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None) -> EngineCore:
     """The engine of the decode-lane replica (or of the only replica, in one-deployment modes)."""
-    device = cfg.decode_lane.device
+    device = cfg.decode_lane.bind_device()
     config = cfg.engine.engine_config(cfg.mode)
     if cfg.mode in ("unified", "spec", "nospec"):
         draft = _draft(cfg, device) if cfg.mode != "nospec" else None
@@ -51,7 +51,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
 
 
 def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
-    device = cfg.prefill_lane.device
+    device = cfg.prefill_lane.bind_device()
     target, draft = _target(cfg, device), _draft(cfg, device)
     check_compatible(draft, target)
     # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8).
@@ -65,4 +65,4 @@ def build_verify_lane(cfg: AppConfig) -> VerifyLane:
     # One verify replica serves every decode replica: size its pool for all of them.
     replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)
     config = replace(config, max_num_seqs=config.max_num_seqs * replicas)
-    return VerifyLane(build_runner(_target(cfg, cfg.verify_lane.device).model, config))
+    return VerifyLane(build_runner(_target(cfg, cfg.verify_lane.bind_device()).model, config))
