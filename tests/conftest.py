@@ -51,3 +51,13 @@ def pair(request) -> tuple[LoadedModel, LoadedModel]:
 @pytest.fixture(scope="session")
 def llama_pair() -> tuple[LoadedModel, LoadedModel]:
     return make_pair("llama")
+
+
+@pytest.fixture(scope="module")
+def two_fake_gpus():
+    """Ray with two logical GPUs (none need exist): where Ray places GPU replicas and what it tells them."""
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

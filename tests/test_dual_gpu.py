@@ -51,13 +51,6 @@ def test_observed_gpus_against_what_the_config_means():
     assert as_intended(b, observed_gpus([_report("verify", "v")], [])) is None  # CPU: nothing to check
 
 
-@pytest.fixture(scope="module")
-def two_fake_gpus():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @ray.remote(num_cpus=0)
 class _Holder:
     def gpu_ids(self) -> list:

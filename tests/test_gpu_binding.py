@@ -47,13 +47,6 @@ def test_transport_follows_from_placements():
     assert not Placement("node-a", None).can_write_into(Placement("node-a", None))  # CPU lanes copy
 
 
-@pytest.fixture(scope="module")
-def two_fake_gpus():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @ray.remote(num_cpus=0)
 class _Replica:
     def bind(self) -> tuple[str, str, list]:

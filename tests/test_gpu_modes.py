@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.gpu_modes import Load, check_stored_head, fit_lengths, parse_args, save_pair, word_tokenizer
+from benchmarks.gpu_modes import (Load, check_stored_head, estimate_s, fit_lengths, parse_args, save_pair,
+                                  word_tokenizer)
 from loadtest.arrivals import ClosedLoop, OpenLoop
-from loadtest.workload import random_prompt, usable_token_ids
+from loadtest.summary import LatencyStats, Summary
+from loadtest.workload import WorkloadRequest, random_prompt, usable_token_ids
 
 H200_MIB, H100_MIB = 143771, 81559
 
@@ -60,3 +62,25 @@ def test_rates_come_from_an_earlier_point_or_the_load_is_skipped():
     assert load.resolve({"c64": Done()}) == OpenLoop(32.0)
     assert load.resolve({}) is None
     assert Load("c1", [], ClosedLoop(1)).resolve({}) == ClosedLoop(1)
+
+
+def _summary(tok_s: float, in_flight: float, e2e_p50_ms: float) -> Summary:
+    stats = LatencyStats(count=1, mean=e2e_p50_ms, p50=e2e_p50_ms, p95=e2e_p50_ms, p99=e2e_p50_ms)
+    return Summary(submitted=1, completed=1, failed=0, timed_out=0, warmup_requests=0, wall_s=1.0,
+                   request_throughput_rps=1.0, output_token_throughput_tps=tok_s, total_token_throughput_tps=tok_s,
+                   goodput_rps=None, mean_in_flight=in_flight, max_in_flight=int(in_flight), slos={},
+                   latency_ms={"e2e_ms": stats}, latency_ms_by_kind={}, spec_decode=None, spec_decode_error=None)
+
+
+def test_time_estimates_take_warmup_throughput_only_while_nothing_else_ran():
+    """nospec at agreement 0.5 on an H200: the warm-up (graph capture) ran at 263 tok/s with 124 in
+    flight, c64 at 1,472; taking the warm-up as the reference for a 192-request Poisson load said
+    94 s, and the load was skipped with 37 s left."""
+    requests = [WorkloadRequest("p", 16, 128)] * 192
+    load = Load("rate_high", requests, rate_of="c64", factor=4.0)
+    arrivals = OpenLoop(4 * 11.5)
+    warmup, c64 = _summary(263.0, 123.5, 12_000.0), _summary(1472.0, 56.0, 5_000.0)
+    assert estimate_s(load, arrivals, {"warmup": warmup}, frozenset({"warmup"})) == pytest.approx(192 * 128 / 263.0)
+    estimate = estimate_s(load, arrivals, {"warmup": warmup, "c64": c64}, frozenset({"warmup"}))
+    assert estimate == pytest.approx(192 * 128 / 1472.0)  # 16.7 s: it fits
+    assert estimate_s(load, arrivals, {"warmup": warmup, "c64": c64}) > 90  # the old reference
