@@ -28,6 +28,7 @@ class PrefillServer:
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0}  # draft KV hand-overs by transport
         self._verify_in_place: bool | None = None
         self._verify_pool = None
+        self._verify_route_lock = asyncio.Lock()
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -81,11 +82,12 @@ class PrefillServer:
 
     async def _to_verify(self, target_kv: torch.Tensor) -> tuple[int, str]:
         """The verify lane's slot now holding the prompt's target KV, and how the KV got there."""
-        if self._verify_in_place is None:
-            peer = await self.verify.placement.remote()
-            self._verify_in_place = self.placement_.can_write_into(peer)
-            if self._verify_in_place:
-                self._verify_pool = await self.verify.pool_handle.remote()
+        async with self._verify_route_lock:  # hand-overs run concurrently: ask the verify lane once
+            if self._verify_in_place is None:
+                peer = await self.verify.placement.remote()
+                if self.placement_.can_write_into(peer):
+                    self._verify_pool = await self.verify.pool_handle.remote()
+                self._verify_in_place = self._verify_pool is not None
         if not self._verify_in_place:
             # A real copy, via the object store. Read to the host on the worker thread: its stream
             # is the one the prefill wrote the KV on, so the copy is ordered after those writes.
