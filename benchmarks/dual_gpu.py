@@ -177,6 +177,8 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
     for r in by_lane.get("engine", []):  # co-located: draft and verify take turns inside each step
         out.setdefault("engine_busy_share", []).append(
             round(total_s(clip(union(spans(r, "step")), start_s, end_s)) / window_s, 3))
+    if "prefill" in by_lane:
+        out["prefill_path"] = prefill_path(by_lane, start_s, end_s)
     if "verify" not in by_lane:
         return out
     verify = clip(union(s for r in by_lane["verify"] for s in spans(r, "verify")), start_s, end_s)
@@ -197,6 +199,36 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
         "decode_calls_per_verify": round(statistics.mean(e["calls"] for e in forwards), 2) if forwards else None,
     }
     return out
+
+
+def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -> dict:
+    """Where requests of pd / pdv wait before they decode, for requests submitted in the window.
+
+    `wait`: submitted to the prefill lane -> in the decode batch (decode replicas' prefill_wait);
+    `pickup`: the prefill lane's reply -> in the decode batch (the decode engine thread taking it
+    in); forwards and hand-overs are the prefill lane's own. What `wait` has beyond a forward, a
+    hand-over and the pick-up is queueing at the prefill lane.
+    """
+    def events(lane: str, kind: str) -> list[dict]:
+        return [e for r in by_lane.get(lane, []) for e in r["events"].get(kind, []) if start_s <= e["start_s"] < end_s]
+
+    waits, forwards, handovers = events("decode", "prefill_wait"), events("prefill", "prefill"), events("prefill", "handover")
+    busy = clip(union((e["start_s"], e["end_s"]) for e in events("prefill", "prefill")), start_s, end_s)
+
+    def ms(values) -> dict:
+        stats = LatencyStats.of([v * 1e3 for v in values])
+        return {q: None if getattr(stats, q) is None else round(getattr(stats, q), 1) for q in ("p50", "p95")}
+
+    return {
+        "requests": len(waits),
+        "wait_ms": ms(e["end_s"] - e["start_s"] for e in waits),
+        "pickup_ms": ms(e["end_s"] - e["reply_s"] for e in waits),
+        "forwards": len(forwards),
+        "rows_per_forward": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
+        "forward_ms": ms(e["end_s"] - e["start_s"] for e in forwards),
+        "handover_ms": ms(e["end_s"] - e["start_s"] for e in handovers),
+        "forward_busy_share": round(total_s(busy) / max(end_s - start_s, 1e-9), 3),
+    }
 
 
 # ---- where replicas run ------------------------------------------------------------------------
@@ -672,8 +704,9 @@ def markdown(document: dict) -> str:
               "counters. busy: share of the window the verify lane ran forwards (pdv), or each co-located engine ran "
               "steps (unified); drafting: share during which some decode replica drafted; verify while drafting: "
               "share of the verify lane's busy time during which a decode replica was drafting (0 = the lanes took "
-              "turns).", "",
-              "## Output throughput at a p95 TPOT bound", "",
+              "turns).", ""]
+    lines += prefill_path_table(document)
+    lines += ["## Output throughput at a p95 TPOT bound", "",
               "The most output tok/s among a placement's unsaturated rates whose p95 TPOT is within the bound.", ""]
     rows = document.get("throughput_at_tpot", [])
     header = [h for h in rows[0] if h != "knee_found"] if rows else []
@@ -711,6 +744,30 @@ def markdown(document: dict) -> str:
         lines += ["", "## Every metric, one column per placement and rate", "",
                   markdown_table(comparison_table(points))]
     return "\n".join(lines) + "\n"
+
+
+def prefill_path_table(document: dict) -> list[str]:
+    """Markdown: where pd / pdv requests waited before decoding, per placement and rate."""
+    rows = [(p["key"], pt["rate_rps"], pt["lanes"]["prefill_path"]) for p in document["placements"]
+            for pt in p.get("sweep", []) if (pt.get("lanes") or {}).get("prefill_path")]
+    if not rows:
+        return []
+
+    def pair(stats: dict) -> str:
+        return " / ".join("n/a" if stats[k] is None else f"{stats[k]:g}" for k in ("p50", "p95"))
+
+    lines = ["## Before decoding: the prefill path", "",
+             "| placement | rate/s | requests | submitted → decoding p50 / p95 ms | reply → decoding p50 / p95 ms | "
+             "prefill forwards | rows per forward | forward p50 / p95 ms | hand-over p50 / p95 ms | prefill busy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, rate, path in rows:
+        lines.append(f"| {key} | {rate:g} | {path['requests']} | {pair(path['wait_ms'])} | {pair(path['pickup_ms'])} | "
+                     f"{path['forwards']} | {path['rows_per_forward']} | {pair(path['forward_ms'])} | "
+                     f"{pair(path['handover_ms'])} | {path['forward_busy_share']} |")
+    return lines + ["", "submitted → decoding: a request sent to the prefill lane until it joins its decode replica's "
+                    "batch; reply → decoding: the part after the prefill lane replied (the decode engine taking it "
+                    "in). What the first has beyond a forward, a hand-over and the second is queueing at the "
+                    "prefill lane.", ""]
 
 
 def _triple(summary: dict, metric: str) -> str:

@@ -80,7 +80,8 @@ class RemotePrefiller:
         self.placement = placement
         self.owner = owner
         self._submitted: set[str] = set()
-        self._done: list[tuple[Sequence, PrefillDone | BaseException]] = []
+        # (sequence, result, submitted at, reply at): wall-clock times for the prefill_wait timeline
+        self._done: list[tuple[Sequence, PrefillDone | BaseException, float, float]] = []
         self._lock = threading.Lock()
         self._peer: Placement | None = None
         self._exported: dict[str, PoolHandle] = {}
@@ -92,9 +93,19 @@ class RemotePrefiller:
                 asyncio.run_coroutine_threadsafe(self._prefill(seq), self.loop)
         with self._lock:
             done, self._done = self._done, []
-        return [out for seq, result in done if (out := self._land(scheduler, seq, result)) is not None]
+        landed = []
+        for seq, result, submitted_s, reply_s in done:
+            if (out := self._land(scheduler, seq, result)) is not None:
+                landed.append(out)
+                if not isinstance(result, BaseException):
+                    # Submitted -> decoding: the prefill lane's queue, forward and hand-over, then
+                    # the wait for this engine thread to take the reply in (reply_s -> end).
+                    TIMELINE.record("prefill_wait", submitted_s, time.time(), reply_s=reply_s,
+                                    tokens=seq.num_prompt_tokens)
+        return landed
 
     async def _prefill(self, seq: Sequence) -> None:
+        submitted_s = time.time()
         try:
             if self._peer is None:
                 self._peer = await self.handle.placement.remote()
@@ -102,7 +113,7 @@ class RemotePrefiller:
         except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
             result = exc
         with self._lock:
-            self._done.append((seq, result))
+            self._done.append((seq, result, submitted_s, time.time()))
 
     def _job(self, seq: Sequence) -> PrefillJob:
         in_place = self._peer is not None and self._peer.can_write_into(self.placement)

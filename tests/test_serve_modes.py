@@ -11,6 +11,7 @@ from openai import OpenAI
 from ray import serve
 
 from deployments.builder import ConfigError, build_app
+from deployments.timeline import event_rows
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import ALL_MODES, app_config, base_url, deploy, start_ray, wait_until_idle
@@ -92,6 +93,23 @@ def test_32_concurrent_requests_complete_and_free_every_slot(mode):
     results = asyncio.run(main())
     assert [r["usage"]["completion_tokens"] for r in results] == [16 + i % 5 for i in range(32)]
     wait_until_idle(mode, mode, timeout_s=10)
+
+
+@pytest.mark.parametrize("mode", ["pdv", "pd"])
+def test_decode_lane_times_each_request_from_prefill_submission_to_decoding(mode):
+    """The prefill_wait timeline that benchmarks/dual_gpu.py splits into queue, forward, hand-over, pick-up."""
+    start_s = time.time()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(_complete(http, mode, i) for i in range(6)))
+
+    asyncio.run(main())
+    reports = serve.get_deployment_handle("DecodeLane", app_name=mode).broadcast("timeline", start_s).results(
+        timeout_s=30)
+    waits = [w for r in reports for w in event_rows(r["events"].get("prefill_wait", {}))]
+    assert len(waits) == 6
+    assert all(start_s <= w["start_s"] <= w["reply_s"] <= w["end_s"] and w["tokens"] > 0 for w in waits)
 
 
 @pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])
