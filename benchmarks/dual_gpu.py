@@ -204,6 +204,7 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
 def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -> dict:
     """Where requests of pd / pdv wait before they decode, for requests submitted in the window.
 
+    `admit`: the request reached its decode replica -> submitted to the prefill lane;
     `wait`: submitted to the prefill lane -> in the decode batch (decode replicas' prefill_wait);
     `pickup`: the prefill lane's reply -> in the decode batch (the decode engine thread taking it
     in); forwards and hand-overs are the prefill lane's own. What `wait` has beyond a forward, a
@@ -223,6 +224,7 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
         "requests": len(waits),
         "wait_ms": ms(e["end_s"] - e["start_s"] for e in waits),
         "pickup_ms": ms(e["end_s"] - e["reply_s"] for e in waits),
+        "admit_ms": ms(e["start_s"] - e["arrival_s"] for e in waits if "arrival_s" in e),
         "forwards": len(forwards),
         "rows_per_forward": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
         "forward_ms": ms(e["end_s"] - e["start_s"] for e in forwards),
@@ -757,14 +759,18 @@ def prefill_path_table(document: dict) -> list[str]:
         return " / ".join("n/a" if stats[k] is None else f"{stats[k]:g}" for k in ("p50", "p95"))
 
     lines = ["## Before decoding: the prefill path", "",
-             "| placement | rate/s | requests | submitted → decoding p50 / p95 ms | reply → decoding p50 / p95 ms | "
-             "prefill forwards | rows per forward | forward p50 / p95 ms | hand-over p50 / p95 ms | prefill busy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| placement | rate/s | requests | arrived → submitted p50 / p95 ms | submitted → decoding p50 / p95 ms | "
+             "reply → decoding p50 / p95 ms | prefill forwards | rows per forward | forward p50 / p95 ms | "
+             "hand-over p50 / p95 ms | prefill busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, rate, path in rows:
-        lines.append(f"| {key} | {rate:g} | {path['requests']} | {pair(path['wait_ms'])} | {pair(path['pickup_ms'])} | "
+        lines.append(f"| {key} | {rate:g} | {path['requests']} | {pair(path['admit_ms'])} | {pair(path['wait_ms'])} | "
+                     f"{pair(path['pickup_ms'])} | "
                      f"{path['forwards']} | {path['rows_per_forward']} | {pair(path['forward_ms'])} | "
                      f"{pair(path['handover_ms'])} | {path['forward_busy_share']} |")
-    return lines + ["", "submitted → decoding: a request sent to the prefill lane until it joins its decode replica's "
+    return lines + ["", "arrived → submitted: a request reaching its decode replica until it is sent to the "
+                    "prefill lane (admission at a step boundary, the replica's event loop); "
+                    "submitted → decoding: a request sent to the prefill lane until it joins its decode replica's "
                     "batch; reply → decoding: the part after the prefill lane replied (the decode engine taking it "
                     "in). What the first has beyond a forward, a hand-over and the second is queueing at the "
                     "prefill lane.", ""]

@@ -33,10 +33,7 @@ class PrefillServer:
     async def placement(self) -> Placement:
         return self.placement_
 
-    # Two batches at a time: the next batch's forward runs while the last one's KV is handed over
-    # (RPCs to the owners). Forwards still take turns on the one worker thread, and each batch's KV
-    # is cloned out of the scratch slots before the next forward can reuse them.
-    @serve.batch(max_batch_size=PREFILL_BATCH_MAX, batch_wait_timeout_s=0.002, max_concurrent_batches=2)
+    @serve.batch(max_batch_size=PREFILL_BATCH_MAX, batch_wait_timeout_s=0.002)
     async def prefill(self, jobs: list[PrefillJob]) -> list[PrefillDone]:
         """Prefill a batch of prompts; concurrent calls from all decode replicas are merged."""
         self.pending += len(jobs)

@@ -101,7 +101,7 @@ class RemotePrefiller:
                     # Submitted -> decoding: the prefill lane's queue, forward and hand-over, then
                     # the wait for this engine thread to take the reply in (reply_s -> end).
                     TIMELINE.record("prefill_wait", submitted_s, time.time(), reply_s=reply_s,
-                                    tokens=seq.num_prompt_tokens)
+                                    arrival_s=seq.arrival_s, tokens=seq.num_prompt_tokens)
         return landed
 
     async def _prefill(self, seq: Sequence) -> None:

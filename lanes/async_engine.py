@@ -55,7 +55,8 @@ class AsyncEngine:
         """
         request_id = request_id or uuid.uuid4().hex
         client = _Client(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(lambda: self._add(request_id, prompt, params, client))
+        arrival_s = time.time()  # the engine thread takes it in at its next step boundary
+        self._submit(lambda: self._add(request_id, prompt, params, client, arrival_s))
         finished = False
         try:
             while not finished:
@@ -100,9 +101,9 @@ class AsyncEngine:
         self._inbox.append(command)
         self._wake.set()
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, client: _Client) -> None:
+    def _add(self, request_id: str, prompt, params: SamplingParams, client: _Client, arrival_s: float) -> None:
         try:
-            self.core.add_request(request_id, prompt, params)
+            self.core.add_request(request_id, prompt, params, arrival_s)
         except Exception as exc:  # bad input fails this request only
             client.put(exc)
             return

@@ -108,8 +108,10 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Validate and queue a request. Raises ParamError naming the field; nothing is queued then."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_s: float | None = None) -> Sequence:
+        """Validate and queue a request. Raises ParamError naming the field; nothing is queued then.
+        `arrival_s`: when it reached the server (wall clock; default now), for timelines."""
         params.validate()
         if request_id in self.scheduler.by_id:
             raise ParamError("request_id", f"{request_id!r} is already in flight")
@@ -124,6 +126,8 @@ class EngineCore:
             )
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len)
+        if arrival_s is not None:
+            seq.arrival_s = arrival_s
         self.scheduler.add(seq)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)

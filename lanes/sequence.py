@@ -1,5 +1,6 @@
 """The host-side state of one request as it moves through prefill, drafting and verification."""
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -28,6 +29,7 @@ class Sequence:
     num_prefilled: int = 0  # prompt tokens already written to the KV caches
     finish_reason: str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    arrival_s: float = field(default_factory=time.time)  # wall clock, for timelines of where it waited
 
     def __post_init__(self):
         if not self.token_ids:

@@ -109,7 +109,8 @@ def test_decode_lane_times_each_request_from_prefill_submission_to_decoding(mode
         timeout_s=30)
     waits = [w for r in reports for w in event_rows(r["events"].get("prefill_wait", {}))]
     assert len(waits) == 6
-    assert all(start_s <= w["start_s"] <= w["reply_s"] <= w["end_s"] and w["tokens"] > 0 for w in waits)
+    assert all(start_s <= w["arrival_s"] <= w["start_s"] <= w["reply_s"] <= w["end_s"] and w["tokens"] > 0
+               for w in waits)
 
 
 @pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])
