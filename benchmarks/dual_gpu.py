@@ -207,8 +207,8 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
     `admit`: the request reached its decode replica -> submitted to the prefill lane;
     `wait`: submitted to the prefill lane -> in the decode batch (decode replicas' prefill_wait);
     `pickup`: the prefill lane's reply -> in the decode batch (the decode engine thread taking it
-    in); forwards and hand-overs are the prefill lane's own. What `wait` has beyond a forward, a
-    hand-over and the pick-up is queueing at the prefill lane.
+    in); `to_batch`: sent -> the prefill batch holding it began (transit and the batch queue);
+    forwards and hand-overs are the prefill lane's own.
     """
     def events(lane: str, kind: str) -> list[dict]:
         return [e for r in by_lane.get(lane, []) for e in r["events"].get(kind, []) if start_s <= e["start_s"] < end_s]
@@ -229,6 +229,7 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
         "rows_per_forward": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
         "forward_ms": ms(e["end_s"] - e["start_s"] for e in forwards),
         "handover_ms": ms(e["end_s"] - e["start_s"] for e in handovers),
+        "to_batch_ms": ms(e["batch_s"] - e["sent_s"] for e in handovers if e.get("sent_s") is not None),
         "forward_busy_share": round(total_s(busy) / max(end_s - start_s, 1e-9), 3),
     }
 
@@ -760,20 +761,19 @@ def prefill_path_table(document: dict) -> list[str]:
 
     lines = ["## Before decoding: the prefill path", "",
              "| placement | rate/s | requests | arrived → submitted p50 / p95 ms | submitted → decoding p50 / p95 ms | "
-             "reply → decoding p50 / p95 ms | prefill forwards | rows per forward | forward p50 / p95 ms | "
-             "hand-over p50 / p95 ms | prefill busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "sent → batch began p50 / p95 ms | reply → decoding p50 / p95 ms | prefill forwards | rows per forward | "
+             "forward p50 / p95 ms | hand-over p50 / p95 ms | prefill busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, rate, path in rows:
         lines.append(f"| {key} | {rate:g} | {path['requests']} | {pair(path['admit_ms'])} | {pair(path['wait_ms'])} | "
-                     f"{pair(path['pickup_ms'])} | "
+                     f"{pair(path['to_batch_ms'])} | {pair(path['pickup_ms'])} | "
                      f"{path['forwards']} | {path['rows_per_forward']} | {pair(path['forward_ms'])} | "
                      f"{pair(path['handover_ms'])} | {path['forward_busy_share']} |")
     return lines + ["", "arrived → submitted: a request reaching its decode replica until it is sent to the "
                     "prefill lane (admission at a step boundary, the replica's event loop); "
                     "submitted → decoding: a request sent to the prefill lane until it joins its decode replica's "
-                    "batch; reply → decoding: the part after the prefill lane replied (the decode engine taking it "
-                    "in). What the first has beyond a forward, a hand-over and the second is queueing at the "
-                    "prefill lane.", ""]
+                    "batch; sent → batch began: its transit to the prefill lane and its wait in the batch queue; "
+                    "reply → decoding: the part after the prefill lane replied (the decode engine taking it in).", ""]
 
 
 def _triple(summary: dict, metric: str) -> str:

@@ -39,13 +39,13 @@ class PrefillServer:
         self.pending += len(jobs)
         self.metrics.set_queue_depth(self.pending)
         try:
-            start = time.perf_counter()
+            start, batch_s = time.perf_counter(), time.time()
             tokens = sum(len(j.request.prompt_ids) for j in jobs)
             kvs = await self.worker.run(TIMELINE.timed("prefill", self.prefiller.prefill, rows=len(jobs), tokens=tokens),
                                         [j.request for j in jobs])
             self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(jobs))
             # Concurrently: one request's RPCs and object-store transfer overlap the next one's copy.
-            return list(await asyncio.gather(*(self._hand_over(job, kv) for job, kv in zip(jobs, kvs))))
+            return list(await asyncio.gather(*(self._hand_over(job, kv, batch_s) for job, kv in zip(jobs, kvs))))
         finally:
             self.pending -= len(jobs)
             self.metrics.set_queue_depth(self.pending)
@@ -58,7 +58,7 @@ class PrefillServer:
         """Where this replica runs, its prefill forwards and each request's KV hand-over since `start_s`."""
         return replica_report("prefill", self.placement_, start_s, offset)
 
-    async def _hand_over(self, job: PrefillJob, kv: PrefilledKV) -> PrefillDone:
+    async def _hand_over(self, job: PrefillJob, kv: PrefilledKV, batch_s: float) -> PrefillDone:
         start_s, target, draft = time.time(), "none", "copied"
         done = PrefillDone(kv.first_token, None, None, None)
         if job.draft_pool is not None:
@@ -74,7 +74,8 @@ class PrefillServer:
             target = "copied"
         self.handed_over[draft] += 1
         TIMELINE.record("handover", start_s, time.time(), tokens=kv.target_kv.shape[3], target=target, draft=draft,
-                        target_bytes=_nbytes(kv.target_kv), draft_bytes=_nbytes(kv.draft_kv))
+                        target_bytes=_nbytes(kv.target_kv), draft_bytes=_nbytes(kv.draft_kv),
+                        sent_s=job.sent_s, batch_s=batch_s)
         return done
 
     async def _to_verify(self, target_kv: torch.Tensor) -> tuple[int, str]:

@@ -33,6 +33,7 @@ class PrefillJob:
     target_slot: int | None  # set in mode pd (the decode replica owns the target pool)
     target_pool: PoolHandle | None
     want_target_kv: bool  # pd over the object store: return the target KV to the caller
+    sent_s: float | None = None  # wall clock when the decode replica sent it (timelines: transit and queue)
 
 
 @dataclass
@@ -124,6 +125,7 @@ class RemotePrefiller:
             target_slot=seq.target_slot,
             target_pool=self._export("target", self.target_pool) if in_place and self.target_pool else None,
             want_target_kv=self.target_pool is not None and not in_place,
+            sent_s=time.time(),
         )
 
     def _export(self, name: str, pool: KVPool) -> PoolHandle:

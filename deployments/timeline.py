@@ -15,7 +15,8 @@ Kinds recorded (one interval per event, extra fields as noted):
     load_kv      verify lane: taking in a prompt's KV copied from elsewhere            tokens, bytes
     prefill      prefill lane: one batched prefill forward                             rows, tokens
     handover     prefill lane: one request's KV from its scratch slot into its owners  tokens, target,
-                 (target / draft: "in_place", "peer" or "copied"; *_bytes: KV size moved)       draft, *_bytes
+                 (target / draft: "in_place", "peer" or "copied"; *_bytes: KV size moved;  draft, *_bytes,
+                 sent_s: the decode replica sent the request; batch_s: its batch began)    sent_s, batch_s
 
 One timeline per process, hence one per replica; bounded, so a long-running server only keeps
 the most recent events.

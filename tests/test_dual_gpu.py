@@ -47,8 +47,10 @@ def test_prefill_path_splits_the_wait_before_decoding():
         {"start_s": 1.0, "end_s": 3.75, "reply_s": 3.25, "arrival_s": 0.5, "tokens": 9},
         {"start_s": 9.0, "end_s": 9.5, "reply_s": 9.4, "arrival_s": 9.0, "tokens": 9}]
     prefill = _report("prefill", "P", prefill=[(2.0, 3.0)])
-    prefill["events"]["handover"] = [{"start_s": 3.0, "end_s": 3.25}, {"start_s": 3.0, "end_s": 3.25}]
+    prefill["events"]["handover"] = [{"start_s": 3.0, "end_s": 3.25, "sent_s": 0.0, "batch_s": 2.0},
+                                     {"start_s": 3.0, "end_s": 3.25, "sent_s": 1.0, "batch_s": 2.0}]
     path = lane_activity([decode, prefill], 0.0, 4.0)["prefill_path"]
+    assert path["to_batch_ms"]["p50"] == 1500.0
     assert path["requests"] == 2 and path["forwards"] == 1 and path["rows_per_forward"] == 4
     assert path["wait_ms"]["p50"] == 3125.0 and path["pickup_ms"]["p50"] == 375.0 and path["admit_ms"]["p50"] == 250.0
     assert path["forward_ms"]["p50"] == 1000.0 and path["handover_ms"]["p50"] == 250.0
@@ -56,7 +58,7 @@ def test_prefill_path_splits_the_wait_before_decoding():
     assert "prefill_path" not in lane_activity([decode], 0.0, 4.0)  # modes without a prefill lane
     document = {"placements": [{"key": "c", "sweep": [{"rate_rps": 4.0, "lanes": {"prefill_path": path}}]}]}
     table = "\n".join(prefill_path_table(document))
-    assert "| c | 4 | 2 | 250 / 475 | 3125 / 3462.5 | 375 / 487.5 | 1 | 4 | 1000 / 1000 | 250 / 250 | 0.25 |" in table
+    assert "| c | 4 | 2 | 250 / 475 | 3125 / 3462.5 | 1500 / 1950 | 375 / 487.5 | 1 | 4 | 1000 / 1000 | 250 / 250 | 0.25 |" in table
 
 
 def test_observed_gpus_against_what_the_config_means():

@@ -111,6 +111,10 @@ def test_decode_lane_times_each_request_from_prefill_submission_to_decoding(mode
     assert len(waits) == 6
     assert all(start_s <= w["arrival_s"] <= w["start_s"] <= w["reply_s"] <= w["end_s"] and w["tokens"] > 0
                for w in waits)
+    reports = serve.get_deployment_handle("PrefillLane", app_name=mode).broadcast("timeline", start_s).results(
+        timeout_s=30)
+    handovers = [h for r in reports for h in event_rows(r["events"].get("handover", {}))]
+    assert len(handovers) == 6 and all(start_s <= h["sent_s"] <= h["batch_s"] <= h["start_s"] for h in handovers)
 
 
 @pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])
