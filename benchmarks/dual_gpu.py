@@ -186,8 +186,7 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
                      for r in by_lane.get("decode", [])]
     drafting = union(s for d in drafting_each for s in d)
     both = total_s(intersect(verify, drafting))
-    forwards = [e for r in by_lane["verify"] for e in r["events"].get("verify", [])
-                if start_s <= e["start_s"] < end_s]
+    forwards = window_events(by_lane, "verify", "verify", start_s, end_s)
     out |= {
         "verify_busy_share": round(total_s(verify) / window_s, 3),
         "drafting_busy_share": round(total_s(drafting) / window_s, 3),
@@ -201,6 +200,11 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
     return out
 
 
+def window_events(by_lane: dict[str, list[dict]], lane: str, kind: str, start_s: float, end_s: float) -> list[dict]:
+    """The `kind` events of every replica of `lane` that started in [start_s, end_s)."""
+    return [e for r in by_lane.get(lane, []) for e in r["events"].get(kind, []) if start_s <= e["start_s"] < end_s]
+
+
 def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -> dict:
     """Where requests of pd / pdv wait before they decode, for requests submitted in the window.
 
@@ -210,11 +214,10 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
     in); `to_batch`: sent -> the prefill batch holding it began (transit and the batch queue);
     forwards and hand-overs are the prefill lane's own.
     """
-    def events(lane: str, kind: str) -> list[dict]:
-        return [e for r in by_lane.get(lane, []) for e in r["events"].get(kind, []) if start_s <= e["start_s"] < end_s]
-
-    waits, forwards, handovers = events("decode", "prefill_wait"), events("prefill", "prefill"), events("prefill", "handover")
-    busy = clip(union((e["start_s"], e["end_s"]) for e in events("prefill", "prefill")), start_s, end_s)
+    waits = window_events(by_lane, "decode", "prefill_wait", start_s, end_s)
+    forwards = window_events(by_lane, "prefill", "prefill", start_s, end_s)
+    handovers = window_events(by_lane, "prefill", "handover", start_s, end_s)
+    busy = clip(union((e["start_s"], e["end_s"]) for e in forwards), start_s, end_s)
 
     def ms(values) -> dict:
         stats = LatencyStats.of([v * 1e3 for v in values])

@@ -37,9 +37,9 @@ class Placement:
         if device.type != "cuda":
             return cls(node, None)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        peers = tuple(str(torch.cuda.get_device_properties(other).uuid) for other in range(torch.cuda.device_count())
+        peers = tuple(_uuid(other) for other in range(torch.cuda.device_count())
                       if other != index and torch.cuda.can_device_access_peer(index, other))
-        return cls(node, str(torch.cuda.get_device_properties(index).uuid), peers)
+        return cls(node, _uuid(index), peers)
 
     def can_write_into(self, owner: "Placement") -> bool:
         """Whether a process placed here can write straight into `owner`'s GPU memory (CUDA IPC)."""
@@ -59,8 +59,7 @@ class PoolHandle:
 
     @classmethod
     def export(cls, owner: str, pool: KVPool) -> "PoolHandle":
-        uuid = str(torch.cuda.get_device_properties(pool.kv.device).uuid)
-        return cls(owner, pool.shape, uuid, reduce_tensor(pool.kv))
+        return cls(owner, pool.shape, _uuid(pool.kv.device), reduce_tensor(pool.kv))
 
     def open(self) -> KVPool:
         rebuild, args = self.ipc
@@ -73,9 +72,13 @@ class PoolHandle:
 _IPC_DEVICE_ARG = 6  # storage_device in torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments
 
 
+def _uuid(device: int | torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def _local_index(gpu_uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == gpu_uuid:
+        if _uuid(index) == gpu_uuid:
             return index
     raise RuntimeError(f"GPU {gpu_uuid} is not visible to this process")
 
