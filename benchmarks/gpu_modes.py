@@ -53,6 +53,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -71,6 +72,7 @@ from benchmarks.constructed_pair import (build_constructed_pair, map_fidelity,  
                                          successor_maps)
 from benchmarks.serving import (ALL_MODES, REPO, deploy, git_commit, load_average,  # noqa: E402
                                 machine, mode_args, start_cluster)
+from benchmarks.lane_timelines import lane_activity, prefill_path_table, timelines  # noqa: E402
 from deployments.factories import PREFILL_BATCH_MAX  # noqa: E402
 from lanes.engine_core import EngineConfig  # noqa: E402
 from lanes.models import load_model, resolve_dtype  # noqa: E402
@@ -364,16 +366,18 @@ class AppRun:
     deploy_s: float | None = None
     points: list[tuple[Load, Point]] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # load name -> why
+    lanes: dict[str, dict] = field(default_factory=dict)  # load name -> the lanes' timelines read (pd, pdv)
 
 
 def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: float, *,
             deploy_timeout_s: float, request_timeout_s: float, seed: int,
-            on_point=lambda run: None) -> AppRun:
+            on_point=lambda run: None, lanes_of: Callable[[float, float], dict] | None = None) -> AppRun:
     """Deploy `config` as app `name`, run `loads` in order against it, delete it.
 
     `deadline_s` (time.monotonic) bounds the whole: a load whose estimate no longer fits is
     skipped, and no request waits past it by more than 10 s. A failure is recorded in the
-    returned AppRun, never raised. `on_point(run)` is called after every point.
+    returned AppRun, never raised. `on_point(run)` is called after every point; `lanes_of(start_s,
+    end_s)`, if given, reads the lanes' timelines over each measured point's wall-clock window.
     """
     run = AppRun(name)
     try:
@@ -396,12 +400,15 @@ def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: f
                 log(f"{name} {load.name}: skipped ({run.skipped[load.name]})")
                 continue
             timeout_s = max(10.0, min(request_timeout_s, left_s + 10))
+            start_s = time.time()
             result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", load.requests, arrivals,
                                           timeout_s=timeout_s, seed=seed, progress=False))
             point = Point(label=name, result=result, summary=result.summary())
             done[load.name] = point.summary
             run.points.append((load, point))
             log(f"{name} {load.name}: {point_line(point)}{device_memory_note()}")
+            if lanes_of is not None and load.measured:
+                run.lanes[load.name] = read_lanes(lanes_of, start_s, time.time())
             on_point(run)
     except Exception as exc:  # recorded; the next app still runs
         run.status, run.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -409,6 +416,16 @@ def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: f
     finally:
         serve.delete(name)
     return run
+
+
+def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: float) -> dict:
+    try:
+        lanes = lanes_of(start_s, end_s)
+    except Exception as exc:  # a diagnostic: never let it end the run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if path := lanes.get("prefill_path"):
+        log(f"  before decoding: {json.dumps(path)}")
+    return lanes
 
 
 def point_line(point: Point) -> str:
@@ -547,7 +564,7 @@ def write_results(out: Path, context: dict, results: AgreementResults, args: arg
                          "reload_check": results.pair.check},
                 "mid_rate_rps": results.mid_rate_rps,
                 "modes": {m: {"status": r.status, "error": r.error, "deploy_s": r.deploy_s,
-                              "skipped": r.skipped} for m, r in results.runs.items()},
+                              "skipped": r.skipped, "lanes": r.lanes} for m, r in results.runs.items()},
                 "goals": goals(results, args),
                 "points": [point_document(load, point) for run in results.runs.values()
                            for load, point in run.points]}
@@ -603,6 +620,8 @@ def markdown(document: dict, results: AgreementResults, args: argparse.Namespace
     lines += ["## Modes", "", "| mode | status | deploy s | skipped | error |", "|---|---|---|---|---|"]
     lines += [f"| {mode} | {r['status']} | {r['deploy_s'] or 0:.0f} | {r['skipped'] or ''} | "
               f"{(r['error'] or '')[:300]} |" for mode, r in document["modes"].items()]
+    lines += prefill_path_table([(mode, load, lanes["prefill_path"]) for mode, r in document["modes"].items()
+                                 for load, lanes in r["lanes"].items() if "prefill_path" in lanes])
     for name in dict.fromkeys(load.name for run in results.runs.values() for load, _ in run.points):
         points = measured_points(results, name)
         lines += ["", f"## {name}", "", markdown_table(load_table(points, name.endswith("+long")))]
@@ -719,10 +738,14 @@ def main(argv: list[str] | None = None) -> None:
                     results.runs[mode] = run
                     write_results(args.out, context, results, args, final=False)
 
+                def lanes_of(start_s: float, end_s: float, name=name, mode=mode) -> dict:
+                    return lane_activity(timelines(name, mode, start_s), start_s, end_s + 0.01)
+
                 run = run_app(name, app_args(mode, pair, args), port,
                               mode_loads(mode, requests, args, results.mid_rate_rps),
                               time.monotonic() + share_s, deploy_timeout_s=args.deploy_timeout_s,
-                              request_timeout_s=args.request_timeout_s, seed=args.seed, on_point=on_point)
+                              request_timeout_s=args.request_timeout_s, seed=args.seed, on_point=on_point,
+                              lanes_of=lanes_of if mode in ("pd", "pdv") else None)
                 results.runs[mode] = run
                 rate_mid = next((p for load, p in run.points if load.name == "rate_mid"), None)
                 if results.mid_rate_rps is None and rate_mid is not None:

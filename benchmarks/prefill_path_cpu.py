@@ -19,7 +19,7 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.dual_gpu import lane_activity, timelines  # noqa: E402
+from benchmarks.lane_timelines import lane_activity, timelines  # noqa: E402
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from tests.serve_helpers import app_config, base_url, deploy, start_ray  # noqa: E402
 

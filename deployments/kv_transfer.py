@@ -96,20 +96,27 @@ class PoolViews:
 
 
 def write_into(pool: KVPool, slot: int, kv: torch.Tensor) -> str:
-    """Write a request's KV into a pool opened from its owner; "in_place" on this GPU, "peer" on another.
+    """Write a request's KV into a pool opened from its owner; "in_place" on this GPU, "peer" on another."""
+    return write_all([(pool, slot, kv)])[0]
+
+
+def write_all(writes: list[tuple[KVPool, int, torch.Tensor]]) -> list[str]:
+    """Write requests' KV into pools opened from their owners, then wait once for each owner's GPU.
 
     Another GPU's pool gets a contiguous device-to-device copy (the copy engines, over NVLink or
     PCIe) into a temporary on that GPU, then the slot write runs there: no kernel of this GPU
     touches the owner's memory. torch orders the copy after the work on `kv`'s current stream.
     """
-    peer = pool.kv.device != kv.device
-    if peer:
-        kv = kv.contiguous().to(pool.kv.device)
-    pool.write_slot(slot, kv)
-    # The owner reads this memory next, from its own process. torch makes the owner GPU's stream
+    transports = []
+    for pool, slot, kv in writes:
+        peer = pool.kv.device != kv.device
+        pool.write_slot(slot, kv.contiguous().to(pool.kv.device) if peer else kv)
+        transports.append("peer" if peer else "in_place")
+    # The owners read this memory next, from their own processes. torch makes an owner GPU's stream
     # wait for a peer copy, so waiting for that GPU covers both copies.
-    torch.cuda.synchronize(pool.kv.device)
-    return "peer" if peer else "in_place"
+    for device in {pool.kv.device for pool, _, _ in writes}:
+        torch.cuda.synchronize(device)
+    return transports
 
 
 @dataclass(frozen=True)

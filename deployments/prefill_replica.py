@@ -2,18 +2,37 @@
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import torch
 from ray import serve
 
-from deployments.kv_transfer import HostKV, Placement, PoolViews, write_into
+from deployments.kv_transfer import HostKV, Placement, PoolViews, write_all
 from deployments.factories import PREFILL_BATCH_MAX
+from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from lanes.streams import PREFILL_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.remote import PrefillDone, PrefillJob
 from deployments.timeline import TIMELINE, replica_report
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
+
+
+@dataclass
+class Prefilled:
+    """One prompt as its batch leaves the worker thread: the reply, and what is still to be sent."""
+
+    done: PrefillDone
+    target: str  # how the target KV travels: in_place / peer / copied / none
+    draft: str
+    tokens: int
+    target_bytes: int
+    draft_bytes: int
+    batch_s: float  # wall clock (timelines): the batch began, its forward ended, its KV writes ended
+    forward_end_s: float
+    written_s: float = 0.0
+    verify_kv: HostKV | None = None  # pdv, verify lane out of reach: sent to it through the object store
+    committed: asyncio.Future | None = None  # pdv in place: the verify lane taking the batch's slots
 
 
 class PrefillServer:
@@ -24,6 +43,7 @@ class PrefillServer:
         self.placement_ = Placement.here(self.prefiller.target.device)
         self.views = PoolViews()
         self.metrics = LaneMetrics("prefill", mode)
+        self.batcher = LaneBatcher(self._forward, PREFILL_BATCH_MAX)
         self.pending = 0
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0}  # draft KV hand-overs by transport
         self._verify_in_place: bool | None = None
@@ -33,22 +53,98 @@ class PrefillServer:
     async def placement(self) -> Placement:
         return self.placement_
 
-    @serve.batch(max_batch_size=PREFILL_BATCH_MAX, batch_wait_timeout_s=0.002)
-    async def prefill(self, jobs: list[PrefillJob]) -> list[PrefillDone]:
-        """Prefill a batch of prompts; concurrent calls from all decode replicas are merged."""
-        self.pending += len(jobs)
-        self.metrics.set_queue_depth(self.pending)
+    async def prefill(self, job: PrefillJob) -> PrefillDone:
+        """Prefill one prompt in the next batch (calls from all decode replicas are merged)."""
+        job.received_s = time.time()  # timelines: transit (sent -> received) apart from the batch queue
+        self._set_queue_depth(+1)
         try:
-            start, batch_s = time.perf_counter(), time.time()
-            tokens = sum(len(j.request.prompt_ids) for j in jobs)
-            kvs = await self.worker.run(TIMELINE.timed("prefill", self.prefiller.prefill, rows=len(jobs), tokens=tokens),
-                                        [j.request for j in jobs])
-            self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(jobs))
-            # Concurrently: one request's RPCs and object-store transfer overlap the next one's copy.
-            return list(await asyncio.gather(*(self._hand_over(job, kv, batch_s) for job, kv in zip(jobs, kvs))))
+            out: Prefilled = await self.batcher.submit(job)
         finally:
-            self.pending -= len(jobs)
-            self.metrics.set_queue_depth(self.pending)
+            self._set_queue_depth(-1)
+        # The RPCs left run here, per request, so the next forward need not wait for them.
+        if out.verify_kv is not None:
+            out.done.target_slot = await self.verify.load_kv.remote(out.verify_kv)
+        elif out.committed is not None:
+            await out.committed
+        self.handed_over[out.draft] += 1
+        TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target, draft=out.draft,
+                        target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
+                        received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
+        return out.done
+
+    async def _forward(self, jobs: list[PrefillJob]) -> list[Prefilled]:
+        batch_s = time.time()
+        # The verify lane's slots are asked for while the forward runs.
+        forward, slots = await asyncio.gather(self.worker.run(self._prefill_timed, [j.request for j in jobs]),
+                                              self._verify_slots(len(jobs)), return_exceptions=True)
+        if isinstance(forward, BaseException) or isinstance(slots, BaseException):
+            if isinstance(slots, list):
+                self.verify.release.remote(slots)
+            raise forward if isinstance(forward, BaseException) else slots
+        kvs, forward_ms = forward
+        self.metrics.observe_step(forward_ms, len(jobs))
+        # KV writes and host copies right after the forward on the same thread (and stream), in
+        # one job: queued one by one, each would wait behind the next batch's forward.
+        outs = await self.worker.run(self._write_out, jobs, kvs, slots, (batch_s, time.time()))
+        if slots is not None:
+            committed = asyncio.ensure_future(
+                self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs]))
+            for out in outs:
+                out.committed = committed
+        return outs
+
+    def _prefill_timed(self, requests) -> tuple[list[PrefilledKV], float]:
+        start = time.perf_counter()
+        kvs = TIMELINE.timed("prefill", self.prefiller.prefill, rows=len(requests),
+                             tokens=sum(len(r.prompt_ids) for r in requests))(requests)
+        return kvs, (time.perf_counter() - start) * 1e3
+
+    def _write_out(self, jobs: list[PrefillJob], kvs: list[PrefilledKV], verify_slots: list[int] | None,
+                   times_s: tuple[float, float]) -> list[Prefilled]:
+        """Each prompt's KV into its owners' pools where this replica can reach them, else to the host."""
+        outs, writes, labels = [], [], []
+        for i, (job, kv) in enumerate(zip(jobs, kvs)):
+            out = Prefilled(PrefillDone(kv.first_token, None, None, None), "none", "copied", kv.target_kv.shape[3],
+                            _nbytes(kv.target_kv), _nbytes(kv.draft_kv), *times_s)
+            if job.draft_pool is not None:
+                writes.append((self.views.get(job.draft_pool), job.draft_slot, kv.draft_kv))
+                labels.append((out, "draft"))
+            elif kv.draft_kv is not None:
+                out.done.draft_kv = HostKV.from_tensor(kv.draft_kv)
+            if verify_slots is not None:
+                writes.append((self.views.get(self._verify_pool), verify_slots[i], kv.target_kv))
+                labels.append((out, "target"))
+                out.done.target_slot = verify_slots[i]
+            elif self.verify is not None:
+                out.verify_kv, out.target = HostKV.from_tensor(kv.target_kv), "copied"
+            elif job.target_pool is not None:
+                writes.append((self.views.get(job.target_pool), job.target_slot, kv.target_kv))
+                labels.append((out, "target"))
+            elif job.want_target_kv:
+                out.done.target_kv, out.target = HostKV.from_tensor(kv.target_kv), "copied"
+            outs.append(out)
+        for (out, field), transport in zip(labels, write_all(writes) if writes else []):
+            setattr(out, field, transport)
+        written_s = time.time()
+        for out in outs:
+            out.written_s = written_s
+        return outs
+
+    async def _verify_slots(self, n: int) -> list[int] | None:
+        """pdv with the verify lane's pool in reach: `n` of its slots to write into; else None."""
+        if self.verify is None:
+            return None
+        async with self._verify_route_lock:  # batches may overlap here: ask the verify lane once
+            if self._verify_in_place is None:
+                peer = await self.verify.placement.remote()
+                if self.placement_.can_write_into(peer):
+                    self._verify_pool = await self.verify.pool_handle.remote()
+                self._verify_in_place = self._verify_pool is not None
+        return await self.verify.allocate_many.remote(n) if self._verify_in_place else None
+
+    def _set_queue_depth(self, change: int) -> None:
+        self.pending += change  # prompts waiting for or in a prefill forward
+        self.metrics.set_queue_depth(self.pending)
 
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over),
@@ -57,47 +153,6 @@ class PrefillServer:
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs, its prefill forwards and each request's KV hand-over since `start_s`."""
         return replica_report("prefill", self.placement_, start_s, offset)
-
-    async def _hand_over(self, job: PrefillJob, kv: PrefilledKV, batch_s: float) -> PrefillDone:
-        start_s, target, draft = time.time(), "none", "copied"
-        done = PrefillDone(kv.first_token, None, None, None)
-        if job.draft_pool is not None:
-            draft = await self.worker.run(self._write_in_place, job.draft_pool, job.draft_slot, kv.draft_kv)
-        elif kv.draft_kv is not None:
-            done.draft_kv = await self.worker.run(HostKV.from_tensor, kv.draft_kv)
-        if self.verify is not None:
-            done.target_slot, target = await self._to_verify(kv.target_kv)
-        elif job.target_pool is not None:
-            target = await self.worker.run(self._write_in_place, job.target_pool, job.target_slot, kv.target_kv)
-        elif job.want_target_kv:
-            done.target_kv = await self.worker.run(HostKV.from_tensor, kv.target_kv)
-            target = "copied"
-        self.handed_over[draft] += 1
-        TIMELINE.record("handover", start_s, time.time(), tokens=kv.target_kv.shape[3], target=target, draft=draft,
-                        target_bytes=_nbytes(kv.target_kv), draft_bytes=_nbytes(kv.draft_kv),
-                        sent_s=job.sent_s, batch_s=batch_s)
-        return done
-
-    async def _to_verify(self, target_kv: torch.Tensor) -> tuple[int, str]:
-        """The verify lane's slot now holding the prompt's target KV, and how the KV got there."""
-        async with self._verify_route_lock:  # hand-overs run concurrently: ask the verify lane once
-            if self._verify_in_place is None:
-                peer = await self.verify.placement.remote()
-                if self.placement_.can_write_into(peer):
-                    self._verify_pool = await self.verify.pool_handle.remote()
-                self._verify_in_place = self._verify_pool is not None
-        if not self._verify_in_place:
-            # A real copy, via the object store. Read to the host on the worker thread: its stream
-            # is the one the prefill wrote the KV on, so the copy is ordered after those writes.
-            kv = await self.worker.run(HostKV.from_tensor, target_kv)
-            return await self.verify.load_kv.remote(kv), "copied"
-        slot = await self.verify.allocate.remote()
-        transport = await self.worker.run(self._write_in_place, self._verify_pool, slot, target_kv)
-        await self.verify.commit.remote(slot, target_kv.shape[3])
-        return slot, transport
-
-    def _write_in_place(self, handle, slot: int, kv: torch.Tensor) -> str:
-        return write_into(self.views.get(handle), slot, kv)
 
 
 def _nbytes(kv: torch.Tensor | None) -> int:

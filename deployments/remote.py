@@ -34,6 +34,7 @@ class PrefillJob:
     target_pool: PoolHandle | None
     want_target_kv: bool  # pd over the object store: return the target KV to the caller
     sent_s: float | None = None  # wall clock when the decode replica sent it (timelines: transit and queue)
+    received_s: float | None = None  # wall clock when the prefill lane's replica received it
 
 
 @dataclass

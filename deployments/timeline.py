@@ -14,9 +14,11 @@ Kinds recorded (one interval per event, extra fields as noted):
     verify       verify lane: one target forward over merged batches                   rows, calls
     load_kv      verify lane: taking in a prompt's KV copied from elsewhere            tokens, bytes
     prefill      prefill lane: one batched prefill forward                             rows, tokens
-    handover     prefill lane: one request's KV from its scratch slot into its owners  tokens, target,
-                 (target / draft: "in_place", "peer" or "copied"; *_bytes: KV size moved;  draft, *_bytes,
-                 sent_s: the decode replica sent the request; batch_s: its batch began)    sent_s, batch_s
+    handover     prefill lane: one request from its batch's forward end until the reply   tokens, target,
+                 is ready: KV writes into its owners, then the RPCs (target / draft:      draft, *_bytes,
+                 "in_place", "peer" or "copied"; *_bytes: KV size moved; sent_s: the      sent_s,
+                 decode replica sent it; received_s: this replica received it; batch_s:  received_s,
+                 its batch began; written_s: the batch's KV writes ended)                 batch_s, written_s
 
 One timeline per process, hence one per replica; bounded, so a long-running server only keeps
 the most recent events.

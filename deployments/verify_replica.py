@@ -6,11 +6,15 @@ import torch
 from ray import serve
 
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
+from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
+from lanes.kv_pool import PoolFullError
 from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
+
+VERIFY_CALLS_MAX = 16  # decode replicas' calls merged into one verify forward
 
 
 class VerifyServer:
@@ -21,7 +25,8 @@ class VerifyServer:
         self.worker = LaneWorker("verify", self.lane.runner.device, VERIFY_PRIORITY)
         self.placement_ = Placement.here(self.lane.runner.device)
         self.metrics = LaneMetrics("verify", mode)
-        self.pending_rows = 0  # rows waiting for a verify forward: the lane's queue depth
+        self.batcher = LaneBatcher(self._forward, VERIFY_CALLS_MAX)
+        self.pending_rows = 0  # rows waiting for or in a verify forward: the lane's queue depth
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -30,16 +35,26 @@ class VerifyServer:
         """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once)."""
         return PoolHandle.export(f"verify-{id(self)}", self.lane.pool)
 
-    async def allocate(self) -> int:
+    async def allocate_many(self, n: int) -> list[int]:
+        """`n` free slots for a prefill lane to write a batch of prompts into in place."""
         # On the event loop, not the worker: queued behind verify forwards (~15 ms each at 7B) every
         # in-place hand-over waited for up to two of them. It only pops the host-side free list (one
-        # atomic list operation; release and load_kv change it from the worker) and no forward reads
-        # a slot before the prefill lane has committed it.
-        return self.lane.pool.allocate()
+        # atomic list operation each; release and load_kv change it from the worker) and no forward
+        # reads a slot before the prefill lane has committed it.
+        slots = []
+        try:
+            for _ in range(n):
+                slots.append(self.lane.pool.allocate())
+        except PoolFullError:
+            for slot in slots:
+                self.lane.pool.free(slot)
+            raise
+        return slots
 
-    async def commit(self, slot: int, length: int) -> None:
-        """A prefill lane wrote `length` tokens of KV into `slot` in place (and waited for the copy)."""
-        self.lane.pool.lengths[slot] = length  # host-side; the slot is in no batch yet (see allocate)
+    async def commit_many(self, slots: list[int], lengths: list[int]) -> None:
+        """A prefill lane wrote these prompts' KV into `slots` in place (and waited for the copies)."""
+        for slot, length in zip(slots, lengths):
+            self.lane.pool.lengths[slot] = length  # host-side; the slot is in no batch yet (see allocate_many)
 
     async def load_kv(self, kv: HostKV) -> int:
         """Take a prompt's KV copied from another GPU or node; returns the slot that now holds it."""
@@ -56,24 +71,28 @@ class VerifyServer:
                 self.lane.pool.free(slot)
         await self.worker.run(free)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.001)
-    async def verify(self, batches: list[VerifyBatch]) -> list[VerifyResult]:
-        """Calls from several decode replicas arriving together are merged into ONE target forward."""
-        merged = merge_batches(batches)
-        rows = len(merged.target_slots)
-        self.pending_rows += rows
-        self.metrics.set_queue_depth(self.pending_rows)
+    async def verify(self, batch: VerifyBatch) -> VerifyResult:
+        """One decode replica's drafts; calls waiting together are merged into ONE target forward."""
+        rows = len(batch.target_slots)
+        self._set_queue_depth(rows)
         try:
-            start = time.perf_counter()
-            result = await self.worker.run(TIMELINE.timed("verify", self.lane.verify, rows=rows, calls=len(batches)),
-                                           merged)
-            self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
+            return await self.batcher.submit(batch)
         finally:
-            self.pending_rows -= rows
-            self.metrics.set_queue_depth(self.pending_rows)
+            self._set_queue_depth(-rows)
+
+    async def _forward(self, batches: list[VerifyBatch]) -> list[VerifyResult]:
+        merged = merge_batches(batches)
+        start = time.perf_counter()
+        timed = TIMELINE.timed("verify", self.lane.verify, rows=len(merged.target_slots), calls=len(batches))
+        result = await self.worker.run(timed, merged)
+        self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(merged.target_slots))
         pool = self.lane.pool
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
         return split_result(result, [len(b.target_slots) for b in batches])
+
+    def _set_queue_depth(self, change_rows: int) -> None:
+        self.pending_rows += change_rows  # rows waiting for or in a verify forward
+        self.metrics.set_queue_depth(self.pending_rows)
 
     async def stats(self) -> dict:
         return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,

@@ -6,15 +6,7 @@ import time
 import pytest
 import ray
 
-from benchmarks.dual_gpu import (PLACEMENTS, as_intended, intersect, lane_activity, observed_gpus, placement_args,
-                                 prefill_path_table, replica_gpus, subtract, total_s, union)
-
-
-def test_interval_arithmetic():
-    assert union([(3, 4), (0, 1), (0.5, 2), (2, 2.5), (5, 5)]) == [(0, 2.5), (3, 4)]
-    assert intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
-    assert subtract([(0, 10)], [(1, 2), (4, 5), (9, 11)]) == [(0, 1), (2, 4), (5, 9)]
-    assert subtract([(0, 1)], []) == [(0, 1)] and total_s([(0, 1), (2, 4)]) == 3
+from benchmarks.dual_gpu import PLACEMENTS, as_intended, observed_gpus, placement_args, replica_gpus
 
 
 def _report(lane, replica, uuid=None, **events):
@@ -23,42 +15,6 @@ def _report(lane, replica, uuid=None, **events):
             "events": {kind: [{"start_s": s, "end_s": e, "rows": 4, "calls": 1} for s, e in spans]
                        for kind, spans in events.items()}}
 
-
-def test_lane_activity_measures_verify_while_another_replica_drafts():
-    # Replica A drafts 0-1 and waits 1-2; replica B drafts 1-2 and waits 2-3; verify runs 1-2 (A's
-    # batch) and 2-3 (B's): during 1-2 the verify lane scores A while B drafts, during 2-3 nobody drafts.
-    reports = [_report("decode", "A", step=[(0, 2)], verify_wait=[(1, 2)]),
-               _report("decode", "B", step=[(1, 3)], verify_wait=[(2, 3)]),
-               _report("verify", "V", verify=[(1, 2), (2, 3)])]
-    lanes = lane_activity(reports, 0.0, 4.0)
-    assert lanes["verify_busy_share"] == 0.5 and lanes["drafting_busy_share"] == 0.5
-    assert lanes["overlap_s"] == 1.0 and lanes["verify_with_drafting_share"] == 0.5
-    assert lanes["verify_forwards"] == 2 and lanes["rows_per_verify"] == 4
-    only_a = lane_activity([reports[0], reports[2]], 0.0, 4.0)
-    assert only_a["verify_with_drafting_share"] == 0.0  # one decode replica: the lanes take turns
-
-
-def test_prefill_path_splits_the_wait_before_decoding():
-    # Two requests submitted at 0 and 1: each waits for a prefill forward (2-3, one of 2 rows),
-    # a hand-over and its decode replica taking the reply in; one submitted after the window is out.
-    decode = _report("decode", "A")
-    decode["events"]["prefill_wait"] = [
-        {"start_s": 0.0, "end_s": 3.5, "reply_s": 3.25, "arrival_s": 0.0, "tokens": 9},
-        {"start_s": 1.0, "end_s": 3.75, "reply_s": 3.25, "arrival_s": 0.5, "tokens": 9},
-        {"start_s": 9.0, "end_s": 9.5, "reply_s": 9.4, "arrival_s": 9.0, "tokens": 9}]
-    prefill = _report("prefill", "P", prefill=[(2.0, 3.0)])
-    prefill["events"]["handover"] = [{"start_s": 3.0, "end_s": 3.25, "sent_s": 0.0, "batch_s": 2.0},
-                                     {"start_s": 3.0, "end_s": 3.25, "sent_s": 1.0, "batch_s": 2.0}]
-    path = lane_activity([decode, prefill], 0.0, 4.0)["prefill_path"]
-    assert path["to_batch_ms"]["p50"] == 1500.0
-    assert path["requests"] == 2 and path["forwards"] == 1 and path["rows_per_forward"] == 4
-    assert path["wait_ms"]["p50"] == 3125.0 and path["pickup_ms"]["p50"] == 375.0 and path["admit_ms"]["p50"] == 250.0
-    assert path["forward_ms"]["p50"] == 1000.0 and path["handover_ms"]["p50"] == 250.0
-    assert path["forward_busy_share"] == 0.25
-    assert "prefill_path" not in lane_activity([decode], 0.0, 4.0)  # modes without a prefill lane
-    document = {"placements": [{"key": "c", "sweep": [{"rate_rps": 4.0, "lanes": {"prefill_path": path}}]}]}
-    table = "\n".join(prefill_path_table(document))
-    assert "| c | 4 | 2 | 250 / 475 | 3125 / 3462.5 | 1500 / 1950 | 375 / 487.5 | 1 | 4 | 1000 / 1000 | 250 / 250 | 0.25 |" in table
 
 
 def test_observed_gpus_against_what_the_config_means():

@@ -1,0 +1,200 @@
+"""Lane timelines (deployments/timeline.py) fetched from a served app and read: how busy each lane
+was, whether verify overlapped drafting, and where pd / pdv requests waited before decoding.
+Shared by benchmarks/dual_gpu.py, benchmarks/gpu_modes.py and benchmarks/prefill_path_cpu.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ray import serve
+
+from deployments.timeline import REPORT_PAGE_EVENTS, event_rows
+from loadtest.summary import LatencyStats
+
+LANE_DEPLOYMENTS = {"unified": ("DecodeLane",), "pd": ("PrefillLane", "DecodeLane"),
+                    "pdv": ("PrefillLane", "DecodeLane", "VerifyLane")}
+
+# ---- intervals -------------------------------------------------------------------------------
+
+Interval = tuple[float, float]
+
+
+def union(intervals) -> list[Interval]:
+    """Sorted, non-overlapping intervals covering the same time."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def total_s(intervals: list[Interval]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Time in both (each a union)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if end > start:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Time in `a` but not in `b` (each a union)."""
+    out = []
+    for start, end in a:
+        for s, e in b:
+            if e <= start or s >= end:
+                continue
+            if s > start:
+                out.append((start, s))
+            start = max(start, e)
+        if end > start:
+            out.append((start, end))
+    return out
+
+
+def spans(report: dict, kind: str) -> list[Interval]:
+    return [(e["start_s"], e["end_s"]) for e in report["events"].get(kind, [])]
+
+
+def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
+    """How busy each lane was in [start_s, end_s], and whether verify and drafting overlapped.
+
+    A decode replica drafts during its steps except while it waits on the verify lane; the verify
+    lane is busy during its forwards. `verify_with_drafting_share` is the part of the verify
+    lane's busy time during which at least one decode replica was drafting: 0 means the lanes took
+    turns, near 1 means the verify lane scored one group while the decode lane drafted for another.
+    """
+    window_s = max(end_s - start_s, 1e-9)
+    by_lane: dict[str, list[dict]] = {}
+    for r in reports:
+        by_lane.setdefault(r["lane"], []).append(r)
+    out = {"window_s": round(window_s, 3)}
+    for r in by_lane.get("engine", []):  # co-located: draft and verify take turns inside each step
+        out.setdefault("engine_busy_share", []).append(
+            round(total_s(clip(union(spans(r, "step")), start_s, end_s)) / window_s, 3))
+    if "prefill" in by_lane:
+        out["prefill_path"] = prefill_path(by_lane, start_s, end_s)
+    if "verify" not in by_lane:
+        return out
+    verify = clip(union(s for r in by_lane["verify"] for s in spans(r, "verify")), start_s, end_s)
+    drafting_each = [clip(subtract(union(spans(r, "step")), union(spans(r, "verify_wait"))), start_s, end_s)
+                     for r in by_lane.get("decode", [])]
+    drafting = union(s for d in drafting_each for s in d)
+    both = total_s(intersect(verify, drafting))
+    forwards = window_events(by_lane, "verify", "verify", start_s, end_s)
+    out |= {
+        "verify_busy_share": round(total_s(verify) / window_s, 3),
+        "drafting_busy_share": round(total_s(drafting) / window_s, 3),
+        "drafting_busy_share_per_replica": [round(total_s(d) / window_s, 3) for d in drafting_each],
+        "overlap_s": round(both, 3),
+        "verify_with_drafting_share": round(both / total_s(verify), 3) if verify else None,
+        "verify_forwards": len(forwards),
+        "rows_per_verify": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
+        "decode_calls_per_verify": round(statistics.mean(e["calls"] for e in forwards), 2) if forwards else None,
+    }
+    return out
+
+
+def window_events(by_lane: dict[str, list[dict]], lane: str, kind: str, start_s: float, end_s: float) -> list[dict]:
+    """The `kind` events of every replica of `lane` that started in [start_s, end_s)."""
+    return [e for r in by_lane.get(lane, []) for e in r["events"].get(kind, []) if start_s <= e["start_s"] < end_s]
+
+
+def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -> dict:
+    """Where requests of pd / pdv wait before they decode, for requests submitted in the window.
+
+    `admit`: the request reached its decode replica -> submitted to the prefill lane;
+    `wait`: submitted to the prefill lane -> in the decode batch (decode replicas' prefill_wait);
+    `pickup`: the prefill lane's reply -> in the decode batch (the decode engine thread taking it
+    in); `to_batch`: sent -> the prefill batch holding it began (transit and the batch queue);
+    forwards and hand-overs are the prefill lane's own.
+    """
+    waits = window_events(by_lane, "decode", "prefill_wait", start_s, end_s)
+    forwards = window_events(by_lane, "prefill", "prefill", start_s, end_s)
+    handovers = window_events(by_lane, "prefill", "handover", start_s, end_s)
+    busy = clip(union((e["start_s"], e["end_s"]) for e in forwards), start_s, end_s)
+
+    def ms(values) -> dict:
+        stats = LatencyStats.of([v * 1e3 for v in values])
+        return {q: None if getattr(stats, q) is None else round(getattr(stats, q), 1) for q in ("p50", "p95")}
+
+    return {
+        "requests": len(waits),
+        "wait_ms": ms(e["end_s"] - e["start_s"] for e in waits),
+        "pickup_ms": ms(e["end_s"] - e["reply_s"] for e in waits),
+        "admit_ms": ms(e["start_s"] - e["arrival_s"] for e in waits if "arrival_s" in e),
+        "forwards": len(forwards),
+        "rows_per_forward": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
+        "forward_ms": ms(e["end_s"] - e["start_s"] for e in forwards),
+        "handover_ms": ms(e["end_s"] - e["start_s"] for e in handovers),
+        "to_batch_ms": ms(e["batch_s"] - e["sent_s"] for e in handovers if e.get("sent_s") is not None),
+        "transit_ms": ms(e["received_s"] - e["sent_s"] for e in handovers if e.get("received_s") is not None),
+        "queue_ms": ms(e["batch_s"] - e["received_s"] for e in handovers if e.get("received_s") is not None),
+        "forward_busy_share": round(total_s(busy) / max(end_s - start_s, 1e-9), 3),
+    }
+
+
+
+def timelines(app: str, mode: str, start_s: float) -> list[dict]:
+    """Every lane replica's timeline() since `start_s` (where it runs, its busy intervals), one
+    dict per replica with its events as rows, fetched page by page."""
+    merged: dict[str, dict] = {}
+    for deployment in LANE_DEPLOYMENTS[mode]:
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        offset, more = 0, True
+        while more:
+            pages = handle.broadcast("timeline", start_s, offset).results(timeout_s=60)
+            for page in pages:
+                report = merged.setdefault(page["replica"], {**page, "events": {}})
+                for kind, columns in page["events"].items():
+                    report["events"].setdefault(kind, []).extend(event_rows(columns))
+            more = any(page["more"] for page in pages)
+            offset += REPORT_PAGE_EVENTS
+    return list(merged.values())
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def prefill_path_table(rows: list[tuple[str, str, dict]]) -> list[str]:
+    """Markdown: where pd / pdv requests waited before decoding; rows of (run, load, prefill_path)."""
+    if not rows:
+        return []
+
+    def pair(stats: dict | None) -> str:
+        if stats is None:  # timelines from before the field was recorded
+            return "n/a"
+        return " / ".join("n/a" if stats[k] is None else f"{stats[k]:g}" for k in ("p50", "p95"))
+
+    lines = ["## Before decoding: the prefill path", "",
+             "| run | load | requests | arrived → submitted p50 / p95 ms | submitted → decoding p50 / p95 ms | "
+             "sent → received p50 / p95 ms | received → batch began p50 / p95 ms | reply → decoding p50 / p95 ms | "
+             "prefill forwards | rows per forward | forward p50 / p95 ms | hand-over p50 / p95 ms | prefill busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run, load, path in rows:
+        lines.append(f"| {run} | {load} | {path['requests']} | {pair(path['admit_ms'])} | {pair(path['wait_ms'])} | "
+                     f"{pair(path.get('transit_ms'))} | {pair(path.get('queue_ms'))} | {pair(path['pickup_ms'])} | "
+                     f"{path['forwards']} | {path['rows_per_forward']} | {pair(path['forward_ms'])} | "
+                     f"{pair(path['handover_ms'])} | {path['forward_busy_share']} |")
+    return lines + ["", "arrived → submitted: a request reaching its decode replica until it is sent to the "
+                    "prefill lane (admission at a step boundary, the replica's event loop); "
+                    "submitted → decoding: a request sent to the prefill lane until it joins its decode replica's "
+                    "batch; sent → received: its transit to the prefill lane's replica (Serve's router and RPC); "
+                    "received → batch began: its wait for a prefill forward; hand-over: the forward's end until "
+                    "the reply is ready (KV writes into the owners' pools, then the RPCs); "
+                    "reply → decoding: the part after the prefill lane replied (the decode engine taking it in).", ""]
