@@ -84,3 +84,14 @@ def test_time_estimates_take_warmup_throughput_only_while_nothing_else_ran():
     estimate = estimate_s(load, arrivals, {"warmup": warmup, "c64": c64}, frozenset({"warmup"}))
     assert estimate == pytest.approx(192 * 128 / 1472.0)  # 16.7 s: it fits
     assert estimate_s(load, arrivals, {"warmup": warmup, "c64": c64}) > 90  # the old reference
+
+
+def test_a_closed_loop_above_every_measured_concurrency_is_not_priced_at_single_stream_speed():
+    """nospec at agreement 0.8 on an H200: c1 ran at 73 tok/s; unscaled, c64's 128 requests were
+    priced at 221 s and skipped with 57 s left (the other modes ran c64 in 7-13 s)."""
+    requests = [WorkloadRequest("p", 16, 128)] * 128
+    load = Load("c64", requests, ClosedLoop(64))
+    c1 = _summary(73.0, 1.0, 2_000.0)
+    assert estimate_s(load, load.arrivals, {"c1": c1}) == pytest.approx(128 * 128 / (73.0 * 8))  # 28 s
+    c64 = _summary(1472.0, 56.0, 5_000.0)
+    assert estimate_s(load, load.arrivals, {"c1": c1, "c64": c64}) == pytest.approx(128 * 128 / (1472.0 * (64 / 56) ** 0.5))
