@@ -4,7 +4,8 @@ On one H200, gpu_modes.py's prefill lane took 132-160 ms a forward of one or two
 at its first loads and 37 ms at its last, which repeats an earlier load's prompts. This probe runs
 the prefill lane's own code (lanes/prompt_prefiller.py, random-weight Llama-2-7B target and
 TinyLlama draft, bf16, no Ray, nothing else on the GPU) over prompt lengths it has not seen, then
-over the same lengths again, under each SDPA backend choice, and names the attention kernels.
+over the same lengths again, with the SDPA backends the lanes allow (lanes/attention.py) and with
+cuDNN's or the math backend alone in their place, and names the attention kernels that ran.
 
     python benchmarks/prefill_shapes.py --out DIR      (writes prefill_shapes.json)
 """
@@ -18,23 +19,23 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import lanes.attention  # noqa: E402
 from benchmarks.gpu_check import LLAMA2_7B, TINYLLAMA  # noqa: E402
 from lanes.engine_core import EngineConfig, build_runner  # noqa: E402
 from lanes.models import build_random_model  # noqa: E402
 from lanes.params import SamplingParams  # noqa: E402
 from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller  # noqa: E402
 
-BACKENDS = {"default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-            "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
+BACKENDS = {"lanes": lanes.attention.SDPA_BACKENDS, "cudnn": [SDPBackend.CUDNN_ATTENTION],
+            "math": [SDPBackend.MATH]}
 
 
 def timed_ms(prefiller: PromptPrefiller, lengths: list[int], backend) -> list[float]:
@@ -44,10 +45,10 @@ def timed_ms(prefiller: PromptPrefiller, lengths: list[int], backend) -> list[fl
         rows = entry if isinstance(entry, list) else [entry]
         requests = [PrefillRequest(f"{n}-{i}", torch.randint(1, 32000, (L,)).tolist(), SamplingParams(), i)
                     for i, L in enumerate(rows)]
+        lanes.attention.SDPA_BACKENDS = backend
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with sdpa_kernel(backend) if backend else nullcontext():
-            prefiller.prefill(requests)
+        prefiller.prefill(requests)
         torch.cuda.synchronize()
         out.append(round((time.perf_counter() - start) * 1e3, 2))
     return out
@@ -74,7 +75,7 @@ def main() -> None:
         target = build_random_model(LLAMA2_7B, dtype="bfloat16", device="cuda").model
         draft = build_random_model(TINYLLAMA, dtype="bfloat16", device="cuda").model
     prefiller = PromptPrefiller(build_runner(target, config), build_runner(draft, config), 1024)
-    timed_ms(prefiller, [64, 128, 96], None)  # first CUDA and Triton use, outside any measurement
+    timed_ms(prefiller, [64, 128, 96], BACKENDS["lanes"])  # first CUDA and Triton use, outside any measurement
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backends": {}}
     for i, (name, backend) in enumerate(BACKENDS.items()):
         singles = [101 + 24 * k + i for k in range(16)]  # lengths no earlier backend used

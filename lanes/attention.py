@@ -9,10 +9,15 @@ place; everything else (prefill, CPU) gathers the rows' slots and runs SDPA with
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 POOL_ATTENTION = "vpd_pool"
+# Not cuDNN: it builds an execution plan for every new (batch, length) shape, and prompt lengths
+# rarely repeat. On an H200 a 7B + 1.1B prefill of one prompt took 105 ms at a length seen for the
+# first time and 16 ms at a repeat (benchmarks/prefill_shapes.py); flash attention has no plans.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -20,7 +25,9 @@ class PoolAttentionMeta:
     slot_ids: torch.Tensor  # [B] int64
     kv_lens: torch.Tensor  # [B] int32: tokens in each slot before this forward's writes
     kv_bound: int | None  # keys the gather path reads (None: only the in-place kernel may run)
-    mask: torch.Tensor | None  # additive [B, 1, Q, kv_bound] for the gather path
+    # Additive [B, 1, Q, kv_bound] for the gather path; None there when every row starts at
+    # position 0 (whole prompts): plain causal attention, which needs no mask.
+    mask: torch.Tensor | None
     splits: int  # key splits of the in-place kernel (fixed per batch size, for CUDA graphs)
     use_kernel: bool
 
@@ -52,8 +59,10 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta
 def _gathered_attention(query, k_pool, v_pool, meta: PoolAttentionMeta, scale: float) -> torch.Tensor:
     keys = k_pool[meta.slot_ids, :, : meta.kv_bound]  # [B, kv_heads, kv_bound, D]
     values = v_pool[meta.slot_ids, :, : meta.kv_bound]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=meta.mask, is_causal=meta.mask is None, scale=scale,
+            enable_gqa=query.shape[1] != keys.shape[1])
     return out.transpose(1, 2).contiguous()
 
 

@@ -96,6 +96,8 @@ class ModelRunner:
         if self._kernel_fits(q_len):
             splits = split_count(self.pool.shape.capacity_tokens, batch, self.num_kv_heads, self._num_sms)
             return PoolAttentionMeta(slot_ids, starts, None, None, splits, True)
+        if longest == q_len:  # every row starts at position 0: causal attention over its own tokens, no mask
+            return PoolAttentionMeta(slot_ids, starts, q_len, None, 1, False)
         kv_bound = min(self.pool.shape.capacity_tokens, -(-longest // KV_BOUND_MULTIPLE) * KV_BOUND_MULTIPLE)
         return PoolAttentionMeta(slot_ids, starts, kv_bound, self._causal_mask(positions, kv_bound), 1, False)
 

@@ -37,6 +37,25 @@ def plan_chunks(seqs: list[Sequence], budget_tokens: int) -> list[PrefillChunk]:
     return chunks
 
 
+def plan_whole_prompts(seqs: list[Sequence], budget_tokens: int) -> list[PrefillChunk]:
+    """Whole prompts that fit the token budget of one forward, first fit in order.
+
+    Rows that all start at position 0 need no attention mask (flash attention, lanes/attention.py);
+    a split prompt's second chunk would bring the mask back for its whole forward. Only a prompt
+    longer than the budget is split, and its chunks run alone.
+    """
+    chunks = []
+    for seq in seqs:
+        left = seq.num_prompt_tokens - seq.num_prefilled
+        if seq.num_prefilled > 0 or left > budget_tokens:
+            if not chunks:
+                return [PrefillChunk(seq, seq.num_prefilled, min(left, budget_tokens))]
+            continue
+        chunks.append(PrefillChunk(seq, 0, left))
+        budget_tokens -= left
+    return chunks
+
+
 class PrefillLane:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None):
         self.target = target

@@ -11,7 +11,7 @@ import torch
 
 from lanes.model_runner import ModelRunner
 from lanes.params import SamplingParams
-from lanes.prefill import PrefillLane, plan_chunks
+from lanes.prefill import PrefillLane, plan_whole_prompts
 from lanes.sequence import Sequence
 
 
@@ -58,7 +58,7 @@ class PromptPrefiller:
         lane = PrefillLane(target, draft)
         first: dict[str, int] = {}
         while len(first) < len(seqs):
-            chunks = plan_chunks([s for s in seqs if s.request_id not in first], self.chunk_tokens)
+            chunks = plan_whole_prompts([s for s in seqs if s.request_id not in first], self.chunk_tokens)
             tokens = lane.run(chunks).cpu().tolist()
             for chunk, token in zip(chunks, tokens):
                 chunk.seq.num_prefilled += chunk.length

@@ -36,6 +36,19 @@ def test_kernel_matches_gathered_sdpa(heads, kv_heads, q_len, splits):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (2, 2)])
+def test_rows_from_position_0_attend_causally_without_a_mask(heads, kv_heads):
+    """Whole prompts (every row starts at 0) take the maskless causal path; rows padded past their
+    length still match the masked reference on every real token."""
+    gen = torch.Generator().manual_seed(heads)
+    k_pool = torch.randn(5, kv_heads, 64, 16, generator=gen)
+    v_pool = torch.randn(5, kv_heads, 64, 16, generator=gen)
+    slot_ids, kv_lens = torch.tensor([3, 1]), torch.zeros(2, dtype=torch.int32)
+    query = torch.randn(2, heads, 9, 16, generator=gen)
+    causal = _gathered_attention(query, k_pool, v_pool, PoolAttentionMeta(slot_ids, kv_lens, 9, None, 1, False), 0.25)
+    torch.testing.assert_close(causal, _reference(query, k_pool, v_pool, slot_ids, kv_lens, 0.25), rtol=1e-5, atol=1e-5)
+
+
 def test_split_count_fills_the_gpu_and_never_exceeds_the_key_blocks():
     assert split_count(capacity_tokens=2048, batch=1, kv_heads=32, num_sms=132) == 9
     assert split_count(capacity_tokens=2048, batch=64, kv_heads=32, num_sms=132) == 1

@@ -1,0 +1,49 @@
+"""The prefill lane's prompt prefiller: whole prompts per forward, and the KV and first token it
+hands out are those of each prompt run on its own."""
+
+import torch
+
+from lanes.engine_core import EngineConfig, build_runner
+from lanes.params import SamplingParams
+from lanes.prefill import plan_whole_prompts
+from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
+from lanes.sequence import Sequence
+from tests.conftest import VOCAB
+from tests.engine_helpers import hf_greedy, random_prompts
+
+
+def _seq(name: str, length: int, prefilled: int = 0) -> Sequence:
+    seq = Sequence(name, list(range(1, length + 1)), SamplingParams(), 0, 0)
+    seq.num_prefilled = prefilled
+    return seq
+
+
+def test_whole_prompts_first_fit_and_only_a_prompt_over_the_budget_is_split():
+    a, b, long, c = _seq("a", 50), _seq("b", 30), _seq("long", 200), _seq("c", 20)
+    plan = plan_whole_prompts([a, b, long, c], 100)
+    assert [(ch.seq.request_id, ch.start, ch.length) for ch in plan] == [("a", 0, 50), ("b", 0, 30), ("c", 0, 20)]
+    assert [(ch.seq.request_id, ch.start, ch.length) for ch in plan_whole_prompts([long, c], 100)] == [("long", 0, 100)]
+    long.num_prefilled = 100
+    # A continuing prompt runs alone: its rows do not start at 0, so its forward needs the mask.
+    assert [(ch.seq.request_id, ch.start) for ch in plan_whole_prompts([c, long], 100)] == [("c", 0)]
+    assert [(ch.seq.request_id, ch.start, ch.length) for ch in plan_whole_prompts([long], 100)] == [("long", 100, 100)]
+
+
+def test_batched_prefill_hands_out_what_each_prompt_gets_alone(llama_pair):
+    target, draft = llama_pair
+    config = EngineConfig(max_model_len=320, max_num_seqs=4, num_speculative_tokens=4, max_draft_len=8,
+                          prefill_chunk_tokens=64, idle_prefill_tokens=64)
+    prefiller = PromptPrefiller(build_runner(target.model, config), build_runner(draft.model, config), 64)
+    # 100 tokens exceed the 64-token budget: split, its second chunk through the masked path.
+    prompts = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in (40, 100, 7, 20)]
+
+    def requests(ps):
+        return [PrefillRequest(str(i), p, SamplingParams(), 0) for i, p in enumerate(ps)]
+
+    together = prefiller.prefill(requests(prompts))
+    for prompt, got in zip(prompts, together):
+        alone = prefiller.prefill(requests([prompt]))[0]
+        assert got.first_token == alone.first_token == hf_greedy(target, prompt, 1)[0]
+        assert got.target_kv.shape[3] == got.draft_kv.shape[3] == len(prompt)
+        torch.testing.assert_close(got.target_kv, alone.target_kv, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.draft_kv, alone.draft_kv, rtol=1e-4, atol=1e-5)
