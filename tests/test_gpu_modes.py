@@ -1,14 +1,18 @@
 """The pieces of benchmarks/gpu_modes.py that must be right before a device call: the saved pair
 and its tokenizer, the memory plan, and rates taken from earlier points."""
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.gpu_modes import (Load, check_stored_head, estimate_s, fit_lengths, parse_args, save_pair,
-                                  word_tokenizer)
+from benchmarks.gpu_modes import (AgreementResults, AppRun, Load, check_stored_head, estimate_s, fit_lengths, goals,
+                                  parse_args, save_pair, word_tokenizer)
 from loadtest.arrivals import ClosedLoop, OpenLoop
+from loadtest.report import Point
 from loadtest.summary import LatencyStats, Summary
 from loadtest.workload import WorkloadRequest, random_prompt, usable_token_ids
 
@@ -95,3 +99,19 @@ def test_a_closed_loop_above_every_measured_concurrency_is_not_priced_at_single_
     assert estimate_s(load, load.arrivals, {"c1": c1}) == pytest.approx(128 * 128 / (73.0 * 8))  # 28 s
     c64 = _summary(1472.0, 56.0, 5_000.0)
     assert estimate_s(load, load.arrivals, {"c1": c1, "c64": c64}) == pytest.approx(128 * 128 / (1472.0 * (64 / 56) ** 0.5))
+
+
+def test_a_mode_that_lost_requests_is_not_the_best_lane_mode(tmp_path):
+    """Agreement 0.5 on an H200: pd ran out of GPU memory on 1 of its 128 requests at c64."""
+    def run(mode: str, tok_s: float, failed: int) -> AppRun:
+        summary = replace(_summary(tok_s, 56.0, 5_000.0), submitted=128, completed=128 - failed, failed=failed)
+        point = Point(mode, SimpleNamespace(records=[None] * 128), summary)
+        return AppRun(mode, points=[(Load("c64", [], ClosedLoop(64)), point)])
+
+    runs = {m: run(m, t, f) for m, t, f in [("nospec", 1663.0, 0), ("spec", 1916.0, 0), ("pd", 2408.0, 1),
+                                             ("pdv", 2115.0, 0)]}
+    at_64 = goals(AgreementResults(SimpleNamespace(agreement=0.5), runs=runs),
+                  parse_args(["--out", str(tmp_path)]))["at_64_in_flight"]
+    assert at_64["best_lane_mode"] == "pdv" and at_64["failed_or_timed_out_by_mode"] == {
+        "nospec": 0, "spec": 0, "pd": 1, "pdv": 0}
+    assert at_64["best_over_spec"] == round(2115 / 1916, 3) and at_64["by_mode_tok_s"]["pd"] == 2408.0
