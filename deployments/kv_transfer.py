@@ -135,7 +135,8 @@ class HostKV:
 
     @classmethod
     def from_tensor(cls, kv: torch.Tensor) -> "HostKV":
-        host = kv.detach().to("cpu").contiguous()
+        # Always a copy, even from the host: `kv` may be a view of a slot that is reused next.
+        host = torch.empty(kv.shape, dtype=kv.dtype).copy_(kv.detach())
         return cls(host.view(torch.uint8).numpy(), host.dtype, tuple(host.shape))
 
     @property

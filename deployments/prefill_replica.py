@@ -3,6 +3,7 @@
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from ray import serve
@@ -80,12 +81,15 @@ class PrefillServer:
         if isinstance(forward, BaseException) or isinstance(slots, BaseException):
             if isinstance(slots, list):
                 self.verify.release.remote(slots)
+            if not isinstance(forward, BaseException):
+                await self.worker.run(forward[1])
             raise forward if isinstance(forward, BaseException) else slots
-        kvs, forward_ms = forward
+        kvs, release, forward_ms = forward
         self.metrics.observe_step(forward_ms, len(jobs))
-        # KV writes and host copies right after the forward on the same thread (and stream), in
-        # one job: queued one by one, each would wait behind the next batch's forward.
-        outs = await self.worker.run(self._write_out, jobs, kvs, slots, (batch_s, time.time()))
+        # The KV writes run next on the same thread and stream, before any other batch's forward,
+        # straight from the scratch slots (views, released after), in one job: queued one by one,
+        # each would wait behind the next batch's forward.
+        outs = await self.worker.run(self._write_out, jobs, kvs, release, slots, (batch_s, time.time()))
         if slots is not None:
             committed = asyncio.ensure_future(
                 self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs]))
@@ -93,15 +97,21 @@ class PrefillServer:
                 out.committed = committed
         return outs
 
-    def _prefill_timed(self, requests) -> tuple[list[PrefilledKV], float]:
+    def _prefill_timed(self, requests) -> tuple[list[PrefilledKV], Callable[[], None], float]:
         start = time.perf_counter()
-        kvs = TIMELINE.timed("prefill", self.prefiller.prefill, rows=len(requests),
-                             tokens=sum(len(r.prompt_ids) for r in requests))(requests)
-        return kvs, (time.perf_counter() - start) * 1e3
+        kvs, release = TIMELINE.timed("prefill", self.prefiller.prefill_in_scratch, rows=len(requests),
+                                      tokens=sum(len(r.prompt_ids) for r in requests))(requests)
+        return kvs, release, (time.perf_counter() - start) * 1e3
 
-    def _write_out(self, jobs: list[PrefillJob], kvs: list[PrefilledKV], verify_slots: list[int] | None,
-                   times_s: tuple[float, float]) -> list[Prefilled]:
+    def _write_out(self, jobs: list[PrefillJob], kvs: list[PrefilledKV], release: Callable[[], None],
+                   verify_slots: list[int] | None, times_s: tuple[float, float]) -> list[Prefilled]:
         """Each prompt's KV into its owners' pools where this replica can reach them, else to the host."""
+        try:
+            return self._write_each(jobs, kvs, verify_slots, times_s)
+        finally:
+            release()  # every copy out of the scratch slots has finished (write_all waits; HostKV reads to the host)
+
+    def _write_each(self, jobs, kvs, verify_slots, times_s) -> list[Prefilled]:
         outs, writes, labels = [], [], []
         for i, (job, kv) in enumerate(zip(jobs, kvs)):
             out = Prefilled(PrefillDone(kv.first_token, None, None, None), "none", "copied", kv.target_kv.shape[3],

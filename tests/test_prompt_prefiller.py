@@ -47,3 +47,10 @@ def test_batched_prefill_hands_out_what_each_prompt_gets_alone(llama_pair):
         assert got.target_kv.shape[3] == got.draft_kv.shape[3] == len(prompt)
         torch.testing.assert_close(got.target_kv, alone.target_kv, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.draft_kv, alone.draft_kv, rtol=1e-4, atol=1e-5)
+    # Views of the scratch slots, held until released: then the slots are free for the next batch.
+    free = prefiller.target.pool.num_free, prefiller.draft.pool.num_free
+    views, release = prefiller.prefill_in_scratch(requests(prompts[:2]))
+    assert (prefiller.target.pool.num_free, prefiller.draft.pool.num_free) == (free[0] - 2, free[1] - 2)
+    torch.testing.assert_close(views[1].target_kv, together[1].target_kv, rtol=1e-4, atol=1e-5)
+    release()
+    assert (prefiller.target.pool.num_free, prefiller.draft.pool.num_free) == free
