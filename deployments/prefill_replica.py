@@ -68,8 +68,8 @@ class PrefillServer:
         elif out.committed is not None:
             await out.committed
         self.handed_over[out.draft] += 1
-        TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target, draft=out.draft,
-                        target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
+        TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target,
+                        draft=out.draft, target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
                         received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
         return out.done
 

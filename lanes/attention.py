@@ -3,7 +3,8 @@
 PoolCache hands the attention function the whole layer pool instead of a gathered batch copy;
 `PoolAttentionMeta` (passed through the model's forward kwargs) says which slot each row reads and
 how long it is. On CUDA, few-token steps (decode, verify) run the Triton kernel that reads slots in
-place; everything else (prefill, CPU) gathers the rows' slots and runs SDPA with a causal mask.
+place; everything else (prefill, CPU) gathers the rows' slots and runs SDPA, causal: with a mask
+when rows start at different positions, without one when every row starts at 0 (whole prompts).
 """
 
 from dataclasses import dataclass

@@ -1,5 +1,5 @@
-"""The dual-GPU benchmark's own logic: interval arithmetic over lane timelines, the placement check,
-and that every placement config means what it says when Ray packs it onto two GPUs."""
+"""The dual-GPU benchmark's own logic: the placement check, and that every placement config means
+what it says when Ray packs it onto two GPUs (reading the timelines: tests/test_lane_timelines.py)."""
 
 import time
 
@@ -7,27 +7,20 @@ import pytest
 import ray
 
 from benchmarks.dual_gpu import PLACEMENTS, as_intended, observed_gpus, placement_args, replica_gpus
-
-
-def _report(lane, replica, uuid=None, **events):
-    return {"lane": lane, "replica": replica, "placement": {"node_id": "n", "gpu_uuid": uuid}, "ray_gpu_ids": [],
-            "cuda_visible_devices": None,
-            "events": {kind: [{"start_s": s, "end_s": e, "rows": 4, "calls": 1} for s, e in spans]
-                       for kind, spans in events.items()}}
-
+from tests.timeline_helpers import lane_report
 
 
 def test_observed_gpus_against_what_the_config_means():
     b = PLACEMENTS["b"]
-    right = [_report("prefill", "p", "g0"), _report("decode", "d1", "g0"), _report("decode", "d2", "g0"),
-             _report("verify", "v", "g1")]
+    right = [lane_report("prefill", "p", "g0"), lane_report("decode", "d1", "g0"),
+             lane_report("decode", "d2", "g0"), lane_report("verify", "v", "g1")]
     observed = observed_gpus(right, [{"index": 0, "uuid": "g0"}, {"index": 1, "uuid": "g1"}])
     assert observed["gpu_groups"] == [["decode", "decode", "prefill"], ["verify"]]
     assert [r["gpu_index"] for r in observed["replicas"]] == [0, 0, 0, 1]
     assert as_intended(b, observed)
-    wrong = right[:2] + [_report("decode", "d2", "g1"), right[3]]
+    wrong = right[:2] + [lane_report("decode", "d2", "g1"), right[3]]
     assert not as_intended(b, observed_gpus(wrong, []))
-    assert as_intended(b, observed_gpus([_report("verify", "v")], [])) is None  # CPU: nothing to check
+    assert as_intended(b, observed_gpus([lane_report("verify", "v")], [])) is None  # CPU: nothing to check
 
 
 @ray.remote(num_cpus=0)
@@ -48,7 +41,7 @@ def test_ray_packs_each_placement_as_its_config_means(two_fake_gpus, key):
             holder = _Holder.options(num_gpus=num_gpus).remote()
             gpu_ids = ray.get(holder.gpu_ids.remote())  # placed before the next replica asks
             holders.append(holder)
-            reports.append(_report(lane, str(n), uuid=f"gpu-{gpu_ids[0]}"))
+            reports.append(lane_report(lane, str(n), uuid=f"gpu-{gpu_ids[0]}"))
         assert as_intended(spec, observed_gpus(reports, [])), (order, observed_gpus(reports, [])["gpu_groups"])
         for holder in holders:
             ray.kill(holder)

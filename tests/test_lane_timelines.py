@@ -1,14 +1,7 @@
 """Reading lane timelines: interval arithmetic, lanes' busy shares and overlap, the wait before decoding."""
 
 from benchmarks.lane_timelines import intersect, lane_activity, prefill_path_table, subtract, total_s, union
-
-
-def _report(lane, replica, uuid=None, **events):
-    return {"lane": lane, "replica": replica, "placement": {"node_id": "n", "gpu_uuid": uuid}, "ray_gpu_ids": [],
-            "cuda_visible_devices": None,
-            "events": {kind: [{"start_s": s, "end_s": e, "rows": 4, "calls": 1} for s, e in spans]
-                       for kind, spans in events.items()}}
-
+from tests.timeline_helpers import lane_report
 
 
 def test_interval_arithmetic():
@@ -21,9 +14,9 @@ def test_interval_arithmetic():
 def test_lane_activity_measures_verify_while_another_replica_drafts():
     # Replica A drafts 0-1 and waits 1-2; replica B drafts 1-2 and waits 2-3; verify runs 1-2 (A's
     # batch) and 2-3 (B's): during 1-2 the verify lane scores A while B drafts, during 2-3 nobody drafts.
-    reports = [_report("decode", "A", step=[(0, 2)], verify_wait=[(1, 2)]),
-               _report("decode", "B", step=[(1, 3)], verify_wait=[(2, 3)]),
-               _report("verify", "V", verify=[(1, 2), (2, 3)])]
+    reports = [lane_report("decode", "A", step=[(0, 2)], verify_wait=[(1, 2)]),
+               lane_report("decode", "B", step=[(1, 3)], verify_wait=[(2, 3)]),
+               lane_report("verify", "V", verify=[(1, 2), (2, 3)])]
     lanes = lane_activity(reports, 0.0, 4.0)
     assert lanes["verify_busy_share"] == 0.5 and lanes["drafting_busy_share"] == 0.5
     assert lanes["overlap_s"] == 1.0 and lanes["verify_with_drafting_share"] == 0.5
@@ -35,12 +28,12 @@ def test_lane_activity_measures_verify_while_another_replica_drafts():
 def test_prefill_path_splits_the_wait_before_decoding():
     # Two requests submitted at 0 and 1: each waits for a prefill forward (2-3, one of 2 rows),
     # a hand-over and its decode replica taking the reply in; one submitted after the window is out.
-    decode = _report("decode", "A")
+    decode = lane_report("decode", "A")
     decode["events"]["prefill_wait"] = [
         {"start_s": 0.0, "end_s": 3.5, "reply_s": 3.25, "arrival_s": 0.0, "tokens": 9},
         {"start_s": 1.0, "end_s": 3.75, "reply_s": 3.25, "arrival_s": 0.5, "tokens": 9},
         {"start_s": 9.0, "end_s": 9.5, "reply_s": 9.4, "arrival_s": 9.0, "tokens": 9}]
-    prefill = _report("prefill", "P", prefill=[(2.0, 3.0)])
+    prefill = lane_report("prefill", "P", prefill=[(2.0, 3.0)])
     prefill["events"]["handover"] = [{"start_s": 3.0, "end_s": 3.25, "sent_s": 0.0, "received_s": 0.25, "batch_s": 2.0},
                                      {"start_s": 3.0, "end_s": 3.25, "sent_s": 1.0, "received_s": 1.5, "batch_s": 2.0}]
     path = lane_activity([decode, prefill], 0.0, 4.0)["prefill_path"]
