@@ -95,13 +95,9 @@ class PoolViews:
         return self._views[handle.owner]
 
 
-def write_into(pool: KVPool, slot: int, kv: torch.Tensor) -> str:
-    """Write a request's KV into a pool opened from its owner; "in_place" on this GPU, "peer" on another."""
-    return write_all([(pool, slot, kv)])[0]
-
-
 def write_all(writes: list[tuple[KVPool, int, torch.Tensor]]) -> list[str]:
     """Write requests' KV into pools opened from their owners, then wait once for each owner's GPU.
+    Returns each write's transport: "in_place" on this GPU, "peer" on another.
 
     Another GPU's pool gets a contiguous device-to-device copy (the copy engines, over NVLink or
     PCIe) into a temporary on that GPU, then the slot write runs there: no kernel of this GPU

@@ -133,7 +133,7 @@ class PrefillServer:
             elif job.want_target_kv:
                 out.done.target_kv, out.target = HostKV.from_tensor(kv.target_kv), "copied"
             outs.append(out)
-        for (out, field), transport in zip(labels, write_all(writes) if writes else []):
+        for (out, field), transport in zip(labels, write_all(writes)):
             setattr(out, field, transport)
         written_s = time.time()
         for out in outs:

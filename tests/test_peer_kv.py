@@ -10,7 +10,7 @@ import ray
 import torch
 
 from deployments.gpu_binding import lane_device, peer_access_env
-from deployments.kv_transfer import Placement, PoolHandle, PoolViews, write_into
+from deployments.kv_transfer import Placement, PoolHandle, PoolViews, write_all
 from lanes.kv_pool import KVPool, PoolShape
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one node")
@@ -43,7 +43,7 @@ class _Lane:
     def write(self, handle: PoolHandle, slot: int, tokens: int, seed: int) -> tuple[str, torch.Tensor]:
         kv = torch.randn((2, SHAPE.num_layers, SHAPE.num_kv_heads, tokens, SHAPE.head_dim),
                          generator=torch.Generator().manual_seed(seed)).to(self.device, torch.bfloat16)
-        return write_into(self.views.get(handle), slot, kv), kv.cpu()
+        return write_all([(self.views.get(handle), slot, kv)])[0], kv.cpu()
 
     def read(self, slot: int, tokens: int) -> torch.Tensor:
         torch.cuda.synchronize()
