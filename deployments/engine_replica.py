@@ -2,6 +2,8 @@
 
 import asyncio
 import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,6 +20,11 @@ from lanes.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+# The engine thread drops the GIL at every wait on the GPU and must then win it back from the
+# replica's event-loop threads (Serve's and ours), which keep it for up to the switch interval:
+# Python's default 5 ms would be added to a 10 ms step. 0.5 ms bounds that wait.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
 
 @dataclass
 class GenerateError:
@@ -29,9 +36,10 @@ class GenerateError:
 
 
 class EngineServer:
-    def __init__(self, engine_factory, mode: str, prefill=None, verify=None):
+    def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0):
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.
         loop = asyncio.get_event_loop()
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
         self.lane = "decode" if mode in ("pd", "pdv") else "engine"
         self.metrics = EngineMetrics(self.lane, mode)
@@ -39,7 +47,8 @@ class EngineServer:
         # The draft runner's device, or the target's where there is no draft (nospec).
         device = core.draft.device if core.draft is not None else core.verifier.pool.kv.device
         self.placement_ = Placement.here(device)
-        self.engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle)
+        self.engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle,
+                                  stream_interval_s=stream_interval_s)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str
@@ -69,6 +78,9 @@ class EngineServer:
                 "step_p95_ms": self.metrics.step_p95_ms(),
                 "target_slots_used": getattr(getattr(core.verifier, "pool", None), "num_used", None),
                 "num_arrivals": self.num_arrivals,
+                # Engine steps and the stream messages they became (what serving_overhead.py reads).
+                "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
+                "step_ms_total": self.engine.step_ms_total, "pid": os.getpid(),
                 "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
             }
         return await self.engine.call(read)

@@ -146,7 +146,7 @@ class Ingress:
 
     def _record(self, last: RequestOutput, start: float, first_token_at: float | None) -> None:
         status = "completed" if last.finished and not last.error else ("failed" if last.error else "cancelled")
-        if last.finished:
+        if last.stats is not None:
             self.totals.merge(last.stats)
         end = time.perf_counter()
         ttft_ms = (first_token_at - start) * 1e3 if first_token_at else None

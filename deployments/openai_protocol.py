@@ -66,7 +66,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, stats: SpecDecodeStats) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, stats: SpecDecodeStats | None) -> dict:
+    stats = stats or SpecDecodeStats()  # a request that ended without a final chunk (timed out)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -1,8 +1,11 @@
 """Async front of the co-located engine: `generate()` streams chunks while a background thread steps.
 
 The engine thread owns all engine state. Callers talk to it through a thread-safe inbox (new
-requests, aborts, draft-length changes) and get results through per-request asyncio queues, so
-the event loop never blocks on a forward pass and no lock is held across a step.
+requests, aborts, draft-length changes); it hands each step's outputs to the event loop in one
+call, and each request's stream takes whatever has arrived since its last message, merged. So the
+event loop never blocks on a forward pass, no lock is held across a step, and the cost of handing
+outputs on (a loop wake-up per step, a message per stream per `stream_interval_s`) does not grow
+with the number of tokens.
 """
 
 import asyncio
@@ -12,10 +15,9 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from lanes.engine_core import EngineCore
-from lanes.outputs import RequestOutput
+from lanes.outputs import RequestOutput, merge_outputs
 from lanes.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -23,23 +25,61 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 
 
-@dataclass
-class _Client:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class _Stream:
+    """One request's outputs on its event loop, pushed there once a step by the engine thread."""
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[RequestOutput] = []
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def push(self, item: RequestOutput | Exception) -> None:
+        """On the event loop."""
+        if isinstance(item, Exception):
+            self.error = item
+        else:
+            self.pending.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or bool(self.pending and self.pending[-1].finished)
+
+    async def take(self, not_before_s: float) -> RequestOutput:
+        """What arrived since the last take, merged. Waits for at least one chunk, then holds it
+        until `not_before_s` (loop time) so that later steps' tokens join it, unless the request ends
+        first: the last chunk is never held back."""
+        while not (self.pending or self.error):
+            await self._wait(None)
+        while not self.ended and (left_s := not_before_s - self.loop.time()) > 0:
+            await self._wait(left_s)
+        if self.error is not None:
+            raise self.error
+        merged = merge_outputs(self.pending)
+        self.pending = []
+        return merged
+
+    async def _wait(self, timeout_s: float | None) -> None:
+        self._waiter = self.loop.create_future()
+        # asyncio.wait, not wait_for: a timeout must not cancel the waiter that push() resolves.
+        await asyncio.wait([self._waiter], timeout=timeout_s)
 
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, on_step: Callable[[EngineCore, float, int], None] | None = None,
-                 on_idle: Callable[[EngineCore], None] | None = None):
+                 on_idle: Callable[[EngineCore], None] | None = None, stream_interval_s: float = 0.0):
         self.core = core
         self.on_step = on_step  # (core, step_time_ms, batch_size), on the engine thread after each step
         self.on_idle = on_idle  # (core), on the engine thread about every IDLE_WAIT_S while idle
+        # Least time between two messages of one stream after its first; 0 sends what each step made.
+        self.stream_interval_s = stream_interval_s
+        self.num_messages = 0  # chunks yielded to callers (each one a Ray message when served)
+        self.num_steps = 0
+        self.step_ms_total = 0.0  # time inside core.step(), summed
         self._inbox: deque[Callable[[], None]] = deque()
-        self._clients: dict[str, _Client] = {}
+        self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="vpd-engine", daemon=True)
@@ -50,21 +90,22 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's output chunks. Raises ParamError (before any chunk) on bad input.
 
-        Leaving the iteration early (client gone, task cancelled) aborts the request and frees its
-        KV slots.
+        The first chunk goes out as soon as it exists; later ones carry every token made since the
+        previous chunk, at most one per `stream_interval_s`. Leaving the iteration early (client
+        gone, task cancelled) aborts the request and frees its KV slots.
         """
         request_id = request_id or uuid.uuid4().hex
-        client = _Client(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         arrival_s = time.time()  # the engine thread takes it in at its next step boundary
-        self._submit(lambda: self._add(request_id, prompt, params, client, arrival_s))
-        finished = False
+        self._submit(lambda: self._add(request_id, prompt, params, stream, arrival_s))
+        finished, not_before_s = False, 0.0
         try:
             while not finished:
-                item = await client.queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
+                out = await stream.take(not_before_s)
+                not_before_s = stream.loop.time() + self.stream_interval_s
+                finished = out.finished
+                self.num_messages += 1
+                yield out
         finally:
             if not finished:
                 self.abort(request_id)
@@ -101,17 +142,17 @@ class AsyncEngine:
         self._inbox.append(command)
         self._wake.set()
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, client: _Client, arrival_s: float) -> None:
+    def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
         try:
             self.core.add_request(request_id, prompt, params, arrival_s)
         except Exception as exc:  # bad input fails this request only
-            client.put(exc)
+            stream.loop.call_soon_threadsafe(stream.push, exc)
             return
-        self._clients[request_id] = client
+        self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:
         self.core.abort(request_id)
-        self._clients.pop(request_id, None)
+        self._streams.pop(request_id, None)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -130,8 +171,9 @@ class AsyncEngine:
         start = time.perf_counter()
         outputs = self.core.step()
         step_ms = (time.perf_counter() - start) * 1e3
-        for out in outputs:
-            self._deliver(out)
+        self.num_steps += 1
+        self.step_ms_total += step_ms
+        self._deliver(outputs)
         if self.on_step is not None:
             self.on_step(self.core, step_ms, batch_size)
 
@@ -144,10 +186,21 @@ class AsyncEngine:
         except Exception:
             log.exception("engine thread: command failed")
 
-    def _deliver(self, out: RequestOutput) -> None:
-        client = self._clients.get(out.request_id)
-        if client is None:
-            return
-        if out.finished:
-            del self._clients[out.request_id]
-        client.put(out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step, not one
+        per request (each wake-up takes the GIL from this thread)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_push_all, items)
+
+
+def _push_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.push(out)

@@ -5,7 +5,6 @@ then a bounded amount of prefill. In the co-located modes (`EngineCore.colocated
 the local lanes; the deployments inject proxies to other replicas for the disaggregated modes.
 """
 
-import copy
 import logging
 import random
 from dataclasses import dataclass
@@ -273,7 +272,8 @@ class EngineCore:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            stats=copy.deepcopy(seq.stats),
+            # A finished sequence's counters no longer change, so the final chunk can carry them uncopied.
+            stats=seq.stats if seq.finish_reason is not None else None,
             error=error,
         )
 

@@ -1,6 +1,6 @@
-"""What the engine streams back for a request: a chunk of new tokens per step."""
+"""What the engine streams back for a request: a chunk of new tokens per step, merged per message."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lanes.spec_stats import SpecDecodeStats
 
@@ -14,5 +14,26 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative
-    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # cumulative, this request
+    # Cumulative for this request, on the final chunk only: a per-step copy would cost every step
+    # a deep copy and every message its pickling, and only the end of a request reads it.
+    stats: SpecDecodeStats | None = None
     error: str | None = None
+
+
+def merge_outputs(chunks: list[RequestOutput]) -> RequestOutput:
+    """Consecutive chunks of one request as one: tokens and text joined in order, the rest from the
+    last chunk (its counters are cumulative, and only it can be the final one)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        token_ids=[t for c in chunks for t in c.token_ids],
+        text="".join(c.text for c in chunks),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        stats=last.stats,
+        error=last.error,
+    )

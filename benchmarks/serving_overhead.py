@@ -1,0 +1,380 @@
+"""What serving costs: the same requests in process and served, for every mode, in one run (issue 14).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serving_overhead.py --device cpu --out /tmp/so
+    python3 benchmarks/serving_overhead.py --device cuda --shape tinyllama-7b --agreement 0.8 --out OUT
+
+Each mode's closed loop (C requests in flight, random token-id prompts, greedy, ignore_eos) runs
+three ways, one after another on the same machine:
+
+    engine   the lanes code without Ray or asyncio: EngineCore.step() in a loop in this process,
+             a new request added as soon as one finishes (the engine's own speed). pd and pdv have
+             no Ray-free form; their reference is this engine with their engine config (the
+             co-located lanes: prefill, draft and verify in one process).
+    handle   the mode deployed on Ray Serve, driven through a DeploymentHandle to its DecodeLane
+             (engine replica + Ray's streaming hand-off; no ingress, no proxy)
+    http     the same app through Serve's HTTP proxy and the OpenAI ingress, with the load
+             tester's streaming client (what users see)
+
+It reports served / engine for throughput and TPOT, and where the served time goes: the engine
+step (mean step time served against in process: how much the replica's serving work slows the
+step loop), the output hand-off (handle against engine), and ingress + proxy (http against
+handle); with the stream messages a decode replica sent per engine step.
+
+Writes serving_overhead_<device>.json and .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from ray import serve
+from transformers import AutoConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
+
+from benchmarks.gpu_modes import GPU_SHARES, MAX_ONGOING, free_device_memory, save_pair  # noqa: E402
+from benchmarks.serving import (ALL_MODES, deploy, git_commit, load_average, machine,  # noqa: E402
+                                mode_args, start_cluster)
+from deployments.config import AppConfig  # noqa: E402
+from lanes.engine_core import EngineCore  # noqa: E402
+from lanes.models import load_model  # noqa: E402
+from lanes.params import SamplingParams  # noqa: E402
+from loadtest.arrivals import ClosedLoop  # noqa: E402
+from loadtest.records import RequestRecord  # noqa: E402
+from loadtest.runner import run_load  # noqa: E402
+from loadtest.summary import Summary, summarize  # noqa: E402
+from loadtest.workload import WorkloadRequest  # noqa: E402
+
+STARTED_S = time.monotonic()
+WAYS = ("engine", "handle", "http")
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class Work:
+    """The requests every way of every mode gets: token-id prompts, so no tokenizer is in the way."""
+
+    prompts: list[list[int]]
+    output_len: int
+    concurrency: int
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+
+    def workload(self) -> list[WorkloadRequest]:
+        return [WorkloadRequest(p, len(p), self.output_len) for p in self.prompts]  # type: ignore[arg-type]
+
+
+def random_work(vocab_size: int, args: argparse.Namespace, count: int, seed: int) -> Work:
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(1, vocab_size, (count, args.prompt_len)).tolist()
+    return Work(prompts, args.output_len, args.concurrency)
+
+
+# ---- engine: no Ray, no asyncio ----------------------------------------------------------------
+
+def run_engine(core: EngineCore, work: Work) -> tuple[list[RequestRecord], dict]:
+    """Closed loop over EngineCore.step(): C requests in flight, each finished one replaced at once."""
+    params = work.params()
+    pending = list(enumerate(work.prompts))
+    live: dict[str, tuple[int, float, list[float | None]]] = {}  # id -> (index, start, [ttft])
+    records: list[RequestRecord] = []
+    step_s: list[float] = []
+    origin = time.perf_counter()
+
+    def admit() -> None:
+        while pending and len(live) < work.concurrency:
+            index, prompt = pending.pop(0)
+            rid = uuid.uuid4().hex
+            core.add_request(rid, prompt, params)
+            live[rid] = (index, time.perf_counter() - origin, [None])
+
+    admit()
+    while live:
+        start = time.perf_counter()
+        outputs = core.step()
+        now = time.perf_counter()
+        step_s.append(now - start)
+        for out in outputs:
+            index, start_s, first = live[out.request_id]
+            if out.token_ids and first[0] is None:
+                first[0] = now - origin
+            if out.finished:
+                del live[out.request_id]
+                records.append(_record(index, work, start_s, now - origin, first[0], out.num_output_tokens,
+                                       "completed" if out.error is None else "failed", out.error))
+        admit()
+    return records, {"steps": len(step_s), "step_ms_mean": 1e3 * float(np.mean(step_s))}
+
+
+def _record(index: int, work: Work, start_s: float, end_s: float, first_s: float | None, tokens: int,
+            status: str, error: str | None = None) -> RequestRecord:
+    ttft_ms = None if first_s is None else (first_s - start_s) * 1e3
+    tpot_ms = (end_s - first_s) * 1e3 / (tokens - 1) if first_s is not None and tokens > 1 else None
+    return RequestRecord(index, "normal", len(work.prompts[index]), work.output_len, status, start_s, end_s,
+                         ttft_ms, tpot_ms, [], tokens, error=error)
+
+
+def engine_point(cfg: AppConfig, work: Work, warmup: Work, device: str) -> dict:
+    """The co-located engine of the mode's config (unified's lanes for pd and pdv), warmed up first."""
+    target = load_model(cfg.target.path, cfg.target.dtype, device)
+    draft = load_model(cfg.draft.path, cfg.draft.dtype, device) if cfg.mode != "nospec" else None
+    mode = cfg.mode if cfg.mode in ("nospec", "spec", "unified") else "unified"
+    core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode))
+    try:
+        run_engine(core, warmup)
+        records, steps = run_engine(core, work)
+        return {"summary": summarize(records), "steps": steps, "spec": core.total_stats.to_dict()}
+    finally:
+        del core, target, draft
+        free_device_memory()
+
+
+# ---- served ------------------------------------------------------------------------------------
+
+async def _handle_request(handle, index: int, prompt: list[int], work: Work, origin: float) -> RequestRecord:
+    start_s, first_s, tokens = time.perf_counter() - origin, None, 0
+    try:
+        async for out in handle.options(stream=True).generate.remote(prompt, work.params(), uuid.uuid4().hex):
+            if getattr(out, "token_ids", None) and first_s is None:
+                first_s = time.perf_counter() - origin
+            tokens = getattr(out, "num_output_tokens", tokens)
+            if getattr(out, "error", None) or not hasattr(out, "token_ids"):
+                return _record(index, work, start_s, time.perf_counter() - origin, first_s, tokens, "failed",
+                               str(getattr(out, "error", None) or getattr(out, "message", out)))
+    except Exception as exc:  # a failed replica call is a result, not a crash
+        return _record(index, work, start_s, time.perf_counter() - origin, first_s, tokens, "failed", repr(exc))
+    return _record(index, work, start_s, time.perf_counter() - origin, first_s, tokens, "completed")
+
+
+async def run_handle(handle, work: Work) -> list[RequestRecord]:
+    pending = list(enumerate(work.prompts))
+    records: list[RequestRecord] = []
+    origin = time.perf_counter()
+
+    async def worker() -> None:
+        while pending:
+            index, prompt = pending.pop(0)
+            records.append(await _handle_request(handle, index, prompt, work, origin))
+
+    await asyncio.gather(*(worker() for _ in range(work.concurrency)))
+    return records
+
+
+def replica_counters(handle) -> dict:
+    """Steps, time in steps and stream messages of the app's one DecodeLane replica, cumulative."""
+    stats = handle.stats.remote().result()
+    return {k: stats[k] for k in ("num_steps", "step_ms_total", "num_messages", "pid")}
+
+
+def start_profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
+    """py-spy's sampled stacks of the engine replica (every thread, by name), if py-spy is here."""
+    if seconds <= 0 or shutil.which("py-spy") is None:
+        return None
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "250",
+                             "--threads", "--nonblocking", "--format", "raw", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def served_points(name: str, port: int, work: Work, warmup: Work, timeout_s: float,
+                  profile_s: float = 0, profile_out: Path | None = None) -> dict:
+    handle = serve.get_deployment_handle("DecodeLane", app_name=name)
+    points = {}
+    asyncio.run(run_handle(handle, warmup))
+    for way in ("handle", "http"):
+        before = replica_counters(handle)
+        profiler = start_profile(before["pid"], profile_s, profile_out) if way == "http" else None
+        if way == "handle":
+            records = asyncio.run(run_handle(handle, work))
+            summary = summarize(records)
+        else:
+            result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work.workload(),
+                                          ClosedLoop(work.concurrency), options=_options(), timeout_s=timeout_s,
+                                          progress=False))
+            summary = result.summary()
+        after = replica_counters(handle)
+        if profiler is not None:
+            profiler.wait(timeout=60)
+        steps, step_ms, messages = (after[k] - before[k] for k in ("num_steps", "step_ms_total", "num_messages"))
+        points[way] = {"summary": summary,
+                       "steps": {"steps": steps, "step_ms_mean": step_ms / steps if steps else None,
+                                 "messages": messages, "messages_per_step": messages / steps if steps else None}}
+    return points
+
+
+def _options():
+    from loadtest.client import RequestOptions
+    return RequestOptions(endpoint="completions", temperature=0.0, ignore_eos=True)
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def app_config(mode: str, target: Path | None, draft: Path | None, args: argparse.Namespace) -> dict:
+    config = mode_args(mode, target, draft)
+    for role in ("target", "draft"):
+        config[role]["dtype"] = args.dtype
+    config["engine"] = {**config["engine"], "max_num_seqs": args.max_num_seqs,
+                        "max_model_len": args.prompt_len + args.output_len + 64,
+                        "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8)}
+    config["max_queued_requests"] = MAX_ONGOING
+    if args.stream_interval_ms is not None:
+        config["stream_interval_ms"] = args.stream_interval_ms
+    for lane in ("ingress", "prefill_lane", "decode_lane", "verify_lane"):
+        config[lane] = {**config.get(lane, {}), "max_ongoing_requests": MAX_ONGOING}
+        if lane != "ingress":
+            config[lane]["num_cpus"] = args.lane_num_cpus
+    if args.device == "cuda":
+        for lane, share in GPU_SHARES[mode].items():
+            config[lane]["num_gpus"] = share
+    return config
+
+
+def point_row(mode: str, way: str, point: dict, engine: dict) -> dict:
+    s: Summary = point["summary"]
+    ref: Summary = engine["summary"]
+    tpot, ref_tpot = s.latency_ms["tpot_ms"].p50, ref.latency_ms["tpot_ms"].p50
+    return {
+        "mode": mode, "way": way, "submitted": s.submitted, "completed": s.completed, "failed": s.failed,
+        "timed_out": s.timed_out, "output_tok_s": round(s.output_token_throughput_tps, 1),
+        "x_engine_throughput": round(s.output_token_throughput_tps / ref.output_token_throughput_tps, 3),
+        "tpot_p50_ms": _r(tpot), "tpot_p95_ms": _r(s.latency_ms["tpot_ms"].p95),
+        "x_engine_tpot_p50": _r(tpot / ref_tpot if tpot and ref_tpot else None, 3),
+        "ttft_p50_ms": _r(s.latency_ms["ttft_ms"].p50),
+        "step_ms_mean": _r(point["steps"].get("step_ms_mean")),
+        "messages_per_step": _r(point["steps"].get("messages_per_step")),
+    }
+
+
+def _r(value, digits: int = 2):
+    return None if value is None else round(value, digits)
+
+
+def markdown(doc: dict) -> str:
+    rows = doc["rows"]
+    cols = list(rows[0]) if rows else []
+    lines = [f"# Serving overhead ({doc['machine'].get('gpu') or doc['machine']['cpu_model']})", "",
+             f"`{doc['command']}` (commit {doc['commit']}); {doc['work']}", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
+    lines += ["", "## Where served time goes (TPOT p50, ms)", "",
+              "| mode | engine | + output hand-off (handle) | + ingress and proxy (http) | step served / in process |",
+              "|---|---|---|---|---|"]
+    for mode, b in doc["breakdown"].items():
+        lines.append(f"| {mode} | {b['engine_tpot_ms']} | {b['handoff_ms']} | {b['ingress_proxy_ms']} | "
+                     f"{b['step_ratio']} |")
+    if doc.get("errors"):
+        lines += ["", "## Failures", ""] + [f"- {m}: {e}" for m, e in doc["errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def breakdown(points: dict) -> dict:
+    e, h, w = (points[k]["summary"].latency_ms["tpot_ms"].p50 for k in WAYS)
+    step_e, step_w = points["engine"]["steps"]["step_ms_mean"], points["http"]["steps"].get("step_ms_mean")
+    return {"engine_tpot_ms": _r(e), "handoff_ms": _r(h - e if h and e else None),
+            "ingress_proxy_ms": _r(w - h if w and h else None),
+            "step_ratio": _r(step_w / step_e if step_w and step_e else None, 3)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--shape", default="tinyllama-7b", help="cuda: the constructed pair's shape")
+    parser.add_argument("--agreement", type=float, default=0.8, help="cuda: the constructed pair's agreement")
+    parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"))
+    parser.add_argument("--modes", default=",".join(ALL_MODES))
+    parser.add_argument("--concurrency", type=int, default=None, help="default 64 on cuda, 8 on cpu")
+    parser.add_argument("--requests", type=int, default=None, help="default 256 on cuda, 32 on cpu")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 on cuda, 64 on cpu")
+    parser.add_argument("--output-len", type=int, default=None, help="default 128 on cuda, 64 on cpu")
+    parser.add_argument("--draft-len", type=int, default=3)
+    parser.add_argument("--stream-interval-ms", type=float, default=None, help="default: the app config's")
+    parser.add_argument("--profile-s", type=float, default=0,
+                        help="sample the engine replica with py-spy for this long during the http run")
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    for key, gpu, cpu in (("concurrency", 64, 8), ("requests", 256, 32), ("prompt_len", 128, 64),
+                          ("output_len", 128, 64)):
+        if getattr(args, key) is None:
+            setattr(args, key, gpu if cuda else cpu)
+    args.dtype = "bfloat16" if cuda else "float32"
+    args.max_num_seqs = max(args.concurrency, 8)
+    args.lane_num_cpus = 1.0 if cuda else 0.25
+    args.modes = args.modes.split(",")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = args.device
+    target = draft = None
+    if device == "cuda":
+        pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=device)
+        target, draft = pair.target, pair.draft
+    probe = AppConfig.model_validate(app_config("nospec", target, draft, args))
+    vocab = AutoConfig.from_pretrained(probe.target.path).get_text_config().vocab_size
+    work = random_work(vocab, args, args.requests, seed=0)
+    warmup = random_work(vocab, args, args.concurrency * 2, seed=1)
+    doc = {"command": "python benchmarks/serving_overhead.py " + " ".join(argv), "commit": git_commit(),
+           "machine": machine(), "load_average_before": load_average(),
+           "work": f"{args.requests} requests, {args.concurrency} in flight (closed loop), prompts of "
+                   f"{args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
+                   f"L = {args.draft_len}, {args.dtype}",
+           "rows": [], "breakdown": {}, "spec": {}, "errors": {}}
+    port = start_cluster({"TRITON_INTERPRET": "0"} if device == "cuda" else None)
+    try:
+        for mode in args.modes:
+            config = app_config(mode, target, draft, args)
+            log(f"{mode}: in process")
+            engine = engine_point(AppConfig.model_validate(config), work, warmup, device)
+            name = f"so-{mode}"
+            try:
+                log(f"{mode}: deploying")
+                deploy(name, config, timeout_s=600)
+                points = {"engine": engine, **served_points(name, port, work, warmup, args.request_timeout_s,
+                                                            args.profile_s, args.out / f"pyspy_{mode}.txt")}
+            except Exception as exc:  # one mode failing leaves the others measured
+                doc["errors"][mode] = repr(exc)
+                log(f"{mode}: failed: {exc!r}")
+                continue
+            finally:
+                serve.delete(name)
+                free_device_memory()
+            doc["rows"] += [point_row(mode, way, points[way], engine) for way in WAYS]
+            doc["breakdown"][mode] = breakdown(points)
+            doc["spec"][mode] = {way: (asdict(points[way]["summary"].spec_decode)
+                                       if points[way]["summary"].spec_decode else None) for way in ("http",)}
+            doc["spec"][mode]["engine"] = engine["spec"]
+            for row in doc["rows"][-3:]:
+                log(json.dumps(row))
+            stem = args.out / f"serving_overhead_{device}"
+            stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+            stem.with_suffix(".md").write_text(markdown(doc))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    log("done")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
+    main()

@@ -1,0 +1,81 @@
+"""Coalesced streams (issue 14): a request's chunks are merged between messages, never lost or
+reordered, the first chunk is never held, and the last one is not held either."""
+
+import asyncio
+import time
+
+from lanes.async_engine import AsyncEngine
+from lanes.outputs import RequestOutput, merge_outputs
+from lanes.params import SamplingParams
+from lanes.spec_stats import SpecDecodeStats
+from tests.conftest import VOCAB
+from tests.engine_helpers import hf_greedy, random_prompts, small_engine
+
+
+def test_merge_joins_tokens_and_text_and_keeps_the_last_chunks_state():
+    stats = SpecDecodeStats(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4)
+    chunks = [RequestOutput("r", [1], "a", num_output_tokens=1),
+              RequestOutput("r", [2, 3], "bc", num_output_tokens=3),
+              RequestOutput("r", [4], "d", True, "length", 7, 4, stats)]
+    merged = merge_outputs(chunks)
+    assert (merged.token_ids, merged.text) == ([1, 2, 3, 4], "abcd")
+    assert (merged.finished, merged.finish_reason, merged.num_prompt_tokens, merged.num_output_tokens) == (
+        True, "length", 7, 4)
+    assert merged.stats is stats
+    assert merge_outputs(chunks[:1]) is chunks[0]
+
+
+async def _chunks(engine: AsyncEngine, prompt, params) -> list[tuple[float, RequestOutput]]:
+    start = time.perf_counter()
+    return [(time.perf_counter() - start, out) async for out in engine.generate(prompt, params)]
+
+
+def test_coalesced_streams_deliver_every_token_once_in_order(llama_pair):
+    target, draft = llama_pair
+    prompts = random_prompts(6, VOCAB, 3, 40, seed=21)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    interval_s = 0.15
+
+    async def main():
+        engine = AsyncEngine(small_engine(target, draft), stream_interval_s=interval_s)
+        try:
+            runs = await asyncio.gather(*(_chunks(engine, p, params) for p in prompts))
+            return runs, engine.num_messages, engine.num_steps
+        finally:
+            engine.shutdown()
+
+    runs, num_messages, num_steps = asyncio.run(main())
+    for prompt, chunks in zip(prompts, runs):
+        tokens = [t for _, out in chunks for t in out.token_ids]
+        assert tokens == hf_greedy(target, prompt, params.max_tokens)  # all, in order, once
+        assert [out.finished for _, out in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert chunks[-1][1].num_output_tokens == params.max_tokens
+        assert chunks[-1][1].stats is not None and all(out.stats is None for _, out in chunks[:-1])
+        gaps = [b[0] - a[0] for a, b in zip(chunks[1:], chunks[2:])]
+        # Between the first and the last chunk, messages are at least an interval apart.
+        assert all(g >= interval_s * 0.9 for g in gaps[:-1]), gaps
+    assert num_messages == sum(len(c) for c in runs)
+    assert num_messages < num_steps * len(prompts) / 2  # merged: far fewer messages than step outputs
+
+
+def test_first_and_last_chunks_are_not_held_by_the_interval(llama_pair):
+    target, draft = llama_pair
+    prompt = random_prompts(1, VOCAB, 10, 10, seed=3)[0]
+    short = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def main(interval_s):
+        engine = AsyncEngine(small_engine(target, draft), stream_interval_s=interval_s)
+        try:
+            await _chunks(engine, prompt, short)  # warm-up
+            return await _chunks(engine, prompt, short)
+        finally:
+            engine.shutdown()
+
+    held = asyncio.run(main(5.0))
+    free = asyncio.run(main(0.0))
+    # The first chunk (the prefill's token) leaves at once; the request then ends well inside one
+    # interval, so its last chunk went out when it finished, not when the interval ran out.
+    assert held[0][1].token_ids == free[0][1].token_ids and len(held[0][1].token_ids) == 1
+    assert held[0][0] < free[0][0] + 0.5
+    assert len(held) == 2 and held[-1][1].finished
+    assert held[-1][0] < 2.0
