@@ -304,6 +304,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=None, help="default 128 on cuda, 64 on cpu")
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--stream-interval-ms", type=float, default=None, help="default: the app config's")
+    parser.add_argument("--max-stream-rates", type=lambda t: [float(x) for x in t.split(",")], default=None,
+                        help="serve each mode once per max_stream_messages_per_s in this list (0: no bound); "
+                        "default: once, with the app config's default")
     parser.add_argument("--profile-s", type=float, default=0,
                         help="sample the engine replica with py-spy for this long during the http run")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -343,32 +346,37 @@ def main(argv: list[str] | None = None) -> None:
     port = start_cluster({"TRITON_INTERPRET": "0"} if device == "cuda" else None)
     try:
         for mode in args.modes:
-            config = app_config(mode, target, draft, args)
             log(f"{mode}: in process")
-            engine = engine_point(AppConfig.model_validate(config), work, warmup, device)
-            name = f"so-{mode}"
-            try:
-                log(f"{mode}: deploying")
-                deploy(name, config, timeout_s=600)
-                points = {"engine": engine, **served_points(name, port, work, warmup, args.request_timeout_s,
-                                                            args.profile_s, args.out / f"pyspy_{mode}.txt")}
-            except Exception as exc:  # one mode failing leaves the others measured
-                doc["errors"][mode] = repr(exc)
-                log(f"{mode}: failed: {exc!r}")
-                continue
-            finally:
-                serve.delete(name)
-                free_device_memory()
-            doc["rows"] += [point_row(mode, way, points[way], engine) for way in WAYS]
-            doc["breakdown"][mode] = breakdown(points)
-            doc["spec"][mode] = {way: (asdict(points[way]["summary"].spec_decode)
-                                       if points[way]["summary"].spec_decode else None) for way in ("http",)}
-            doc["spec"][mode]["engine"] = engine["spec"]
-            for row in doc["rows"][-3:]:
-                log(json.dumps(row))
-            stem = args.out / f"serving_overhead_{device}"
-            stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
-            stem.with_suffix(".md").write_text(markdown(doc))
+            engine = engine_point(AppConfig.model_validate(app_config(mode, target, draft, args)), work, warmup,
+                                  device)
+            for rate in args.max_stream_rates or [None]:
+                config = app_config(mode, target, draft, args)
+                label = mode if rate is None else f"{mode}@{rate:g}/s"
+                if rate is not None:
+                    config["max_stream_messages_per_s"] = rate or None  # 0: no bound
+                name = f"so-{mode}" if rate is None else f"so-{mode}-r{rate:g}"
+                try:
+                    log(f"{label}: deploying")
+                    deploy(name, config, timeout_s=600)
+                    points = {"engine": engine, **served_points(name, port, work, warmup, args.request_timeout_s,
+                                                                args.profile_s, args.out / f"pyspy_{name}.txt")}
+                except Exception as exc:  # one mode failing leaves the others measured
+                    doc["errors"][label] = repr(exc)
+                    log(f"{label}: failed: {exc!r}")
+                    continue
+                finally:
+                    serve.delete(name)
+                    free_device_memory()
+                doc["rows"] += [point_row(label, way, points[way], engine) for way in WAYS]
+                doc["breakdown"][label] = breakdown(points)
+                doc["spec"][label] = {"engine": engine["spec"], "http": (asdict(points["http"]["summary"].spec_decode)
+                                                                          if points["http"]["summary"].spec_decode
+                                                                          else None)}
+                for row in doc["rows"][-3:]:
+                    log(json.dumps(row))
+                stem = args.out / f"serving_overhead_{device}"
+                stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+                stem.with_suffix(".md").write_text(markdown(doc))
     finally:
         serve.shutdown()
         ray.shutdown()

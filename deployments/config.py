@@ -27,6 +27,7 @@ DEFAULT_DRAFT = str(REPO_ROOT / "models" / "vpd-draft")
 # Throughput and TPOT do not depend on it (the first and last chunks are never held); a streaming
 # client sees tokens in bursts of at most this long.
 STREAM_INTERVAL_MS = 50.0
+MAX_STREAM_MESSAGES_PER_S = 400.0
 
 Mode = Literal["pdv", "pd", "spec", "unified", "nospec"]
 MODE_LANES: dict[str, tuple[str, ...]] = {
@@ -121,6 +122,12 @@ class AppConfig(_Strict):
                                       "is never held): a message carries every token made since the previous "
                                       "one, so a decode replica sends far fewer messages than tokens. 0 sends "
                                       "one per engine step.")
+    max_stream_messages_per_s: float | None = Field(default=MAX_STREAM_MESSAGES_PER_S, gt=0, description=
+                                                    "Bound on the streamed messages a decode replica sends per "
+                                                    "second over all its requests: with n requests in flight "
+                                                    "each one's interval is at least n / this. Every message "
+                                                    "costs the replica's event loop time that the engine's step "
+                                                    "loop waits for (one GIL). None: no bound.")
     request_timeout_s: float = Field(default=600, gt=0, description="A request still running after this "
                                      "is aborted in every lane.")
     kv_peer_access: bool = Field(default=True, description="Lane replicas see every GPU of their node, so "

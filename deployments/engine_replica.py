@@ -36,7 +36,8 @@ class GenerateError:
 
 
 class EngineServer:
-    def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0):
+    def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0,
+                 max_stream_messages_per_s: float | None = None):
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.
         loop = asyncio.get_event_loop()
         sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
@@ -48,7 +49,8 @@ class EngineServer:
         device = core.draft.device if core.draft is not None else core.verifier.pool.kv.device
         self.placement_ = Placement.here(device)
         self.engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle,
-                                  stream_interval_s=stream_interval_s)
+                                  stream_interval_s=stream_interval_s,
+                                  max_stream_messages_per_s=max_stream_messages_per_s)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str

@@ -69,12 +69,16 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, on_step: Callable[[EngineCore, float, int], None] | None = None,
-                 on_idle: Callable[[EngineCore], None] | None = None, stream_interval_s: float = 0.0):
+                 on_idle: Callable[[EngineCore], None] | None = None, stream_interval_s: float = 0.0,
+                 max_stream_messages_per_s: float | None = None):
         self.core = core
         self.on_step = on_step  # (core, step_time_ms, batch_size), on the engine thread after each step
         self.on_idle = on_idle  # (core), on the engine thread about every IDLE_WAIT_S while idle
         # Least time between two messages of one stream after its first; 0 sends what each step made.
         self.stream_interval_s = stream_interval_s
+        # Bound on messages per second over all streams: each one costs the event-loop threads GIL
+        # time that the step loop waits for, so with many streams each one's interval grows.
+        self.max_stream_messages_per_s = max_stream_messages_per_s
         self.num_messages = 0  # chunks yielded to callers (each one a Ray message when served)
         self.num_steps = 0
         self.step_ms_total = 0.0  # time inside core.step(), summed
@@ -91,7 +95,8 @@ class AsyncEngine:
         """Stream a request's output chunks. Raises ParamError (before any chunk) on bad input.
 
         The first chunk goes out as soon as it exists; later ones carry every token made since the
-        previous chunk, at most one per `stream_interval_s`. Leaving the iteration early (client
+        previous chunk, at most one per `stream_interval_s` (longer when `max_stream_messages_per_s`
+        shared by every stream asks for it). Leaving the iteration early (client
         gone, task cancelled) aborts the request and frees its KV slots.
         """
         request_id = request_id or uuid.uuid4().hex
@@ -102,13 +107,18 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await stream.take(not_before_s)
-                not_before_s = stream.loop.time() + self.stream_interval_s
+                not_before_s = stream.loop.time() + self._interval_s()
                 finished = out.finished
                 self.num_messages += 1
                 yield out
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _interval_s(self) -> float:
+        if not self.max_stream_messages_per_s:
+            return self.stream_interval_s
+        return max(self.stream_interval_s, len(self._streams) / self.max_stream_messages_per_s)
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))

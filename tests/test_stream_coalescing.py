@@ -79,3 +79,23 @@ def test_first_and_last_chunks_are_not_held_by_the_interval(llama_pair):
     assert held[0][0] < free[0][0] + 0.5
     assert len(held) == 2 and held[-1][1].finished
     assert held[-1][0] < 2.0
+
+
+def test_a_message_budget_lengthens_every_streams_interval(llama_pair):
+    target, draft = llama_pair
+    prompts = random_prompts(4, VOCAB, 3, 20, seed=8)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+
+    async def main():
+        # 4 streams sharing 10 messages/s: each stream's messages are >= 0.4 s apart, not 0.01 s.
+        engine = AsyncEngine(small_engine(target, draft), stream_interval_s=0.01, max_stream_messages_per_s=10)
+        try:
+            return await asyncio.gather(*(_chunks(engine, p, params) for p in prompts))
+        finally:
+            engine.shutdown()
+
+    for chunks in asyncio.run(main()):
+        assert sum(len(out.token_ids) for _, out in chunks) == params.max_tokens
+        gaps = [b[0] - a[0] for a, b in zip(chunks[1:], chunks[2:])]
+        # While all 4 run, n / rate = 0.4 s; the interval shrinks as streams finish.
+        assert gaps and gaps[0] >= 0.3, gaps
