@@ -33,7 +33,7 @@ def probe_logits(runner) -> torch.Tensor:
         runner.pool.lengths[s] = CONTEXT
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, runner.vocab_size, (8, 1), generator=gen).cuda()
-    return runner.forward(slots, ids, [CONTEXT] * 8).clone()
+    return runner.forward(runner.rows(slots, [CONTEXT] * 8), ids).clone()
 
 
 def main() -> None:

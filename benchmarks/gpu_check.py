@@ -149,7 +149,7 @@ def verify_step_ms(lane: VerifyLane, batch: int, drafts: int) -> float:
 def decode_forward_ms(runner, batch: int) -> float:
     slots = fill_pool(runner, batch, CONTEXT)
     ids = torch.randint(0, runner.vocab_size, (batch, 1), device="cuda")
-    ms = median_ms(lambda: runner.forward(slots, ids, [CONTEXT] * batch))
+    ms = median_ms(lambda: runner.forward(runner.rows(slots, [CONTEXT] * batch), ids))
     for s in slots:
         runner.pool.free(s)
     return ms

@@ -50,8 +50,9 @@ class GraphedForward:
                                                           self.mempool)
         graph.input_ids[:batch].copy_(input_ids, non_blocking=True)
         graph.slot_ids[:batch].copy_(slot_ids, non_blocking=True)
-        graph.kv_lens[:batch].copy_(kv_lens, non_blocking=True)
-        graph.slot_ids[batch:].fill_(self.pad_slot)
-        graph.kv_lens[batch:].zero_()
+        graph.kv_lens[:batch].copy_(kv_lens, non_blocking=True)  # any integer dtype; the buffer is int32
+        if batch < bucket:
+            graph.slot_ids[batch:].fill_(self.pad_slot)
+            graph.kv_lens[batch:].zero_()
         graph.graph.replay()
         return graph.logits[:batch]

@@ -1,12 +1,17 @@
 """Decode lane: the draft model proposes up to L tokens for every active sequence, one batched
-forward per drafted position."""
+forward per drafted position.
+
+Host work per step is one pass over the sequences and one host-to-device copy of their inputs;
+between the L forwards the rows advance on the device, and nothing is read back.
+"""
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from lanes.batching import pad_tokens, to_device
-from lanes.model_runner import ModelRunner
+from lanes.batching import pad_rows, pad_tokens, to_device
+from lanes.model_runner import ModelRunner, Rows
 from lanes.sampling import STREAM_DRAFT, SamplingTensors, draw
 from lanes.sequence import Sequence
 
@@ -20,15 +25,10 @@ class DraftProposal:
     tokens: torch.Tensor  # [B, L] int64, rows padded past their own length
     probs: torch.Tensor | None  # [B, L, V] the distribution q each token was drawn from; None when
     # every row is greedy (q is then one-hot at the token, and 4 bytes a token travel instead of 4 V)
-    num_draft: torch.Tensor  # [B] int64 on the device
 
     @classmethod
     def empty(cls, batch: int, device) -> "DraftProposal":
-        return cls(
-            torch.zeros(batch, 0, dtype=torch.long, device=device),
-            None,
-            torch.zeros(batch, dtype=torch.long, device=device),
-        )
+        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device), None)
 
 
 class DraftLane:
@@ -41,56 +41,56 @@ class DraftLane:
         device = self.runner.device
         if max_len == 0:
             return DraftProposal.empty(batch, device)
-        rows = [i for i, n in enumerate(draft_lens) if n > 0]
-        sub = [seqs[i] for i in rows]
-        self._catch_up(sub)
-        index = to_device(rows, torch.long, device)
-        st = SamplingTensors.build([s.params for s in sub], [s.seed for s in sub], device)
-        tokens, probs = self._draft(sub, max_len, st)
-        full_tokens = torch.zeros(batch, max_len, dtype=torch.long, device=device).index_copy_(0, index, tokens)
-        full_probs = None
-        if probs is not None:
-            full_probs = torch.zeros(batch, max_len, probs.shape[-1], device=device).index_copy_(0, index, probs)
-        for seq, n in zip(seqs, draft_lens):
-            if n > 0:
-                # Fed everything up to draft n - 1; draft n was sampled but not fed.
-                self.runner.pool.lengths[seq.draft_slot] = len(seq.token_ids) + n - 1
-        num_draft = to_device(draft_lens, torch.long, device)
-        return DraftProposal(full_tokens, full_probs, num_draft)
-
-    def _draft(self, seqs: list[Sequence], max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pool = self.runner.pool
+        drafting = [i for i, n in enumerate(draft_lens) if n > 0]
+        if len(drafting) < batch:
+            seqs, draft_lens = [seqs[i] for i in drafting], [draft_lens[i] for i in drafting]
         slots = [s.draft_slot for s in seqs]
-        kv_lens = [pool.lengths[slot] for slot in slots]
-        pending = [s.token_ids[n:] for s, n in zip(seqs, kv_lens)]  # 1 or 2 tokens after catch-up
-        ids, last = pad_tokens(pending, self.runner.device)
-        # Absolute position of draft j of row b: len(token_ids) + j.
-        base = to_device([len(s.token_ids) for s in seqs], torch.long, self.runner.device)[:, None]
+        num_tokens = [len(s.token_ids) for s in seqs]
+        self._catch_up(seqs, slots, num_tokens)
+        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
+        tokens, probs = self._draft(seqs, slots, num_tokens, draft_lens, max_len, st)  # [B', L], [B', L, V] | None
+        if len(drafting) == batch:
+            return DraftProposal(tokens, probs)
+        index = to_device(drafting, torch.long, device)
+        full_tokens = tokens.new_zeros(batch, max_len).index_copy_(0, index, tokens)
+        full_probs = None if probs is None else probs.new_zeros(batch, max_len, probs.shape[-1]).index_copy_(0, index, probs)
+        return DraftProposal(full_tokens, full_probs)
+
+    def _draft(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int], draft_lens: list[int],
+               max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pool = self.runner.pool
+        kv_lens = pool.lengths[slots].tolist()
+        # 1 or 2 tokens after catch-up: the last committed one, and the one before it after a full accept.
+        pending, last = pad_rows([s.token_ids[n:] for s, n in zip(seqs, kv_lens)])
+        # Every per-row input of the L forwards in one copy: [4 + Q, B].
+        host = to_device([slots, kv_lens, last, num_tokens, *zip(*pending)], torch.long, self.runner.device)
+        slot_ids, starts, keep, base = host[:4]  # base: absolute position of draft 0, len(token_ids)
+        logits = self.runner.forward(Rows(slot_ids, starts, max(kv_lens)), host[4:].T, keep=keep)  # [B, V]
+        rows = Rows(slot_ids, base, max(num_tokens))  # every row now holds its committed tokens
         tokens, probs = [], []
-        logits = self.runner.forward(slots, ids, kv_lens, keep=last)  # [B, V]
-        kv_lens = [n + len(p) for n, p in zip(kv_lens, pending)]
         for j in range(max_len):
-            token, q = draw(logits[:, None], st, base + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
+            token, q = draw(logits[:, None], st, base[:, None] + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
             tokens.append(token)
             if q is not None:
                 probs.append(q)
             if j + 1 < max_len:
-                logits = self.runner.forward(slots, token, kv_lens)[:, 0]
-                kv_lens = [n + 1 for n in kv_lens]
+                logits = self.runner.forward(rows, token)[:, 0]
+                rows = rows.advanced(1)
+        # Fed everything up to draft n - 1; draft n was sampled but not fed.
+        pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
         return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None  # [B, L], [B, L, V]
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
+    def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> None:
         """Feed tokens the draft has not seen (after a stretch with L = 0) until at most two remain,
         so that drafting itself starts from a short, bounded input."""
         pool = self.runner.pool
         while True:
-            behind = [s for s in seqs if len(s.token_ids) - pool.lengths[s.draft_slot] > 2]
+            behind = np.flatnonzero(np.subtract(num_tokens, pool.lengths[slots]) > 2).tolist()
             if not behind:
                 return
-            slots = [s.draft_slot for s in behind]
-            starts = [pool.lengths[slot] for slot in slots]
-            rows = [s.token_ids[n : min(n + CATCH_UP_CHUNK, len(s.token_ids) - 2)] for s, n in zip(behind, starts)]
-            ids, last = pad_tokens(rows, self.runner.device)
-            self.runner.forward(slots, ids, starts, keep=last, prefill=True)
-            for slot, n, row in zip(slots, starts, rows):
-                pool.lengths[slot] = n + len(row)
+            behind_slots = [slots[i] for i in behind]
+            starts = pool.lengths[behind_slots].tolist()
+            chunks = [seqs[i].token_ids[n : min(n + CATCH_UP_CHUNK, num_tokens[i] - 2)] for i, n in zip(behind, starts)]
+            ids, last = pad_tokens(chunks, self.runner.device)
+            self.runner.forward(self.runner.rows(behind_slots, starts), ids, keep=last, prefill=True)
+            pool.lengths[behind_slots] = np.add(starts, [len(chunk) for chunk in chunks])

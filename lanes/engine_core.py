@@ -190,13 +190,15 @@ class EngineCore:
             return outputs
 
     def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
-        draft_lens = [s.step_draft_len(self.config.max_draft_len) if self.draft_lane else 0 for s in running]
+        max_draft = self.config.max_draft_len
+        draft_lens = [s.step_draft_len(max_draft) for s in running] if self.draft_lane else [0] * len(running)
+        num_tokens = [len(s.token_ids) for s in running]
         self.streams.decode_after_current()  # verify follows decode, so it is ordered after them too
         with on(self.streams.decode):
             proposal = self._propose(running, draft_lens)
         batch = VerifyBatch(
             target_slots=[s.target_slot for s in running],
-            num_tokens=[len(s.token_ids) for s in running],
+            num_tokens=num_tokens,
             last_tokens=[s.token_ids[-1] for s in running],
             draft_tokens=proposal.tokens,
             draft_probs=proposal.probs,
@@ -207,10 +209,10 @@ class EngineCore:
         self.streams.verify_after_decode()
         with on(self.streams.verify):
             result = self.verifier.verify(batch)
+        if self.draft is not None:
+            rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
         outputs = []
         for seq, num_draft, tokens, num_accepted in zip(running, draft_lens, result.tokens, result.num_accepted):
-            if self.draft is not None:
-                rollback_after_verify(self.draft.pool, seq.draft_slot, len(seq.token_ids), num_accepted)
             seq.stats.observe(num_draft, num_accepted)
             self.total_stats.observe(num_draft, num_accepted)
             outputs.append(self._append(seq, tokens))

@@ -2,11 +2,13 @@
 
 The pool is one tensor so that it can be shared with another process in one handle (CUDA IPC) or
 copied per slot. Slot lengths live on the host: the scheduler needs them every step to build
-positions and masks, and keeping them there avoids a device-to-host sync per step.
+positions and masks, and keeping them there avoids a device-to-host sync per step. They are one
+numpy array, so a batch's lengths are read (`lengths[slots]`) and set in one operation, not per row.
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -39,7 +41,7 @@ class KVPool:
         full = (2, shape.num_layers, shape.num_slots + 1, shape.num_kv_heads, shape.capacity_tokens, shape.head_dim)
         self.kv = kv if kv is not None else torch.zeros(full, dtype=dtype, device=device)
         assert tuple(self.kv.shape) == full, f"pool tensor {tuple(self.kv.shape)} != {full}"
-        self.lengths = [0] * (shape.num_slots + 1)
+        self.lengths = np.zeros(shape.num_slots + 1, dtype=np.int64)
         self._free = list(range(shape.num_slots - 1, -1, -1))
 
     @property

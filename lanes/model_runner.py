@@ -1,5 +1,7 @@
 """One batched forward of an HF causal LM over rows that each sit at their own length in the pool."""
 
+from dataclasses import dataclass
+
 import torch
 
 from lanes.attention import POOL_ATTENTION, PoolAttentionMeta
@@ -11,6 +13,20 @@ from lanes.pool_cache import PoolCache
 
 KV_BOUND_MULTIPLE = 64  # round the gathered length up so shapes repeat (fewer allocator / kernel variants)
 GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer inputs (prefill) run eagerly
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where each row of a forward sits in the pool. Built once per lane step (`ModelRunner.rows`,
+    or from a lane's own packed copy) and advanced on the device between the forwards of a draft."""
+
+    slot_ids: torch.Tensor  # [B] int64 on the runner's device
+    starts: torch.Tensor  # [B] integer, on the device: tokens already in each row's slot
+    max_start: int  # host-side: the largest start (slot capacity check, keys the gather path reads)
+
+    def advanced(self, tokens: int) -> "Rows":
+        """The same rows after `tokens` more were written to each."""
+        return Rows(self.slot_ids, self.starts + tokens, self.max_start + tokens)
 
 
 class ModelRunner:
@@ -36,32 +52,38 @@ class ModelRunner:
         self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel) if use_fused else None
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
+        self._row_index = torch.arange(pool.shape.num_slots + 1, device=self.device)  # sliced, not rebuilt, per forward
+
+    def rows(self, slots: list[int], kv_lens: list[int]) -> Rows:
+        """`Rows` from host lists, in one host-to-device copy."""
+        slot_ids, starts = to_device([slots, kv_lens], torch.long, self.device)
+        return Rows(slot_ids, starts, max(kv_lens))
 
     @torch.inference_mode()
-    def forward(self, slots: list[int], input_ids: torch.Tensor, kv_lens: list[int], keep: torch.Tensor | None = None,
+    def forward(self, rows: Rows, input_ids: torch.Tensor, keep: torch.Tensor | None = None,
                 prefill: bool = False) -> torch.Tensor:
-        """Run the model on `input_ids` [B, Q] appended after `kv_lens` tokens of each row's slot.
+        """Run the model on `input_ids` [B, Q] appended after `rows.starts` tokens of each row's slot.
 
         Writes the Q new keys/values of every row (padding included, past the row's valid length,
         where nothing reads them). Returns float32 logits [B, Q, V], or [B, V] at the per-row
-        query index `keep` [B] when given. `prefill` forwards (prompt chunks, draft catch-up) run
-        eagerly: their widths vary, and a graph captured per (batch, width) would cost more than it saves.
+        query index `keep` [B] (on the device) when given. `prefill` forwards (prompt chunks, draft
+        catch-up) run eagerly: their widths vary, and a graph captured per (batch, width) would
+        cost more than it saves. Nothing here reads a device value back.
         """
         batch, q_len = input_ids.shape
-        assert len(slots) == batch == len(kv_lens), (len(slots), batch, len(kv_lens))
+        assert rows.slot_ids.shape[0] == batch == rows.starts.shape[0], (rows.slot_ids.shape, input_ids.shape)
         capacity = self.pool.shape.capacity_tokens
-        assert max(kv_lens) + q_len <= capacity, f"row would write past the slot capacity {capacity}"
-        slot_ids = to_device(slots, torch.long, self.device)
-        starts = to_device(kv_lens, torch.int32, self.device)
+        assert rows.max_start + q_len <= capacity, f"row would write past the slot capacity {capacity}"
         input_ids = input_ids.to(self.device)
-        rows = torch.arange(batch, device=self.device)
+        index = self._row_index[:batch]
         if self.graphs is not None and not prefill and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
-            logits = self.graphs(slot_ids, starts, input_ids)  # [B, Q, V], replayed
-            return logits[rows, keep.to(self.device)] if keep is not None else logits
-        hidden = self._hidden(slot_ids, starts, input_ids, max(kv_lens) + q_len)  # [B, Q, H]
+            logits = self.graphs(rows.slot_ids, rows.starts, input_ids)  # [B, Q, V], replayed
+            return logits[index, keep] if keep is not None else logits
+        starts = rows.starts.to(torch.int32)
+        hidden = self._hidden(rows.slot_ids, starts, input_ids, rows.max_start + q_len)  # [B, Q, H]
         if keep is not None:
             # Only the rows' last tokens need logits: skip the LM head on the rest (prefill, catch-up).
-            hidden = hidden[rows, keep.to(self.device)]  # [B, H]
+            hidden = hidden[index, keep]  # [B, H]
         return self.lm_head(hidden).float()
 
     def _logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ class PrefillLane:
 
     @staticmethod
     def _write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, last) -> torch.Tensor:
-        logits = runner.forward(slots, ids, starts, keep=last, prefill=True)  # [B, V]
+        logits = runner.forward(runner.rows(slots, starts), ids, keep=last, prefill=True)  # [B, V]
         for slot, chunk in zip(slots, chunks):
             runner.pool.lengths[slot] = chunk.start + chunk.length
         return logits

@@ -51,13 +51,12 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_d
     """The rule above when every row is greedy (p and q one-hot): a draft is accepted iff it is
     the target's argmax, and the token after the accepted prefix is the target's argmax there.
     Same result as rejection_sample on one-hot inputs, without building them."""
-    batch, max_draft = draft_tokens.shape
+    max_draft = draft_tokens.shape[1]
     target = target_logits.argmax(dim=-1)  # [B, L + 1]
-    in_draft = torch.arange(max_draft, device=draft_tokens.device)[None, :] < num_draft[:, None]
-    accepted = (draft_tokens == target[:, :max_draft]) & in_draft
-    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
-    columns = torch.arange(max_draft + 1, device=target.device)[None, :]
-    tokens = torch.where(columns <= num_accepted[:, None], target, torch.full_like(target, -1))
+    columns = torch.arange(max_draft + 1, device=target.device)  # [L + 1]
+    accepted = (draft_tokens == target[:, :max_draft]) & (columns[:max_draft] < num_draft[:, None])  # [B, L]
+    num_accepted = accepted.cumprod(dim=-1).sum(dim=-1)  # [B] int64
+    tokens = target.masked_fill(columns > num_accepted[:, None], -1)
     return RejectionOutput(tokens, num_accepted)
 
 

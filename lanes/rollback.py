@@ -12,8 +12,11 @@ hides them until then. (HF's DynamicCache is mutated in place by forward passes,
 copying caches would not be safe; lengths over a fixed pool are.)
 """
 
+import numpy as np
+
 from lanes.kv_pool import KVPool
 
 
-def rollback_after_verify(pool: KVPool, slot: int, num_tokens_before: int, num_accepted: int) -> None:
-    pool.lengths[slot] = min(pool.lengths[slot], num_tokens_before + num_accepted)
+def rollback_after_verify(pool: KVPool, slots: list[int], num_tokens_before, num_accepted) -> None:
+    """Every row of a verified batch at once: `slots` [B], T [B] and k [B] (lists or arrays)."""
+    pool.lengths[slots] = np.minimum(pool.lengths[slots], np.add(num_tokens_before, num_accepted))

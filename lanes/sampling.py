@@ -23,25 +23,26 @@ STREAM_TARGET = 3
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters of a batch, on the device. All [B]."""
+    """Per-row sampling parameters of a batch, on the device. All [B]; None when every row is
+    greedy (nothing then reads them, so nothing is copied to the device)."""
 
-    temperature: torch.Tensor  # float32, 0 marks greedy rows
-    top_k: torch.Tensor  # int64, 0 disables
-    top_p: torch.Tensor  # float32, 1 disables
-    seeds: torch.Tensor  # int64
+    temperature: torch.Tensor | None  # float32, 0 marks greedy rows
+    top_k: torch.Tensor | None  # int64, 0 disables
+    top_p: torch.Tensor | None  # float32, 1 disables
+    seeds: torch.Tensor | None  # int64
     needs_filter: bool  # host-side: skip the vocab sort when no row uses top-k or top-p
     all_greedy: bool  # host-side: every row is greedy, so no probabilities or noise are needed
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
-        return cls(
-            temperature=to_device([p.temperature for p in params], torch.float32, device),
-            top_k=to_device([p.top_k for p in params], torch.long, device),
-            top_p=to_device([p.top_p for p in params], torch.float32, device),
-            seeds=to_device(seeds, torch.long, device),
-            needs_filter=any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy),
-            all_greedy=all(p.greedy for p in params),
-        )
+        if all(p.greedy for p in params):
+            return cls(None, None, None, None, needs_filter=False, all_greedy=True)
+        # Two host-to-device copies, one per dtype.
+        temperature, top_p = to_device([[p.temperature for p in params], [p.top_p for p in params]], torch.float32,
+                                       device)
+        top_k, seeds_t = to_device([[p.top_k for p in params], seeds], torch.long, device)
+        needs_filter = any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
+        return cls(temperature, top_k, top_p, seeds_t, needs_filter, all_greedy=False)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -73,13 +74,15 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     token is the target's argmax" with no special case.
     """
     assert logits.dim() == 3, logits.shape
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if st.all_greedy:
+        return one_hot
     greedy = (st.temperature == 0)[:, None, None]  # [B, 1, 1]
     temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     scaled = logits / temp[:, None, None]
     if st.needs_filter:
         scaled = _filter_top_k_top_p(scaled, st.top_k, st.top_p)
     probs = torch.softmax(scaled, dim=-1)
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
 
 

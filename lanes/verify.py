@@ -2,14 +2,17 @@
 
 The lane owns the target's KV pool. Its input is a `VerifyBatch` (token ids and draft
 probabilities, the only things that travel from the decode lane) and its output is host lists.
+Per step: one host-to-device copy of the rows' inputs, one device-to-host copy of the result, and
+the pool's lengths set for the whole batch at once.
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lanes.batching import to_device
-from lanes.model_runner import ModelRunner
+from lanes.model_runner import ModelRunner, Rows
 from lanes.params import SamplingParams
 from lanes.rejection import greedy_verify, rejection_sample
 from lanes.rollback import rollback_after_verify
@@ -54,37 +57,33 @@ class VerifyLane:
         ordinary decode step of the target."""
         device = self.runner.device
         slots, num_tokens = batch.target_slots, batch.num_tokens
-        kv_lens = [self.pool.lengths[slot] for slot in slots]
-        assert kv_lens == [t - 1 for t in num_tokens], "target must lag by exactly one token"
+        kv_lens = np.subtract(num_tokens, 1)
+        assert (self.pool.lengths[slots] == kv_lens).all(), "target must lag by exactly one token"
         st = SamplingTensors.build(batch.params, batch.seeds, device)
-        last = to_device(batch.last_tokens, torch.long, device)[:, None]
+        slot_ids, starts, last, num_draft = to_device([slots, kv_lens.tolist(), batch.last_tokens, batch.num_draft],
+                                                      torch.long, device)
         drafts = batch.draft_tokens.to(device)
-        ids = torch.cat([last, drafts], dim=1)  # [B, L + 1]
-        logits = self.runner.forward(slots, ids, kv_lens)  # [B, L + 1, V]
-        num_draft = to_device(batch.num_draft, torch.long, device)
+        ids = torch.cat([last[:, None], drafts], dim=1)  # [B, L + 1]
+        logits = self.runner.forward(Rows(slot_ids, starts, int(kv_lens.max())), ids)  # [B, L + 1, V]
         if st.all_greedy:
             out = greedy_verify(drafts, logits, num_draft)
         else:
-            out = self._sample(logits, drafts, batch.draft_probs, num_draft, num_tokens, st)
+            out = self._sample(logits, drafts, batch.draft_probs, num_draft, starts + 1, st)
         # The step's single device-to-host transfer: accepted tokens and their count per row.
-        host = torch.cat([out.tokens, out.num_accepted[:, None]], dim=1).cpu().tolist()
-        tokens, accepted = [], []
-        for slot, t, n, row in zip(slots, num_tokens, batch.num_draft, host):
-            k = row[-1]
-            self.pool.lengths[slot] = t + n  # what this forward wrote for the row's real drafts
-            rollback_after_verify(self.pool, slot, t, k)
-            tokens.append(row[: k + 1])
-            accepted.append(k)
-        return VerifyResult(tokens, accepted)
+        host = torch.cat([out.tokens, out.num_accepted[:, None]], dim=1).cpu()
+        accepted = host[:, -1].numpy()
+        self.pool.lengths[slots] = np.add(num_tokens, batch.num_draft)  # what this forward wrote for the real drafts
+        rollback_after_verify(self.pool, slots, num_tokens, accepted)
+        return VerifyResult([row[: row[-1] + 1] for row in host.tolist()], accepted.tolist())
 
-    def _sample(self, logits, drafts, draft_probs, num_draft, num_tokens: list[int], st: SamplingTensors):
+    def _sample(self, logits, drafts, draft_probs, num_draft, num_tokens: torch.Tensor, st: SamplingTensors):
         device = logits.device
         p = logits_to_probs(logits, st)  # [B, L + 1, V]
         max_draft = drafts.shape[1]
         if draft_probs is None:  # greedy drafting rows: q is one-hot at the drafted token
             draft_probs = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
         # Row b's token at column c lands at absolute position T_b + c.
-        positions = to_device(num_tokens, torch.long, device)[:, None] + torch.arange(max_draft + 1, device=device)
+        positions = num_tokens[:, None] + torch.arange(max_draft + 1, device=device)
         return rejection_sample(
             drafts, draft_probs.to(device), p, num_draft,
             uniform_noise(st.seeds, positions[:, :max_draft], STREAM_ACCEPT),
