@@ -26,6 +26,9 @@ Signals, as read from the replicas' `stats()`:
                             replica's.
     requests                per request: spec-decode counter deltas since the previous read. A request's
                             last steps before it finishes fall between two reads and are not seen.
+    step_totals             per decode replica that stepped since the previous read: its steps that
+                            verified a batch, their time, rows, draft tokens and drafter forwards (deltas;
+                            the samples of the step-cost model).
 """
 
 import asyncio
@@ -38,7 +41,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 
 from controller.config import ControllerConfig
 from controller.policy import Decision, PolicyState, decide
-from controller.signals import LaneSignals, RequestDraftStats
+from controller.signals import LaneSignals, RequestDraftStats, StepTotals
 
 # Serve sends the "ray.serve" logger (INFO and up) to the replica's log file; a logger of our own would
 # stay at the root's WARNING and drop every decision line.
@@ -47,6 +50,7 @@ log = logging.getLogger("ray.serve")
 # A stats() call waits for the engine's current step; under CPU load a step can take seconds.
 STATS_TIMEOUT_S = 10.0
 _COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+_STEP_TOTALS = ("num_steps", "step_ms", "rows", "draft_tokens", "draft_forwards")
 
 
 class SignalReader:
@@ -54,6 +58,7 @@ class SignalReader:
 
     def __init__(self):
         self._counters: dict[str, tuple[int, int, int]] = {}  # request id -> counters at the previous read
+        self._step_totals: dict[str, dict] = {}  # replica id -> its step totals at the previous read
         self._arrivals: int | None = None
         self._read_at_s: float | None = None
 
@@ -65,6 +70,7 @@ class SignalReader:
             arrival_rate_rps=self._arrival_rate(sum(s["num_arrivals"] for s in decode), now_s),
             requests_per_verify_batch=requests_per_verify_batch(decode, verify),
             requests=self._request_deltas(decode),
+            step_totals=self._step_deltas(decode),
         )
 
     def _arrival_rate(self, arrivals: int, now_s: float) -> float:
@@ -82,6 +88,18 @@ class SignalReader:
             before = self._counters.get(rid, (0, 0, 0))
             deltas[rid] = RequestDraftStats(*(n - b for n, b in zip(now, before)))
         self._counters = current  # finished requests drop out here
+        return deltas
+
+    def _step_deltas(self, decode: list[dict]) -> list[StepTotals]:
+        current = {s["step_totals"]["replica"]: s["step_totals"] for s in decode}
+        deltas = []
+        for replica, now in current.items():
+            # A replica seen for the first time (or restarted, with a new id) counts from 0.
+            before = self._step_totals.get(replica, {})
+            delta = StepTotals(*(now[k] - before.get(k, 0) for k in _STEP_TOTALS))
+            if delta.num_steps > 0:
+                deltas.append(delta)
+        self._step_totals = current
         return deltas
 
 
@@ -161,6 +179,7 @@ class ControllerServer:
         return {"decision_index": self.policy.decision_index, "default_draft_len": d.default_draft_len,
                 "per_request_draft_len": d.per_request_draft_len, "load": str(d.load),
                 "fleet_accept_rate": d.fleet_accept_rate, "draft_len_cap": d.draft_len_cap, "reason": d.reason,
+                "step_cost": asdict(d.step_cost) if d.step_cost is not None else None,
                 "signals": asdict(d.signals), "num_pushes": self.num_pushes}
 
     async def _run(self) -> None:

@@ -98,12 +98,37 @@ class ControllerConfig(BaseModel):
     )
     draft_cost_ratio: float = Field(
         default=0.1, gt=0, lt=1, description="Cost of one drafter step relative to one verify step (the `c` of "
-        "Leviathan et al. 2023). Sets the L that maximises tokens per unit cost for a given acceptance rate.",
+        "Leviathan et al. 2023). Sets the L that maximises tokens per unit cost for a given acceptance rate; the "
+        "step-cost model also takes this share of each step time as the drafter's, so set it to the measured "
+        "ratio (drafter forward / target forward over the same rows).",
     )
     min_gain_frac: float = Field(
-        default=0.02, ge=0, description="Relative gain in expected tokens per unit cost a new L must promise "
-        "over the current one before the controller moves toward it; stops flapping between neighbouring L "
-        "whose values are nearly equal.",
+        default=0.02, ge=0, description="Relative gain in expected tokens per unit cost (per second, for the "
+        "step-cost cap) a new L must promise over the current one before the controller moves toward it; stops "
+        "flapping between neighbouring L whose values are nearly equal.",
+    )
+    step_cost_enabled: bool = Field(
+        default=True, description="Cap the default L by a step-cost model learned online from the decode "
+        "replicas' step times (controller/cost_model.py): with n requests per verify batch and the fleet's "
+        "acceptance, the L with the most expected tokens per second, n E(a, L) / (t(n (L + 1)) + c L t(n)), "
+        "and 0 where none beats speculation off by `spec_min_gain_frac` (compute-bound verification; needs "
+        "`min_draft_len` 0). Before the replicas have stepped, a step's cost is taken as independent of L.",
+    )
+    spec_min_gain_frac: float = Field(
+        default=0.03, ge=0, description="Relative gain in expected tokens per second that the fastest L > 0 "
+        "must promise over L = 0 for the step-cost model to leave speculation on: a margin for the model's "
+        "error, so that speculation runs only where it pays.",
+    )
+    step_cost_window_decisions: int = Field(
+        default=30, ge=1, description="Decisions whose step samples (one per decode replica per decision) "
+        "the step-cost model is fitted to: long enough to span several draft lengths and batch sizes, short "
+        "enough to follow a change of model, context length or hardware.",
+    )
+    step_cost_spread_frac: float = Field(
+        default=0.02, gt=0, description="Spread of the window's tokens per step (standard deviation over "
+        "mean) at which the window's own slope weighs as much as the previous fit's. A window with less "
+        "spread (a steady load at one L) keeps the slope it learned, rather than forgetting what longer "
+        "drafts cost.",
     )
     arrival_surge_ratio: float = Field(
         default=1.5, gt=1, description="Arrival rate above this multiple of its EWMA counts as a surge: L is "

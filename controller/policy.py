@@ -6,20 +6,25 @@ What it decides
       all per-request L): driven to `min_draft_len` (0 = speculation off) while the lanes saturate, raised
       while there is headroom and the fleet's acceptance pays for it, up to the longest L that any
       request's acceptance rate justifies, and never above a load cap: the longest L whose verify batches,
-      with the requests now in flight, stay within `verify_token_budget` tokens;
+      with the requests now in flight, stay within `verify_token_budget` tokens; nor above the cost cap:
+      the L with the most expected tokens per second under a step-cost model fitted online to the
+      replicas' step times (controller/cost_model.py), 0 where verification is so compute-bound that no
+      L > 0 beats speculation off by `spec_min_gain_frac`;
     - a per-request L: the L that maximises expected tokens per unit cost for that request's acceptance
       rate, capped by the default, so requests whose drafts keep failing get shorter drafts.
     Every L moves at most `max_step` per decision, and only after `raise_dwell` / `lower_dwell`
     consecutive decisions point the same way; queue, acceptance and load-cap thresholds come in low/high
     pairs. Load is shed faster than it is taken: a default L above the load cap falls to it in one move
     (after `lower_dwell`), a decode p95 beyond `shed_margin_frac` over its target cuts it at once in
-    proportion, and a per-request L above the default falls to it at once; rises stay stepped.
+    proportion, and a per-request L above the default falls to it at once; rises stay stepped. The cost
+    cap moves L with the usual dwell and steps: it is about throughput, not latency.
 
 How the controller actor applies it (controller/actor.py)
     Decode replicas (DecodeLane) expose:
         stats() -> dict with running totals: per request in flight its draft_len and cumulative
             num_drafts, num_draft_tokens, num_accepted_tokens; waiting / prefilling / running counts,
-            max_num_seqs, num_arrivals, step_p95_ms
+            max_num_seqs, num_arrivals, step_p95_ms; step_totals (the replica's verifying steps: their
+            number, time, rows, draft tokens and drafter forwards)
         set_draft_lengths(default_len: int, per_request: dict[str, int]) -> None
             (a request missing from `per_request` runs at `default_len`)
     Each decision the actor:
@@ -27,7 +32,8 @@ How the controller actor applies it (controller/actor.py)
            totals into per-interval deltas, and merges them into one `LaneSignals`: decode p95 = max
            over replicas (the slowest replica bounds the latency target), arrival rate from the arrival
            counts, requests per verify batch = running + queued of the busiest replica (pdv: of all, per
-           verify replica), requests = union (a request lives on one decode replica);
+           verify replica), requests = union (a request lives on one decode replica), step totals = one
+           per decode replica that stepped;
         2. state, decision = decide(state, signals, config), starting from PolicyState.initial(config);
         3. broadcasts set_draft_lengths(decision.default_draft_len, per-request lengths) when a replica
            reports lengths that differ from the decision;
@@ -40,6 +46,7 @@ from enum import StrEnum
 from typing import Self
 
 from controller.config import ControllerConfig
+from controller.cost_model import StepCost, StepCostModel, fastest_draft_len, observe_steps
 from controller.signals import LaneSignals, estimate_acceptance_rate, ewma, expected_tokens_per_step
 
 
@@ -74,6 +81,11 @@ class PolicyState:
     arrival_rate_ewma_rps: float | None
     in_flight_ewma: float | None = None  # EWMA of requests_per_verify_batch
     in_flight_last: float = 0.0  # requests_per_verify_batch of the previous decision
+    # Per-token acceptance over the requests that drafted, EWMA over decisions. Unlike the per-decision
+    # fleet rate it outlives L = 0, where nothing drafts: the cost model needs it to tell when
+    # speculation would pay again.
+    fleet_accept_ewma: float | None = None
+    step_cost: StepCostModel = StepCostModel()
 
     @classmethod
     def initial(cls, config: ControllerConfig) -> Self:
@@ -88,9 +100,10 @@ class Decision:
     per_request_draft_len: dict[str, int]
     load: Load
     fleet_accept_rate: float | None  # per-token a, mean over requests that drafted; None if none did
-    draft_len_cap: int  # the highest default L the load allowed this decision (load cap, p95 shed)
+    draft_len_cap: int  # the highest default L the load and the step cost allowed (load, p95 shed, cost cap)
     reason: str
     signals: LaneSignals
+    step_cost: StepCost | None = None  # the step-cost fit behind the cost cap; None while there is none
 
 
 def tokens_per_cost(accept_rate: float, draft_len: int, draft_cost_ratio: float) -> float:
@@ -142,6 +155,26 @@ def load_cap_draft_len(requests_per_batch: float, config: ControllerConfig) -> i
     return min(config.max_draft_len, max(config.min_draft_len, fit))
 
 
+def batch_rows(signals: LaneSignals) -> float | None:
+    """Requests per verify batch as the steps of this interval saw them: the mean rows per step of the
+    busiest decode replica (the step-cost fit is per replica too). None when no replica stepped."""
+    rows = [t.rows / t.num_steps for t in signals.step_totals if t.num_steps > 0]
+    return max(rows) if rows else None
+
+
+def cost_cap_draft_len(
+    cost: StepCost | None, rows: float | None, accept_rate: float | None, current: int, config: ControllerConfig
+) -> int:
+    """The L with the most expected tokens per second at `rows` requests per verify batch under the step
+    cost (controller/cost_model.py), 0 where no L > 0 beats speculation off by `spec_min_gain_frac`. No cap
+    (max_draft_len) while the model is off or lacks a fit, a batch (idle lanes are not compute-bound) or
+    an acceptance rate."""
+    if not config.step_cost_enabled or cost is None or rows is None or accept_rate is None:
+        return config.max_draft_len
+    return fastest_draft_len(cost, rows, accept_rate, current, config.min_draft_len, config.max_draft_len,
+                             config.draft_cost_ratio, config.min_gain_frac, config.spec_min_gain_frac)
+
+
 def shed_draft_len(current: int, decode_p95_ms: float, config: ControllerConfig) -> int | None:
     """Where a decode p95 beyond `shed_margin_frac` over its target cuts the default L at once; None when
     the p95 is within the margin. A step's time grows with the tokens it verifies, L + 1 per request, so
@@ -178,13 +211,17 @@ def default_target(
     fleet_accept: float | None,
     surge: bool,
     raise_cap: int,
+    cost_cap: int,
     config: ControllerConfig,
 ) -> tuple[int, str]:
     """Where the default L should head this decision, and why. `fleet_accept` is None when nothing was
     drafted (e.g. at L = 0): no evidence, so it neither blocks a raise nor forces a cut. `raise_cap` is
-    the load cap with headroom: the highest L a raise may head for."""
+    the load cap with headroom: the highest L a raise may head for. `cost_cap` is the fastest L under the
+    step cost: L above it falls to it, a raise stops at it."""
     if load is Load.SATURATED:
         return config.min_draft_len, "saturated: shed draft tokens"
+    if cost_cap < current:
+        return cost_cap, f"lower: the step cost makes L {cost_cap} the fastest"
     if wanted > current:
         if load is not Load.HEADROOM:
             return current, f"hold: requests want {wanted} but no headroom"
@@ -194,7 +231,9 @@ def default_target(
             return current, f"hold: requests want {wanted} but fleet acceptance < {config.accept_raise_min}"
         if raise_cap <= current:
             return current, f"hold: requests want {wanted} but the load cap with headroom is {raise_cap}"
-        return min(wanted, raise_cap), f"raise: headroom and requests want {wanted}"
+        if cost_cap <= current:
+            return current, f"hold: requests want {wanted} but the step cost makes L {cost_cap} the fastest"
+        return min(wanted, raise_cap, cost_cap), f"raise: headroom and requests want {wanted}"
     if wanted < current and fleet_accept is not None and fleet_accept < config.accept_lower_below:
         return wanted, f"lower: fleet acceptance < {config.accept_lower_below}, requests want {wanted}"
     return current, "hold"
@@ -249,19 +288,30 @@ def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -
     in_flight_ewma = ewma(state.in_flight_ewma, in_flight, config.ewma_alpha)
     raise_cap = load_cap_draft_len(max(in_flight, in_flight_ewma) / config.decode_headroom_frac, config)
     shed = shed_draft_len(current, signals.decode_step_p95_ms, config)
-    target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, config)
+    fleet_accept_ewma = (state.fleet_accept_ewma if fleet_accept is None
+                         else ewma(state.fleet_accept_ewma, fleet_accept, config.ewma_alpha))
+    step_cost = state.step_cost
+    if config.step_cost_enabled:
+        step_cost = observe_steps(step_cost, signals.step_totals, index, config.step_cost_window_decisions,
+                                  config.draft_cost_ratio, config.step_cost_spread_frac)
+    rows = batch_rows(signals)
+    cost_cap = cost_cap_draft_len(step_cost.fit, rows, fleet_accept_ewma, current, config)
+    target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, cost_cap, config)
     default = next_default(state.default, target, load_cap, shed, config)
     requests = _next_requests(state, signals, accept_rates, default.draft_len, index, config)
     arrival_ewma_rps = ewma(state.arrival_rate_ewma_rps, signals.arrival_rate_rps, config.ewma_alpha)
-    new_state = PolicyState(index, default, requests, arrival_ewma_rps, in_flight_ewma, in_flight)
+    new_state = PolicyState(index, default, requests, arrival_ewma_rps, in_flight_ewma, in_flight,
+                            fleet_accept_ewma, step_cost)
     per_request = {rid: r.knob.draft_len for rid, r in requests.items()}
-    cap = load_cap if shed is None else min(load_cap, shed)
+    cap = min(load_cap, cost_cap) if shed is None else min(load_cap, cost_cap, shed)
     reason = (
         f"{load}: {load_why}; default L {current} -> {default.draft_len} "
-        f"(target {target}, {target_why}{_cap_why(load_cap, in_flight, shed, config)}, "
+        f"(target {target}, {target_why}{_cap_why(load_cap, in_flight, shed, config)}"
+        f"{_cost_why(cost_cap, step_cost.fit, rows, fleet_accept_ewma, config)}, "
         f"streak {default.streak}); {_request_moves(state, requests)}; fleet acceptance {_fmt(fleet_accept)}"
     )
-    return new_state, Decision(default.draft_len, per_request, load, fleet_accept, cap, reason, signals)
+    decision = Decision(default.draft_len, per_request, load, fleet_accept, cap, reason, signals, step_cost.fit)
+    return new_state, decision
 
 
 def _accept_rates(
@@ -324,6 +374,15 @@ def _cap_why(load_cap: int, in_flight: float, shed: int | None, config: Controll
     if shed is not None:
         why += f", shed to {shed}: decode p95 > {1 + config.shed_margin_frac:g} x target"
     return why
+
+
+def _cost_why(
+    cost_cap: int, cost: StepCost | None, rows: float | None, accept_rate: float | None, config: ControllerConfig
+) -> str:
+    if not config.step_cost_enabled or cost is None or rows is None or accept_rate is None:
+        return ""
+    return (f", step cost {cost.t0_ms:.2f} + {cost.slope_ms_per_token:.4f} ms/token: L {cost_cap} fastest at "
+            f"{rows:.1f} rows and acceptance {accept_rate:.3f}")
 
 
 def _fmt(value: float | None) -> str:

@@ -31,6 +31,26 @@ class RequestDraftStats:
 
 
 @dataclass(frozen=True)
+class StepTotals:
+    """One decode replica's engine steps that verified a batch, summed over one interval (deltas of the
+    replica's running totals): what the step-cost model (controller/cost_model.py) is fitted to."""
+
+    num_steps: int
+    step_ms: float  # their wall time: drafting, verification and any prefill chunk run in the same step
+    rows: int  # requests verified, summed over the steps
+    draft_tokens: int  # draft tokens verified, summed: a step verified rows + draft_tokens tokens
+    # Drafter forwards, summed: per step the mean L of its rows that drafted (the drafter runs max L
+    # forwards; the two agree when those rows share one L, as they do under one default L).
+    draft_forwards: float
+
+    def __post_init__(self) -> None:
+        if min(self.num_steps, self.step_ms, self.rows, self.draft_tokens, self.draft_forwards) < 0:
+            raise ValueError(f"negative step total: {self}")
+        if self.rows < self.num_steps:
+            raise ValueError(f"every counted step verifies at least one row: {self}")
+
+
+@dataclass(frozen=True)
 class LaneSignals:
     """One snapshot of the lanes, assembled by the controller actor before each decision."""
 
@@ -42,6 +62,7 @@ class LaneSignals:
     # batches will hold. It rises as soon as arrivals outrun completions, before a queue forms. 0 = unknown.
     requests_per_verify_batch: float = 0.0
     requests: dict[str, RequestDraftStats] = field(default_factory=dict)  # request id -> counter deltas
+    step_totals: list[StepTotals] = field(default_factory=list)  # one per decode replica that stepped
 
     def __post_init__(self) -> None:
         signals = (self.verify_queue_depth, self.decode_step_p95_ms, self.arrival_rate_rps,

@@ -1,7 +1,9 @@
-"""What the decode-lane replica exports after every engine step (Ray metrics), and the recent
-step times whose p95 its stats() reports to the controller."""
+"""What the decode-lane replica exports after every engine step (Ray metrics), and what its stats()
+reports to the controller: the p95 of the recent step times, and running totals of the steps that
+verified a batch (the samples of the controller's step-cost model)."""
 
 import time
+import uuid
 from collections import deque
 
 from deployments.metrics import LaneMetrics
@@ -18,10 +20,16 @@ class EngineMetrics:
         self._steps: deque[tuple[float, float]] = deque()  # (monotonic time s, step time ms)
         self._exported = SpecDecodeStats()
         self._gauges_set_at_s = 0.0
+        # Running totals; the controller takes deltas. The id tells it a restarted replica (whose totals
+        # start again from 0) from this one.
+        self._verify_steps = {"replica": uuid.uuid4().hex, "num_steps": 0, "step_ms": 0.0, "rows": 0,
+                              "draft_tokens": 0, "draft_forwards": 0.0}
 
     def on_step(self, core: EngineCore, step_ms: float, batch_size: int) -> None:
         """After every engine step, on the engine thread."""
         self._steps.append((time.monotonic(), step_ms))
+        if batch_size:  # a step that only prefilled says nothing about what verification costs
+            self._count_verify_step(core.total_stats, step_ms, batch_size)
         self.metrics.observe_step(step_ms, batch_size)  # also samples the GPU now and then
         for seq in core.scheduler.running:
             self.metrics.observe_request_draft_length(seq.draft_len)
@@ -43,6 +51,24 @@ class EngineMetrics:
         if target_pool is not None:
             self.metrics.set_kv_slots(target_pool.num_used, target_pool.shape.num_slots, "target")
         self.metrics.set_draft_length(core.default_draft_len)
+
+    def _count_verify_step(self, total: SpecDecodeStats, step_ms: float, rows: int) -> None:
+        # Before _export_spec: the spec counters' change since the last export is this step's.
+        drafts = total.num_drafts - self._exported.num_drafts
+        draft_tokens = total.num_draft_tokens - self._exported.num_draft_tokens
+        t = self._verify_steps
+        t["num_steps"] += 1
+        t["step_ms"] += step_ms
+        t["rows"] += rows
+        t["draft_tokens"] += draft_tokens
+        # The drafter ran max L forwards over the rows that drafted; the counters give their mean L,
+        # the same number when those rows share one L.
+        t["draft_forwards"] += draft_tokens / drafts if drafts else 0.0
+
+    def verify_step_totals(self) -> dict:
+        """Running totals of the steps that verified a batch: their number, wall time (ms), rows, draft
+        tokens and drafter forwards, with this replica's id."""
+        return dict(self._verify_steps)
 
     def _export_spec(self, total: SpecDecodeStats) -> None:
         # Ray counters take increments: export what changed since the last step.

@@ -78,6 +78,7 @@ class EngineServer:
                 "default_draft_len": core.default_draft_len,
                 "spec_decode": core.total_stats.to_dict(),
                 "step_p95_ms": self.metrics.step_p95_ms(),
+                "step_totals": self.metrics.verify_step_totals(),
                 "target_slots_used": getattr(getattr(core.verifier, "pool", None), "num_used", None),
                 "num_arrivals": self.num_arrivals,
                 # Engine steps and the stream messages they became (what serving_overhead.py reads).

@@ -12,8 +12,15 @@ import pytest
 from pydantic import ValidationError
 
 from controller.config import ControllerConfig
+from controller.cost_model import StepCost, tokens_per_s
 from controller.policy import Decision, Load, PolicyState, decide, load_cap_draft_len, optimal_draft_len
-from controller.signals import LaneSignals, RequestDraftStats, estimate_acceptance_rate, expected_tokens_per_step
+from controller.signals import (
+    LaneSignals,
+    RequestDraftStats,
+    StepTotals,
+    estimate_acceptance_rate,
+    expected_tokens_per_step,
+)
 
 VERIFY_STEPS_PER_DECISION = 20
 
@@ -37,6 +44,11 @@ BASE_CONFIG = dict(
     min_gain_frac=0.02,
     arrival_surge_ratio=1.5,
     request_ttl_decisions=10,
+    # Inert in the traces without step totals: no fit, no cost cap.
+    step_cost_enabled=True,
+    spec_min_gain_frac=0.03,
+    step_cost_window_decisions=30,
+    step_cost_spread_frac=0.02,
 )
 
 
@@ -70,14 +82,18 @@ def _run(
     num_decisions: int,
     seed: int = 0,
     state: PolicyState | None = None,
+    steps_at: Callable[[int, int], list[StepTotals]] | None = None,
 ) -> tuple[PolicyState, list[Decision]]:
+    """`steps_at(i, default L)`: the replicas' step totals of decision i, where their steps ran at the L
+    of the previous decision (closed loop, like the drafts)."""
     rng = random.Random(seed)
     state = state or PolicyState.initial(config)
     per_request, default_len = {rid: r.knob.draft_len for rid, r in state.requests.items()}, state.default.draft_len
     decisions = []
     for i in range(num_decisions):
         requests = {rid: _draft(rng, a, per_request.get(rid, default_len)) for rid, a in true_accept.items()}
-        state, decision = decide(state, replace(lane_at(i), requests=requests), config)
+        step_totals = steps_at(i, default_len) if steps_at is not None else []
+        state, decision = decide(state, replace(lane_at(i), requests=requests, step_totals=step_totals), config)
         per_request, default_len = decision.per_request_draft_len, decision.default_draft_len
         decisions.append(decision)
     return state, decisions
@@ -284,6 +300,108 @@ def test_decode_p95_far_over_target_sheds_at_once_in_proportion():
     assert _defaults(mild) == [8, 6, 4, 2]
 
 
+# --- step cost: speculation off where verification is compute-bound, back on where it is not ----------
+
+# A compute-bound target: a forward costs 3 ms + 0.1 ms per verified token, 9.4 ms at 64 tokens and 35 ms
+# at 320 (a large model at a large batch; an H200 running a 7B target at batch 64, ~10 ms at 64 tokens and
+# ~13 ms at 320, is memory-bound enough that L = 4 at a = 0.7 yields 1.8x the tokens per second of L = 0).
+COMPUTE_BOUND = StepCost(3.0, 0.1)
+FLAT = StepCost(10.0, 0.0)  # memory-bound: a step costs 10 ms whatever it verifies
+STEPS_PER_DECISION = 50
+
+
+def _steps(cost_at: Callable[[int], StepCost], rows_at: Callable[[int], int], seed: int
+           ) -> Callable[[int, int], list[StepTotals]]:
+    """One decode replica whose batch holds `rows_at(i)` requests all drafting at the default L, every step
+    costing `cost_at(i).step_ms` (drafting included, c = draft_cost_ratio) with 1 % Gaussian noise."""
+    rng = random.Random(seed)
+
+    def steps_at(i: int, draft_len: int) -> list[StepTotals]:
+        rows, cost = rows_at(i), cost_at(i)
+        step_ms = cost.step_ms(rows, draft_len, BASE_CONFIG["draft_cost_ratio"])
+        total_ms = sum(step_ms * (1.0 + rng.gauss(0.0, 0.01)) for _ in range(STEPS_PER_DECISION))
+        n = STEPS_PER_DECISION
+        return [StepTotals(n, total_ms, rows * n, rows * draft_len * n, draft_len * n)]
+
+    return steps_at
+
+
+def _batch_of(*rows: int) -> Callable[[int], int]:
+    """Requests per verify batch cycling through `rows`: a steady load whose batch still wanders."""
+    return lambda i: rows[i % len(rows)]
+
+
+def _compute_bound_run(config: ControllerConfig) -> tuple[PolicyState, list[Decision]]:
+    return _run(config, lambda i: _lane(), {"a": 0.7, "b": 0.7}, 20,
+                steps_at=_steps(lambda i: COMPUTE_BOUND, _batch_of(56, 64, 72), seed=5))
+
+
+def test_compute_bound_verification_turns_speculation_off():
+    """64 requests per verify batch, acceptance 0.7, headroom on every other signal. At L = 4 a step
+    costs 35 ms + 4 drafter forwards of 0.94 ms for 3.4 tokens per request: 5.8 tokens/s per ms against
+    6.8 at L = 0; no L > 0 comes within the 3 % margin. Two decisions fit the line (the batch's size
+    wanders 56-72), lower_dwell = 2 and max_step = 2 take L 4 -> 2 -> 0; it stays there, the fit kept
+    alive by the batch's wander at L = 0. Without the cost model nothing here asks for a cut: L stays 4."""
+    state, decisions = _compute_bound_run(_config())
+    assert _defaults(decisions) == [4, 4, 2] + [0] * 17
+    assert "lower: the step cost makes L 0 the fastest" in decisions[2].reason
+    assert all(d.draft_len_cap == 0 for d in decisions[2:])
+    assert all(set(d.per_request_draft_len.values()) == {0} for d in decisions[3:])
+    fit = decisions[-1].step_cost
+    assert (fit.t0_ms, fit.slope_ms_per_token) == (pytest.approx(3.0, rel=0.1), pytest.approx(0.1, rel=0.05))
+    assert "hold: requests want 4 but the step cost makes L 0 the fastest" in decisions[-1].reason
+
+    _, uncapped = _compute_bound_run(_config(step_cost_enabled=False))
+    assert _defaults(uncapped) == [4] * 20
+
+
+def test_flat_step_time_turns_speculation_back_on():
+    """From the state above (L = 0, the compute-bound fit), steps turn flat: 10 ms at every size. At
+    first the window still holds the steps that drafted (L = 4 and 2, 35 and 21 ms), which the flat ones
+    at L = 0 cannot contradict: L holds at 0. When they have left the 30-decision window (decision 13 of
+    this run) the slope falls with the flat steps' evidence and, after raise_dwell = 3, L climbs as the
+    cost cap rises, to 3 or 4: at a = 0.7 and c = 0.1 L = 4 is best on a flat step cost (tokens per cost)
+    and L = 3 within 1.7 % of it, inside `min_gain_frac`; it never goes back down."""
+    config = _config()
+    state, _ = _compute_bound_run(config)
+    _, decisions = _run(config, lambda i: _lane(), {"a": 0.7, "b": 0.7}, 50, seed=1, state=state,
+                        steps_at=_steps(lambda i: FLAT, _batch_of(56, 64, 72), seed=6))
+    defaults = _defaults(decisions)
+    assert defaults[:13] == [0] * 13
+    assert 1 <= defaults[16] and defaults == sorted(defaults)
+    assert set(defaults[-30:]) <= {3, 4}
+    assert decisions[-1].step_cost.slope_ms_per_token < 0.001
+    assert optimal_draft_len(0.7, config.draft_cost_ratio, 1, 8) == 4
+    assert tokens_per_s(FLAT, 64, 0.7, 3, config.draft_cost_ratio) > tokens_per_s(FLAT, 64, 0.7, 4, 0.1) / 1.02
+
+
+def test_steady_batch_at_l0_keeps_speculation_off():
+    """From L = 0 on the compute-bound line, exactly 64 requests per batch for 60 decisions: every step
+    verifies the same 64 tokens, so the window, once the steps that drafted have left it, shows no slope.
+    The slope carries over from the previous fit and L stays 0; were the window's lack of spread read as a
+    flat cost, speculation would be switched on again, at a loss, until the line was learnt anew."""
+    config = _config()
+    state, _ = _compute_bound_run(config)
+    _, decisions = _run(config, lambda i: _lane(), {"a": 0.7, "b": 0.7}, 60, seed=3, state=state,
+                        steps_at=_steps(lambda i: COMPUTE_BOUND, _batch_of(64), seed=8))
+    assert _defaults(decisions) == [0] * 60
+    assert decisions[-1].step_cost.slope_ms_per_token == pytest.approx(0.1, rel=0.05)
+
+
+def test_small_batch_on_the_same_line_keeps_speculation_on():
+    """TensorRT-LLM's auto-off is by batch size: on the same compute-bound line a batch of 3-5 requests
+    verifies 15-25 tokens at L = 4, where the fixed 3 ms still dominates. From L = 0 at 64 rows, a drop to
+    4 rows brings speculation back (raise_dwell = 3), as far as the step cost allows: L = 2 or 3, short of
+    the 4 that a flat step cost would give."""
+    config = _config()
+    state, _ = _compute_bound_run(config)
+    _, decisions = _run(config, lambda i: _lane(), {"a": 0.7, "b": 0.7}, 12, seed=2, state=state,
+                        steps_at=_steps(lambda i: COMPUTE_BOUND, _batch_of(3, 4, 5), seed=7))
+    defaults = _defaults(decisions)
+    assert defaults[:2] == [0, 0] and defaults[2] >= 1
+    assert 2 <= defaults[-1] <= 3 and defaults[-4:] == [defaults[-1]] * 4
+
+
 # --- acceptance ---------------------------------------------------------------------------------------
 
 
@@ -430,7 +548,8 @@ def _random_lane(rng: random.Random) -> Callable[[int], LaneSignals]:
 @pytest.mark.parametrize(("seed", "min_draft_len", "budget"), [(0, 0, None), (1, 0, 48), (2, 1, None), (3, 1, 48)])
 def test_step_and_bounds_hold_on_random_traces(seed: int, min_draft_len: int, budget: int | None):
     """Every L stays in its bounds; a rise is at most max_step; a fall is at most max_step unless it
-    lands at or above the load cap (load cap, p95 shed); a per-request L never exceeds the default."""
+    lands at or above the load cap (load cap, p95 shed); a per-request L never exceeds the default. The
+    step cost is random too, so the cost cap moves."""
     config = _config(min_draft_len=min_draft_len, max_draft_len=6, initial_draft_len=3, raise_dwell=1, lower_dwell=2,
                      verify_token_budget=budget)
     rng = random.Random(seed)
@@ -443,7 +562,12 @@ def test_step_and_bounds_hold_on_random_traces(seed: int, min_draft_len: int, bu
         requests = {rid: _draft(rng, a, running.get(rid, state.default.draft_len)) for rid, a in alive.items()}
         requests |= {rid: RequestDraftStats(0, 0, 0) for rid in requests if rng.random() < 0.2}
         prev_default = state.default.draft_len
-        state, decision = decide(state, replace(lane_at(0), requests=requests), config)
+        # Step costs anywhere from flat to compute-bound (1 ms floor), at any batch size, or no steps at all.
+        cost, rows = StepCost(rng.uniform(1, 10), rng.uniform(0, 0.2)), rng.randrange(1, 65)
+        step_ms = cost.step_ms(rows, prev_default, config.draft_cost_ratio)
+        steps = [StepTotals(10, 10 * step_ms, 10 * rows, 10 * rows * prev_default, 10 * prev_default)]
+        steps = steps if rng.random() < 0.8 else []
+        state, decision = decide(state, replace(lane_at(0), requests=requests, step_totals=steps), config)
         new_default = decision.default_draft_len
         assert new_default - prev_default <= config.max_step
         assert new_default >= min(prev_default - config.max_step, decision.draft_len_cap)

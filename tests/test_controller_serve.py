@@ -54,11 +54,17 @@ def apps(pair_paths):
     target, same, unrelated = pair_paths
     start_ray()
     deploy({
-        "good": app_config("unified", target, same, controller={**CONTROLLER, "initial_draft_len": 2}),
+        # Without the step-cost model in "good" and "bad": with the target as its own drafter every draft
+        # token costs a target forward, and with an unrelated drafter no draft is accepted, so in both no
+        # L > 0 beats L = 0 on wall time and the model (rightly) turns speculation off; these two tests are
+        # about what acceptance does to L. The model runs in "load".
+        "good": app_config("unified", target, same,
+                           controller={**CONTROLLER, "initial_draft_len": 2, "step_cost_enabled": False}),
         # accept_lower_below = 0: the default L never falls for acceptance, so what falls is the
         # per-request L alone.
         "bad": app_config("unified", target, unrelated,
-                          controller={**CONTROLLER, "initial_draft_len": 4, "accept_lower_below": 0.0}),
+                          controller={**CONTROLLER, "initial_draft_len": 4, "accept_lower_below": 0.0,
+                                      "step_cost_enabled": False}),
         # Two decode replicas of 4 slots each: 24 requests in flight leave 16 queued >= verify_queue_high.
         "load": app_config("pdv", target, same, engine={"max_model_len": 256, "max_num_seqs": 4,
                                                        "num_speculative_tokens": 4, "prefill_chunk_tokens": 32},
@@ -165,7 +171,10 @@ def test_queue_over_verify_queue_high_turns_speculation_off_and_back_on():
     assert len(lane_stats("load", "DecodeLane")) == 2
     with Load("load", concurrency=24, max_tokens=48) as load:
         off_s = wait_for("load", speculation_off, MOVE_BOUND_S)
-        assert controller_state("load")["load"] == "saturated"
+        state = controller_state("load")
+        assert state["load"] == "saturated"
+        # The replicas' step totals reach the step-cost fit.
+        assert state["step_cost"] is not None and state["step_cost"]["t0_ms"] > 0, state
         load.stop_sending()
         # The queue empties as the requests in flight finish (at L = 0); then L must come back.
         on_s = wait_for("load", speculation_on, MOVE_BOUND_S)
