@@ -61,10 +61,12 @@ def apps(pair_paths):
         "good": app_config("unified", target, same,
                            controller={**CONTROLLER, "initial_draft_len": 2, "step_cost_enabled": False}),
         # accept_lower_below = 0: the default L never falls for acceptance, so what falls is the
-        # per-request L alone.
+        # per-request L alone. lower_dwell = 1 and max_step = 3: 4 -> 1 at the first decision that sees a
+        # request's drafts fail. A 200-token request at acceptance ~0 now lasts about 0.5 s, one decision,
+        # and 4 -> 2 -> 1 after a dwell of 2 needs it to live through three.
         "bad": app_config("unified", target, unrelated,
                           controller={**CONTROLLER, "initial_draft_len": 4, "accept_lower_below": 0.0,
-                                      "step_cost_enabled": False}),
+                                      "lower_dwell": 1, "max_step": 3, "step_cost_enabled": False}),
         # Two decode replicas of 4 slots each: 24 requests in flight leave 16 queued >= verify_queue_high.
         "load": app_config("pdv", target, same, engine={"max_model_len": 256, "max_num_seqs": 4,
                                                        "num_speculative_tokens": 4, "prefill_chunk_tokens": 32},
