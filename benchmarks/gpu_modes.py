@@ -71,8 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.constructed_pair import (build_constructed_pair, map_fidelity,  # noqa: E402
                                          predicted_acceptance, probe_prompts, shape_configs,
                                          successor_maps)
-from benchmarks.serving import (ALL_MODES, REPO, deploy, git_commit, load_average,  # noqa: E402
-                                machine, mode_args, start_cluster)
+from benchmarks.serving import (ALL_MODES, REPO, benchmark_app_args, deploy, git_commit, load_average,  # noqa: E402
+                                machine, start_cluster)
 from benchmarks.lane_timelines import lane_activity, prefill_path_table, timelines  # noqa: E402
 from deployments.factories import PREFILL_BATCH_MAX  # noqa: E402
 from lanes.engine_core import EngineConfig  # noqa: E402
@@ -262,20 +262,9 @@ def engine_args(args: argparse.Namespace) -> dict:
 
 def app_args(mode: str, pair: SavedPair, args: argparse.Namespace) -> dict:
     """configs/<mode>.yaml's args on the saved pair, the benchmark's engine and one GPU's lanes."""
-    config = mode_args(mode, pair.target, pair.draft)
-    for role in ("target", "draft"):
-        config[role]["dtype"] = args.dtype
-    config["engine"] = {**config["engine"], **engine_args(args)}
-    config["max_queued_requests"] = MAX_ONGOING
-    lanes = ("ingress", "prefill_lane", "decode_lane", "verify_lane")
-    for lane in lanes:
-        config[lane] = {**config.get(lane, {}), "max_ongoing_requests": MAX_ONGOING}
-        if lane != "ingress":
-            config[lane]["num_cpus"] = args.lane_num_cpus
-    if args.device == "cuda":
-        for lane, share in GPU_SHARES[mode].items():
-            config[lane]["num_gpus"] = share
-    return config
+    return benchmark_app_args(mode, pair.target, pair.draft, dtype=args.dtype, engine=engine_args(args),
+                              lane_num_cpus=args.lane_num_cpus, max_ongoing=MAX_ONGOING,
+                              gpu_shares=GPU_SHARES[mode] if args.device == "cuda" else None)
 
 
 # ---- loads ------------------------------------------------------------------------------------

@@ -42,6 +42,24 @@ def mode_args(mode: str, target: Path | None, draft: Path | None) -> dict:
     return args
 
 
+def benchmark_app_args(mode: str, target: Path | None, draft: Path | None, *, dtype: str, engine: dict,
+                       lane_num_cpus: float, max_ongoing: int, gpu_shares: dict[str, float] | None) -> dict:
+    """configs/<mode>.yaml's args with a benchmark's models, engine sizes and lane placement: every
+    lane (and the ingress) admits `max_ongoing` requests, and with `gpu_shares` the lanes share GPUs."""
+    config = mode_args(mode, target, draft)
+    for role in ("target", "draft"):
+        config[role]["dtype"] = dtype
+    config["engine"] = {**config["engine"], **engine}
+    config["max_queued_requests"] = max_ongoing
+    for lane in ("ingress", "prefill_lane", "decode_lane", "verify_lane"):
+        config[lane] = {**config.get(lane, {}), "max_ongoing_requests": max_ongoing}
+        if lane != "ingress":
+            config[lane]["num_cpus"] = lane_num_cpus
+    for lane, share in (gpu_shares or {}).items():
+        config[lane]["num_gpus"] = share
+    return config
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

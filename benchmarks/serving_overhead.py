@@ -46,8 +46,8 @@ from transformers import AutoConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.gpu_modes import GPU_SHARES, MAX_ONGOING, free_device_memory, save_pair  # noqa: E402
-from benchmarks.serving import (ALL_MODES, deploy, git_commit, load_average, machine,  # noqa: E402
-                                mode_args, start_cluster)
+from benchmarks.serving import (ALL_MODES, benchmark_app_args, deploy, git_commit,  # noqa: E402
+                                load_average, machine, start_cluster)
 from deployments.config import AppConfig  # noqa: E402
 from lanes.engine_core import EngineCore  # noqa: E402
 from lanes.models import load_model  # noqa: E402
@@ -226,22 +226,13 @@ def _options():
 # ---- the run -----------------------------------------------------------------------------------
 
 def app_config(mode: str, target: Path | None, draft: Path | None, args: argparse.Namespace) -> dict:
-    config = mode_args(mode, target, draft)
-    for role in ("target", "draft"):
-        config[role]["dtype"] = args.dtype
-    config["engine"] = {**config["engine"], "max_num_seqs": args.max_num_seqs,
-                        "max_model_len": args.prompt_len + args.output_len + 64,
-                        "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8)}
-    config["max_queued_requests"] = MAX_ONGOING
+    engine = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.prompt_len + args.output_len + 64,
+              "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8)}
+    config = benchmark_app_args(mode, target, draft, dtype=args.dtype, engine=engine,
+                                lane_num_cpus=args.lane_num_cpus, max_ongoing=MAX_ONGOING,
+                                gpu_shares=GPU_SHARES[mode] if args.device == "cuda" else None)
     if args.stream_interval_ms is not None:
         config["stream_interval_ms"] = args.stream_interval_ms
-    for lane in ("ingress", "prefill_lane", "decode_lane", "verify_lane"):
-        config[lane] = {**config.get(lane, {}), "max_ongoing_requests": MAX_ONGOING}
-        if lane != "ingress":
-            config[lane]["num_cpus"] = args.lane_num_cpus
-    if args.device == "cuda":
-        for lane, share in GPU_SHARES[mode].items():
-            config[lane]["num_gpus"] = share
     return config
 
 
