@@ -20,9 +20,11 @@ from lanes.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-# The engine thread drops the GIL at every wait on the GPU and must then win it back from the
-# replica's event-loop threads (Serve's and ours), which keep it for up to the switch interval:
-# Python's default 5 ms would be added to a 10 ms step. 0.5 ms bounds that wait.
+# The engine thread drops the GIL in every torch call and at every wait on the GPU, and must then
+# win it back from the replica's event-loop and serialisation threads, which may keep it for up to
+# the switch interval (Python's default: 5 ms) each time. 0.5 ms bounds each such wait. On the CPU
+# machine it moved served nospec from 0.67-0.70 to 0.75 of in process (docs/performance.md); its
+# effect on a GPU step is not measured yet.
 ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
