@@ -282,6 +282,11 @@ def breakdown(points: dict) -> dict:
             "step_ratio": _r(step_w / step_e if step_w and step_e else None, 3)}
 
 
+def variants(args: argparse.Namespace) -> list[tuple[float | None, bool]]:
+    """(max_stream_messages_per_s or None for the config's, engine on a replica thread?) per served run."""
+    return [(rate, way == "thread") for way in args.engine_ways for rate in args.max_stream_rates or [None]]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -298,6 +303,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-stream-rates", type=lambda t: [float(x) for x in t.split(",")], default=None,
                         help="serve each mode once per max_stream_messages_per_s in this list (0: no bound); "
                         "default: once, with the app config's default")
+    parser.add_argument("--engine-ways", type=lambda t: t.split(","), default=["process"],
+                        help="process (engine_process: true, the default for unified, spec and nospec), thread "
+                        "(the engine on a thread of the replica), or both: process,thread")
     parser.add_argument("--profile-s", type=float, default=0,
                         help="sample the engine replica with py-spy for this long during the http run")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -342,12 +350,13 @@ def main(argv: list[str] | None = None) -> None:
             log(f"{mode}: in process")
             engine = engine_point(AppConfig.model_validate(app_config(mode, target, draft, args)), work, warmup,
                                   device)
-            for rate in args.max_stream_rates or [None]:
+            for rate, thread in variants(args):
                 config = app_config(mode, target, draft, args)
-                label = mode if rate is None else f"{mode}@{rate:g}/s"
+                config["engine_process"] = not thread
                 if rate is not None:
                     config["max_stream_messages_per_s"] = rate or None  # 0: no bound
-                name = f"so-{mode}" if rate is None else f"so-{mode}-r{rate:g}"
+                label = mode + ("" if rate is None else f"@{rate:g}/s") + ("+thread" if thread else "")
+                name = "so-" + label.replace("@", "-r").replace("/s", "").replace("+", "-")
                 try:
                     log(f"{label}: deploying")
                     deploy(name, config, timeout_s=600)

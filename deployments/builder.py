@@ -33,7 +33,8 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
             partial(build_prompt_prefiller, cfg), cfg.mode, verify)
     engine = EngineDeployment.options(**cfg.decode_lane.deployment_options(cfg.kv_peer_access)).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify,
-        stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s)
+        stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s,
+        engine_process=cfg.engine_process)
     controller = None
     if cfg.controller.enabled:
         controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)

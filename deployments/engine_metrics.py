@@ -7,7 +7,7 @@ import uuid
 from collections import deque
 
 from deployments.metrics import LaneMetrics
-from lanes.engine_core import EngineCore
+from lanes.engine_snapshot import EngineSnapshot
 from lanes.spec_stats import SpecDecodeStats
 
 STEP_WINDOW_S = 10.0  # the p95 covers the steps of the last 10 s: an idle lane reports none
@@ -15,8 +15,8 @@ GAUGE_REFRESH_S = 1.0  # while idle, gauges are re-set this often (Ray drops gau
 
 
 class EngineMetrics:
-    def __init__(self, lane: str, mode: str):
-        self.metrics = LaneMetrics(lane, mode)
+    def __init__(self, lane: str, mode: str, sample_gpu: bool = True):
+        self.metrics = LaneMetrics(lane, mode, sample_gpu)
         self._steps: deque[tuple[float, float]] = deque()  # (monotonic time s, step time ms)
         self._exported = SpecDecodeStats()
         self._gauges_set_at_s = 0.0
@@ -25,32 +25,30 @@ class EngineMetrics:
         self._verify_steps = {"replica": uuid.uuid4().hex, "num_steps": 0, "step_ms": 0.0, "rows": 0,
                               "draft_tokens": 0, "draft_forwards": 0.0}
 
-    def on_step(self, core: EngineCore, step_ms: float, batch_size: int) -> None:
-        """After every engine step, on the engine thread."""
+    def on_step(self, snap: EngineSnapshot, step_ms: float, batch_size: int) -> None:
+        """After every engine step (on the engine thread, or on the thread that reads an engine process)."""
         self._steps.append((time.monotonic(), step_ms))
         if batch_size:  # a step that only prefilled says nothing about what verification costs
-            self._count_verify_step(core.total_stats, step_ms, batch_size)
+            self._count_verify_step(snap.total_stats, step_ms, batch_size)
         self.metrics.observe_step(step_ms, batch_size)  # also samples the GPU now and then
-        for seq in core.scheduler.running:
-            self.metrics.observe_request_draft_length(seq.draft_len)
-        self._export_spec(core.total_stats)
-        self._set_gauges(core)
+        for draft_len in snap.draft_lens:
+            self.metrics.observe_request_draft_length(draft_len)
+        self._export_spec(snap.total_stats)
+        self._set_gauges(snap)
 
-    def on_idle(self, core: EngineCore) -> None:
+    def on_idle(self, snap: EngineSnapshot) -> None:
         """While the engine has nothing to do, so that idle lanes read 0, not 'no data'."""
         if time.monotonic() - self._gauges_set_at_s >= GAUGE_REFRESH_S:
-            self._set_gauges(core)
+            self._set_gauges(snap)
 
-    def _set_gauges(self, core: EngineCore) -> None:
+    def _set_gauges(self, snap: EngineSnapshot) -> None:
         self._gauges_set_at_s = time.monotonic()
-        sched = core.scheduler
-        self.metrics.set_queue_depth(len(sched.waiting) + len(sched.prefilling))
-        if sched.draft_pool is not None:
-            self.metrics.set_kv_slots(sched.draft_pool.num_used, sched.draft_pool.shape.num_slots, "draft")
-        target_pool = getattr(core.verifier, "pool", None)
-        if target_pool is not None:
-            self.metrics.set_kv_slots(target_pool.num_used, target_pool.shape.num_slots, "target")
-        self.metrics.set_draft_length(core.default_draft_len)
+        self.metrics.set_queue_depth(snap.queue_depth)
+        if snap.draft_slots is not None:
+            self.metrics.set_kv_slots(*snap.draft_slots, "draft")
+        if snap.target_slots is not None:
+            self.metrics.set_kv_slots(*snap.target_slots, "target")
+        self.metrics.set_draft_length(snap.default_draft_len)
 
     def _count_verify_step(self, total: SpecDecodeStats, step_ms: float, rows: int) -> None:
         # Before _export_spec: the spec counters' change since the last export is this step's.

@@ -7,16 +7,20 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 
+import ray
 from ray import serve
 
 from deployments.engine_metrics import EngineMetrics
 from deployments.kv_transfer import Placement
+from deployments.metrics import read_gpu_stats
 from deployments.timeline import TIMELINE, replica_report
 from lanes.async_engine import AsyncEngine
+from lanes.engine_process import ProcessEngine
+from lanes.engine_snapshot import EngineSnapshot, core_report
 from lanes.outputs import RequestOutput
 from lanes.params import ParamError, SamplingParams
-from lanes.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +43,35 @@ class GenerateError:
 
 class EngineServer:
     def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0,
-                 max_stream_messages_per_s: float | None = None):
+                 max_stream_messages_per_s: float | None = None, engine_process: bool = False):
+        # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
+        self.lane = "decode" if mode in ("pd", "pdv") else "engine"
+        streams = dict(stream_interval_s=stream_interval_s, max_stream_messages_per_s=max_stream_messages_per_s)
+        if engine_process and prefill is None and verify is None:
+            self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)
+            self.engine = self._start_process(engine_factory, streams)
+            self.placement_ = self.engine.info
+        else:
+            # A pd or pdv engine reaches its other lanes through Ray handles, on this replica's event
+            # loop: it steps on a thread here.
+            self.metrics = EngineMetrics(self.lane, mode)
+            self.engine, self.placement_ = self._start_thread(engine_factory, prefill, verify, streams)
+        self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
+
+    def _start_process(self, engine_factory, streams: dict) -> ProcessEngine:
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return ProcessEngine(partial(engine_factory, loop=None, prefill=None, verify=None),
+                             describe=partial(Placement.of_engine, node_id), on_step=self._on_step,
+                             on_idle=self.metrics.on_idle, sampler=read_gpu_stats,
+                             on_sample=self.metrics.metrics.export_gpu, **streams)
+
+    def _start_thread(self, engine_factory, prefill, verify, streams: dict) -> tuple[AsyncEngine, Placement]:
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.
         loop = asyncio.get_event_loop()
         sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
-        # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
-        self.lane = "decode" if mode in ("pd", "pdv") else "engine"
-        self.metrics = EngineMetrics(self.lane, mode)
         core = engine_factory(loop=loop, prefill=prefill, verify=verify)
-        # The draft runner's device, or the target's where there is no draft (nospec).
-        device = core.draft.device if core.draft is not None else core.verifier.pool.kv.device
-        self.placement_ = Placement.here(device)
-        self.engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle,
-                                  stream_interval_s=stream_interval_s,
-                                  max_stream_messages_per_s=max_stream_messages_per_s)
-        self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
+        engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle, **streams)
+        return engine, Placement.of_engine(None, core)
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput | GenerateError]:
@@ -71,44 +89,27 @@ class EngineServer:
     async def stats(self) -> dict:
         """Slot usage and spec-decode totals of this replica, read between engine steps; `requests` and
         `num_arrivals` are cumulative counters the controller turns into per-interval deltas."""
-        def read(core):
-            s = core.scheduler
-            return {
-                "kv_slots_used": s.draft_pool.num_used if s.draft_pool is not None else None,
-                "waiting": len(s.waiting), "prefilling": len(s.prefilling), "running": len(s.running),
-                "max_num_seqs": core.config.max_num_seqs,
-                "default_draft_len": core.default_draft_len,
-                "spec_decode": core.total_stats.to_dict(),
-                "step_p95_ms": self.metrics.step_p95_ms(),
-                "step_totals": self.metrics.verify_step_totals(),
-                "target_slots_used": getattr(getattr(core.verifier, "pool", None), "num_used", None),
+        report = await self.engine.call(core_report)
+        pid = self.engine.pid if isinstance(self.engine, ProcessEngine) else os.getpid()
+        return {**report, "step_p95_ms": self.metrics.step_p95_ms(), "step_totals": self.metrics.verify_step_totals(),
                 "num_arrivals": self.num_arrivals,
-                # Engine steps and the stream messages they became (what serving_overhead.py reads).
+                # Engine steps and the stream messages they became (what serving_overhead.py reads),
+                # and the process that steps (the one to profile).
                 "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
-                "step_ms_total": self.engine.step_ms_total, "pid": os.getpid(),
-                "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
-            }
-        return await self.engine.call(read)
+                "step_ms_total": self.engine.step_ms_total, "pid": pid}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its engine steps (and, in pdv, its waits on the verify lane)
         since `start_s`, one page from `offset` (deployments/timeline.py)."""
         return replica_report(self.lane, self.placement_, start_s, offset)
 
-    def _on_step(self, core, step_ms: float, batch_size: int) -> None:
+    def _on_step(self, snap: EngineSnapshot, step_ms: float, batch_size: int) -> None:
         end_s = time.time()
         TIMELINE.record("step", end_s - step_ms / 1e3, end_s, rows=batch_size)
-        self.metrics.on_step(core, step_ms, batch_size)
+        self.metrics.on_step(snap, step_ms, batch_size)
 
     def __del__(self):
         self.engine.shutdown()
-
-
-def request_counters(seq: Sequence) -> dict[str, int]:
-    """The L a request drafts with and its spec-decode counters since it started."""
-    st = seq.stats
-    return {"draft_len": seq.draft_len, "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
-            "num_accepted_tokens": st.num_accepted_tokens}
 
 
 EngineDeployment = serve.deployment(EngineServer, name="DecodeLane")

@@ -14,7 +14,7 @@ Chosen from where the replicas are, not by hand:
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import ray
@@ -40,6 +40,14 @@ class Placement:
         peers = tuple(_uuid(other) for other in range(torch.cuda.device_count())
                       if other != index and torch.cuda.can_device_access_peer(index, other))
         return cls(node, _uuid(index), peers)
+
+    @classmethod
+    def of_engine(cls, node_id: str | None, core) -> "Placement":
+        """Where an engine's models run (the draft's device, or the target's where there is no draft),
+        on `node_id` (an engine process is no Ray worker and cannot ask Ray its node)."""
+        device = core.draft.device if core.draft is not None else core.verifier.pool.kv.device
+        here = cls.here(device)
+        return here if node_id is None else replace(here, node_id=node_id)
 
     def can_write_into(self, owner: "Placement") -> bool:
         """Whether a process placed here can write straight into `owner`'s GPU memory (CUDA IPC)."""

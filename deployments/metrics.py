@@ -166,10 +166,13 @@ def _nvml_utilization_ratio(torch: Any, device: int) -> float | None:
 class LaneMetrics:
     """Metrics of one lane (prefill, decode = draft, verify = target) in one mode."""
 
-    def __init__(self, lane: str, mode: str):
+    def __init__(self, lane: str, mode: str, sample_gpu: bool = True):
         self._metrics = _registry()
         self._mode = mode
         self._tags = {"mode": mode, "lane": lane}
+        # False where the GPU belongs to another process (an engine process), which sends its readings
+        # to export_gpu: reading here would open a CUDA context in this process for nothing.
+        self._sample_gpu = sample_gpu
         self._gpu_sampled_at_s = -GPU_SAMPLE_INTERVAL_S
 
     def observe_step(self, step_time_ms: float, batch_size: int) -> None:
@@ -178,7 +181,7 @@ class LaneMetrics:
         self._metrics.step_time_ms.observe(step_time_ms, tags=self._tags)
         self._metrics.batch_size.observe(batch_size, tags=self._tags)
         now_s = time.monotonic()
-        if now_s - self._gpu_sampled_at_s >= GPU_SAMPLE_INTERVAL_S:
+        if self._sample_gpu and now_s - self._gpu_sampled_at_s >= GPU_SAMPLE_INTERVAL_S:
             self._gpu_sampled_at_s = now_s
             self.sample_gpu()
 
@@ -218,7 +221,10 @@ class LaneMetrics:
 
     def sample_gpu(self) -> None:
         """Export the current device's utilisation and memory; does nothing without a GPU."""
-        stats = read_gpu_stats()
+        self.export_gpu(read_gpu_stats())
+
+    def export_gpu(self, stats: GpuStats | None) -> None:
+        """Export a GPU reading (read here, or in the engine process that owns the GPU)."""
         if stats is None:
             return
         tags = {**self._tags, "gpu": stats.gpu}

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from lanes.engine_core import EngineCore
+from lanes.engine_snapshot import EngineSnapshot, snapshot
 from lanes.outputs import RequestOutput, merge_outputs
 from lanes.params import SamplingParams
 
@@ -67,27 +68,22 @@ class _Stream:
         await asyncio.wait([self._waiter], timeout=timeout_s)
 
 
-class AsyncEngine:
-    def __init__(self, core: EngineCore, on_step: Callable[[EngineCore, float, int], None] | None = None,
-                 on_idle: Callable[[EngineCore], None] | None = None, stream_interval_s: float = 0.0,
-                 max_stream_messages_per_s: float | None = None):
-        self.core = core
-        self.on_step = on_step  # (core, step_time_ms, batch_size), on the engine thread after each step
-        self.on_idle = on_idle  # (core), on the engine thread about every IDLE_WAIT_S while idle
+class StreamingFront:
+    """The event-loop side shared by the engine thread (AsyncEngine) and the engine process
+    (lanes/engine_process.py): each request's stream, the coalescing interval, and the hand-off of a
+    step's outputs to the event loops. Subclasses start requests (`_start`), abort them, and call
+    `_deliver` with each step's outputs from their own thread."""
+
+    def __init__(self, stream_interval_s: float = 0.0, max_stream_messages_per_s: float | None = None):
         # Least time between two messages of one stream after its first; 0 sends what each step made.
         self.stream_interval_s = stream_interval_s
         # Bound on messages per second over all streams: each one costs the event-loop threads GIL
-        # time that the step loop waits for, so with many streams each one's interval grows.
+        # time (that a step loop in this process waits for), so with many streams each one's interval grows.
         self.max_stream_messages_per_s = max_stream_messages_per_s
         self.num_messages = 0  # chunks yielded to callers (each one a Ray message when served)
         self.num_steps = 0
         self.step_ms_total = 0.0  # time inside core.step(), summed
-        self._inbox: deque[Callable[[], None]] = deque()
         self._streams: dict[str, _Stream] = {}
-        self._wake = threading.Event()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="vpd-engine", daemon=True)
-        self._thread.start()
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -101,8 +97,7 @@ class AsyncEngine:
         """
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
-        arrival_s = time.time()  # the engine thread takes it in at its next step boundary
-        self._submit(lambda: self._add(request_id, prompt, params, stream, arrival_s))
+        self._start(request_id, prompt, params, stream, time.time())
         finished, not_before_s = False, 0.0
         try:
             while not finished:
@@ -119,6 +114,52 @@ class AsyncEngine:
         if not self.max_stream_messages_per_s:
             return self.stream_interval_s
         return max(self.stream_interval_s, len(self._streams) / self.max_stream_messages_per_s)
+
+    def _start(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step, not one
+        per request (each wake-up takes the GIL from the thread that calls this)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_push_all, items)
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.push, exc)
+
+
+class AsyncEngine(StreamingFront):
+    """The engine stepped by a thread of this process."""
+
+    def __init__(self, core: EngineCore, on_step: Callable[[EngineSnapshot, float, int], None] | None = None,
+                 on_idle: Callable[[EngineSnapshot], None] | None = None, stream_interval_s: float = 0.0,
+                 max_stream_messages_per_s: float | None = None):
+        super().__init__(stream_interval_s, max_stream_messages_per_s)
+        self.core = core
+        self.on_step = on_step  # (snapshot, step_time_ms, batch_size), on the engine thread after each step
+        self.on_idle = on_idle  # (snapshot), on the engine thread about every IDLE_WAIT_S while idle
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="vpd-engine", daemon=True)
+        self._thread.start()
+
+    def _start(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
+        # The engine thread takes it in at its next step boundary.
+        self._submit(lambda: self._add(request_id, prompt, params, stream, arrival_s))
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
@@ -153,12 +194,11 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
+        self._streams[request_id] = stream
         try:
             self.core.add_request(request_id, prompt, params, arrival_s)
         except Exception as exc:  # bad input fails this request only
-            stream.loop.call_soon_threadsafe(stream.push, exc)
-            return
-        self._streams[request_id] = stream
+            self._fail(request_id, exc)
 
     def _abort(self, request_id: str) -> None:
         self.core.abort(request_id)
@@ -171,7 +211,7 @@ class AsyncEngine:
                 self._guard(self._inbox.popleft())
             if not self.core.has_work:
                 if self.on_idle is not None:
-                    self._guard(lambda: self.on_idle(self.core))
+                    self._guard(lambda: self.on_idle(snapshot(self.core)))
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             self._guard(self._step)
@@ -185,7 +225,7 @@ class AsyncEngine:
         self.step_ms_total += step_ms
         self._deliver(outputs)
         if self.on_step is not None:
-            self.on_step(self.core, step_ms, batch_size)
+            self.on_step(snapshot(self.core), step_ms, batch_size)
 
     @staticmethod
     def _guard(fn: Callable[[], object]) -> None:
@@ -195,20 +235,6 @@ class AsyncEngine:
             fn()
         except Exception:
             log.exception("engine thread: command failed")
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up of each event loop per step, not one
-        per request (each wake-up takes the GIL from this thread)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_push_all, items)
 
 
 def _push_all(items: list[tuple[_Stream, RequestOutput]]) -> None:

@@ -9,6 +9,10 @@ class ParamError(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.reason = message
+
+    def __reduce__(self):  # picklable: it crosses from an engine process to its replica
+        return ParamError, (self.field, self.reason)
 
 
 @dataclass

@@ -40,3 +40,12 @@ def small_engine(target: LoadedModel, draft: LoadedModel | None, **overrides) ->
                   prefill_chunk_tokens=32, idle_prefill_tokens=64)
     config.update(overrides)
     return EngineCore.colocated(target, draft, EngineConfig(**config))
+
+
+def pair_engine(arch: str = "llama", **overrides) -> EngineCore:
+    """small_engine over the tests' deterministic pair, built from nothing: a factory that pickles, for
+    an engine process to call."""
+    from tests.conftest import make_pair
+
+    target, draft = make_pair(arch)
+    return small_engine(target, draft, **overrides)

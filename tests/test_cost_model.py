@@ -13,6 +13,7 @@ from controller.cost_model import StepCost, StepCostModel, fastest_draft_len, fi
 from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
 from deployments.engine_metrics import EngineMetrics
+from lanes.engine_snapshot import snapshot
 from lanes.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import random_prompts, small_engine
@@ -168,7 +169,7 @@ def test_engine_metrics_count_the_steps_that_verify(llama_pair):
         start = time.perf_counter()
         engine.step()
         step_ms = (time.perf_counter() - start) * 1e3
-        metrics.on_step(engine, step_ms, batch_size)
+        metrics.on_step(snapshot(engine), step_ms, batch_size)
         verify_steps, rows = verify_steps + (batch_size > 0), rows + batch_size
         total_ms += step_ms if batch_size else 0.0
     totals = metrics.verify_step_totals()

@@ -1,0 +1,123 @@
+"""The engine in a process of its own (lanes/engine_process.py): the same streams as the engine
+thread, requests that fail cleanly when that process dies, and no process left behind."""
+
+import asyncio
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+
+from lanes.engine_process import EngineProcessDied, ProcessEngine
+from lanes.engine_snapshot import EngineSnapshot, core_report
+from lanes.params import ParamError, SamplingParams
+from tests.conftest import VOCAB
+from tests.engine_helpers import hf_greedy, pair_engine, random_prompts
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _tokens(engine, prompt, params) -> list[int]:
+    return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+
+
+@pytest.fixture(scope="module")
+def engine_args():
+    return dict(factory=partial(pair_engine, "llama"), describe=_slots_total)
+
+
+def _slots_total(core) -> int:
+    return core.scheduler.draft_pool.shape.num_slots
+
+
+def test_greedy_streams_equal_the_target_and_metrics_see_every_step(llama_pair, engine_args):
+    target, _ = llama_pair
+    prompts = random_prompts(5, VOCAB, 3, 30, seed=31)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    steps: list[tuple[EngineSnapshot, float, int]] = []
+
+    async def main():
+        engine = ProcessEngine(**engine_args, on_step=lambda *a: steps.append(a), stream_interval_s=0.02)
+        try:
+            outs = await asyncio.gather(*(_tokens(engine, p, params) for p in prompts))
+            return outs, engine.info, engine.num_steps, await engine.call(core_report), engine.pid
+        finally:
+            engine.shutdown()
+
+    outs, info, num_steps, report, pid = asyncio.run(main())
+    for prompt, tokens in zip(prompts, outs):
+        assert tokens == hf_greedy(target, prompt, params.max_tokens)
+    assert info == 8  # describe() ran in the engine process
+    assert num_steps == len(steps) > 0
+    assert report["running"] == 0 and report["kv_slots_used"] == 0
+    # Every drafted token of the run reached the replica's side in the snapshots.
+    assert steps[-1][0].total_stats.num_draft_tokens == report["spec_decode"]["num_draft_tokens"] > 0
+    assert pid != os.getpid() and not _pid_alive(pid)  # shut down: the engine process is gone
+
+
+def test_bad_input_and_aborts_answer_without_harming_other_requests(llama_pair, engine_args):
+    target, _ = llama_pair
+    prompt = random_prompts(1, VOCAB, 5, 5, seed=2)[0]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    async def main():
+        engine = ProcessEngine(**engine_args)
+        try:
+            with pytest.raises(ParamError) as refused:
+                await _tokens(engine, [VOCAB + 5], params)  # a token id past the vocabulary
+            # Leaving a stream after its first chunk aborts the request and frees its slots.
+            async for _ in engine.generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True)):
+                break
+            await asyncio.sleep(0.3)
+            used = (await engine.call(core_report))["kv_slots_used"]
+            return refused.value, used, await _tokens(engine, prompt, params)
+        finally:
+            engine.shutdown()
+
+    refused, used, tokens = asyncio.run(main())
+    assert refused.field == "prompt"
+    assert used == 0
+    assert tokens == hf_greedy(target, prompt, params.max_tokens)
+
+
+def test_requests_fail_fast_when_the_engine_process_dies():
+    prompts = random_prompts(3, VOCAB, 5, 10, seed=5)
+    params = SamplingParams(max_tokens=4000, ignore_eos=True)  # far longer than the test
+
+    async def one(engine, prompt):
+        try:
+            async for _ in engine.generate(prompt, params):
+                pass
+        except EngineProcessDied:
+            return time.monotonic()
+        return None
+
+    async def main():
+        engine = ProcessEngine(partial(pair_engine, "llama", max_model_len=4096), stream_interval_s=0.0)
+        try:
+            tasks = [asyncio.create_task(one(engine, p)) for p in prompts]
+            await asyncio.sleep(1.0)
+            killed_s = time.monotonic()
+            os.kill(engine.pid, signal.SIGKILL)
+            ended = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            with pytest.raises(EngineProcessDied):
+                await _tokens(engine, prompts[0], params)  # a new request fails at once, too
+            return killed_s, ended, engine.alive
+        finally:
+            engine.shutdown()
+
+    killed_s, ended, alive = asyncio.run(main())
+    assert all(t is not None and t - killed_s < 2.0 for t in ended), ended
+    assert not alive
+
+
+def test_a_factory_that_fails_fails_the_constructor_with_its_traceback():
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        ProcessEngine(partial(divmod, 1, 0))
