@@ -66,6 +66,9 @@ class LaneConfig(_Strict):
     max_ongoing_requests: int = Field(default=256, ge=1, description="Concurrent calls a replica accepts.")
     autoscaling_config: dict | None = Field(default=None, description="Ray Serve autoscaling_config; "
                                             "replaces num_replicas.")
+    health_check_period_s: float = Field(default=10.0, gt=0, description="How often Serve runs a replica's "
+                                         "health check (a dead or wedged engine fails it, and Serve replaces "
+                                         "the replica).")
 
     def bind_device(self) -> str:
         """Inside this lane's replica, before CUDA starts: the device to run on (and which GPUs it sees)."""
@@ -75,7 +78,8 @@ class LaneConfig(_Strict):
         actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if env_vars := peer_access_env(self.num_gpus, peer_access):
             actor["runtime_env"] = {"env_vars": env_vars}  # Ray merges these with the app's own env_vars
-        opts = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor}
+        opts = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor,
+                "health_check_period_s": self.health_check_period_s}
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = self.autoscaling_config
         else:

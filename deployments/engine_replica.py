@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 # effect on a GPU step is not measured yet.
 ENGINE_SWITCH_INTERVAL_S = 0.0005
 
+# An engine that holds requests and has not stepped for this long is wedged (a hung kernel, a
+# deadlock): the replica then fails Serve's health check and Serve replaces it. A step is
+# milliseconds; the bound is generous for a first step that compiles or captures.
+ENGINE_STALL_S = 60.0
+PEER_HEALTH_TIMEOUT_S = 3.0
+
 
 @dataclass
 class GenerateError:
@@ -57,6 +63,7 @@ class EngineServer:
             self.metrics = EngineMetrics(self.lane, mode)
             self.engine, self.placement_ = self._start_thread(engine_factory, prefill, verify, streams)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
+        self.peers = {"prefill": prefill, "verify": verify}
 
     def _start_process(self, engine_factory, streams: dict) -> ProcessEngine:
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
@@ -82,6 +89,23 @@ class EngineServer:
                 yield out
         except ParamError as exc:
             yield GenerateError(400, str(exc), exc.field)
+
+    def check_health(self) -> None:
+        """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""
+        if (problem := self.engine.problem(ENGINE_STALL_S)) is not None:
+            raise RuntimeError(f"{self.lane} lane: {problem}")
+
+    async def lane_health(self) -> dict[str, str]:
+        """This lane's state and, in pd and pdv, whether the other lanes answer: "ok" or why not."""
+        states = {self.lane: self.engine.problem(ENGINE_STALL_S) or "ok"}
+        for lane, handle in self.peers.items():
+            if handle is not None:
+                try:
+                    await asyncio.wait_for(handle.placement.remote(), PEER_HEALTH_TIMEOUT_S)
+                    states[lane] = "ok"
+                except Exception as exc:
+                    states[lane] = f"unreachable ({type(exc).__name__})"
+        return states
 
     async def set_draft_lengths(self, default_len: int, per_request: dict[str, int] | None = None) -> None:
         self.engine.set_draft_lengths(default_len, per_request)

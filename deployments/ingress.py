@@ -25,6 +25,8 @@ from lanes.spec_stats import SpecDecodeStats
 log = logging.getLogger(__name__)
 api = FastAPI(title="Verify-PD")
 
+HEALTH_TIMEOUT_S = 5.0  # a lane that cannot answer /health within this is reported down
+
 
 def _error(status: int, message: str, err_type: str, param: str | None = None, headers: dict | None = None):
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
@@ -41,8 +43,14 @@ class Ingress:
         self.metrics = IngressMetrics(self.cfg.mode)
 
     @api.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self):
+        """Each lane's state, as the decode (or engine) replica sees it; 503 while any lane is down."""
+        try:
+            lanes = await asyncio.wait_for(self.engine.lane_health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # the engine replica itself is gone or wedged
+            lanes = {"decode" if self.cfg.mode in ("pd", "pdv") else "engine": f"unreachable ({type(exc).__name__})"}
+        ok = all(state == "ok" for state in lanes.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "lanes": lanes}, status_code=200 if ok else 503)
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -111,7 +119,8 @@ class Ingress:
             raise
         if isinstance(first, GenerateError):
             self.in_flight -= 1
-            return _error(first.status, first.message, "invalid_request_error", first.param)
+            kind = "invalid_request_error" if first.status < 500 else "service_unavailable"
+            return _error(first.status, first.message, kind, first.param)
         if body.stream:
             sse = self._sse(body, rid, chat, first, stream)
             return StreamingResponse(sse, media_type="text/event-stream")
@@ -139,6 +148,11 @@ class Ingress:
             last = RequestOutput(rid, [], "", True, "error", error=f"timed out after {self.cfg.request_timeout_s} s")
             self._record(last, start, first_token_at)
             yield last
+        except Exception as exc:  # a lane replica died (or its engine did) under this request
+            log.warning("request %s failed in a lane: %r", rid, exc)
+            failed = RequestOutput(rid, [], "", True, "error", error=f"a lane failed: {type(exc).__name__}")
+            self._record(failed, start, first_token_at)
+            yield GenerateError(503, f"the request failed in a lane of the server ({type(exc).__name__}); retry")
         finally:
             gen.cancel()
             if isinstance(last, RequestOutput) and not last.finished:
@@ -159,8 +173,11 @@ class Ingress:
         try:
             out, is_first = first, True
             while True:
-                if out.error:
-                    yield _event(error_body(out.error, "server_error", 500))
+                if isinstance(out, GenerateError) or out.error:
+                    # A final error event, then [DONE]: a client's SSE loop ends as it would normally.
+                    yield _event(error_body(out.message, "service_unavailable", out.status)
+                                 if isinstance(out, GenerateError) else error_body(out.error, "server_error", 500))
+                    yield "data: [DONE]\n\n"
                     return
                 event = make(rid, self.cfg.model_name, out.text, out.finish_reason, None, True, first=is_first)
                 if body.return_token_ids:
@@ -179,8 +196,10 @@ class Ingress:
             self.in_flight -= 1
             await rest.aclose()
 
-    def _final(self, body, rid: str, chat: bool, outs: list[RequestOutput]):
+    def _final(self, body, rid: str, chat: bool, outs: list[RequestOutput | GenerateError]):
         last = outs[-1]
+        if isinstance(last, GenerateError):
+            return _error(last.status, last.message, "service_unavailable")
         if last.error:
             return _error(500, last.error, "server_error")
         text = "".join(o.text for o in outs)

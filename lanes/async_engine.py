@@ -83,7 +83,21 @@ class StreamingFront:
         self.num_messages = 0  # chunks yielded to callers (each one a Ray message when served)
         self.num_steps = 0
         self.step_ms_total = 0.0  # time inside core.step(), summed
+        self.progress_s = time.monotonic()  # when the engine last stepped or last reported itself idle
         self._streams: dict[str, _Stream] = {}
+
+    def problem(self, stall_s: float) -> str | None:
+        """Why this engine cannot serve (None when it can): its loop has exited, or it holds requests
+        but has not stepped for `stall_s` (wedged: a hung kernel, a deadlock)."""
+        if not self.loop_alive():
+            return "the engine loop has exited"
+        quiet_s = time.monotonic() - self.progress_s
+        if self._streams and quiet_s > stall_s:
+            return f"{len(self._streams)} requests in flight and no engine step for {quiet_s:.0f} s"
+        return None
+
+    def loop_alive(self) -> bool:
+        raise NotImplementedError
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -157,6 +171,9 @@ class AsyncEngine(StreamingFront):
         self._thread = threading.Thread(target=self._run, name="vpd-engine", daemon=True)
         self._thread.start()
 
+    def loop_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _start(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
         # The engine thread takes it in at its next step boundary.
         self._submit(lambda: self._add(request_id, prompt, params, stream, arrival_s))
@@ -210,6 +227,7 @@ class AsyncEngine(StreamingFront):
             while self._inbox:
                 self._guard(self._inbox.popleft())
             if not self.core.has_work:
+                self.progress_s = time.monotonic()
                 if self.on_idle is not None:
                     self._guard(lambda: self.on_idle(snapshot(self.core)))
                 self._wake.wait(IDLE_WAIT_S)
@@ -223,6 +241,7 @@ class AsyncEngine(StreamingFront):
         step_ms = (time.perf_counter() - start) * 1e3
         self.num_steps += 1
         self.step_ms_total += step_ms
+        self.progress_s = time.monotonic()
         self._deliver(outputs)
         if self.on_step is not None:
             self.on_step(snapshot(self.core), step_ms, batch_size)

@@ -75,6 +75,9 @@ class ProcessEngine(StreamingFront):
     def pid(self) -> int:
         return self._proc.pid
 
+    def loop_alive(self) -> bool:
+        return self.alive
+
     def _start(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
         self._streams[request_id] = stream
         if not self.alive:
@@ -151,9 +154,11 @@ class ProcessEngine(StreamingFront):
             _, outputs, step_ms, batch_size, snap = message
             self.num_steps += 1
             self.step_ms_total += step_ms
+            self.progress_s = time.monotonic()
             self._deliver(outputs)
             _guard(self.on_step, snap, step_ms, batch_size)
         elif kind == "idle":
+            self.progress_s = time.monotonic()
             _guard(self.on_idle, message[1])
         elif kind == "sample":
             _guard(self.on_sample, message[1])

@@ -1,0 +1,98 @@
+"""A dead engine on a real Serve instance (CPU, tiny pair): its requests end at once with a final
+error event and [DONE], /health says 503, Serve's health check replaces the replica, and the app
+then serves the same greedy output again without a redeploy."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from tests.serve_helpers import app_config, base_url, deploy, lane_stats, start_ray
+from tests.tiny_pair import save_tiny_pair
+
+APP = "faults"
+MODEL = "vpd-python"
+HEALTH_PERIOD_S = 1.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def app(tmp_path_factory):
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    start_ray()
+    lane = {"num_cpus": 0.05, "health_check_period_s": HEALTH_PERIOD_S}
+    config = app_config("unified", target, draft, decode_lane=lane)
+    config["engine"]["max_model_len"] = 2048  # streams long enough to be cut by the kill
+    deploy({APP: config})
+    yield
+    serve.shutdown()
+    import ray
+    ray.shutdown()
+
+
+def _greedy(prompt: str) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{base_url(APP)}/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def _stream_events(results: list, index: int, started: threading.Semaphore) -> None:
+    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events = []
+    try:
+        with httpx.stream("POST", f"{base_url(APP)}/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        started.release()
+    except httpx.HTTPError as exc:
+        events.append(f"transport error {exc!r}")
+    results[index] = (time.monotonic(), events)
+
+
+def _health() -> httpx.Response:
+    return httpx.get(f"http://{base_url(APP).split('//')[1].split('/')[0]}/{APP}/health", timeout=10)
+
+
+def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
+    assert _health().json() == {"status": "ok", "lanes": {"engine": "ok"}}
+    before = _greedy("def add(a, b):")
+    [stats] = lane_stats(APP, "DecodeLane")
+    engine_pid = stats["pid"]
+
+    results: list = [None] * 6
+    started = threading.Semaphore(0)
+    threads = [threading.Thread(target=_stream_events, args=(results, i, started)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every stream has its first chunk
+        assert started.acquire(timeout=60)
+    killed_s = time.monotonic()
+    os.kill(engine_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    for ended_s, events in results:
+        assert ended_s - killed_s < 10.0
+        # Each stream ends with an error event, then [DONE].
+        assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+
+    down = _health()
+    assert down.status_code == 503 and down.json()["status"] == "unavailable"
+
+    # Serve's health check fails, and it replaces the replica with one that has a new engine.
+    deadline = time.monotonic() + 120
+    while _health().status_code != 200:
+        assert time.monotonic() < deadline, "the app did not recover"
+        time.sleep(1)
+    recovered_s = time.monotonic() - killed_s
+    assert _greedy("def add(a, b):") == before
+    [stats] = lane_stats(APP, "DecodeLane")
+    assert stats["pid"] != engine_pid
+    print(f"recovered {recovered_s:.1f} s after the kill")
