@@ -50,7 +50,8 @@ def deploy(apps: dict[str, dict]) -> None:
     while pending and time.monotonic() < deadline:
         for name in list(pending):
             try:
-                if httpx.get(f"{base_url(name)}/models", timeout=5).status_code == 200:
+                # /health answers 200 once the ingress is up and every lane answers it.
+                if httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{name}/health", timeout=10).status_code == 200:
                     pending.discard(name)
             except httpx.HTTPError:
                 pass

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.serve_helpers import app_config, base_url, deploy, lane_stats, start_ray
+from tests.serve_helpers import HTTP_PORT, app_config, base_url, deploy, lane_stats, start_ray
 from tests.tiny_pair import save_tiny_pair
 
 APP = "faults"
@@ -57,7 +57,7 @@ def _stream_events(results: list, index: int, started: threading.Semaphore) -> N
 
 
 def _health() -> httpx.Response:
-    return httpx.get(f"http://{base_url(APP).split('//')[1].split('/')[0]}/{APP}/health", timeout=10)
+    return httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{APP}/health", timeout=10)
 
 
 def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
