@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP ingress: validates input once, streams chunks as server-sent events."""
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -16,7 +17,8 @@ from deployments.config import AppConfig
 from deployments.engine_replica import GenerateError
 from deployments.metrics import IngressMetrics
 from deployments.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, chat_body, completion_body, error_body, new_id, usage, usage_chunk,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_body, completion_body,
+    error_body, new_id, running_usage, usage, usage_chunk,
 )
 from lanes.outputs import RequestOutput
 from lanes.params import ParamError
@@ -25,7 +27,11 @@ from lanes.spec_stats import SpecDecodeStats
 log = logging.getLogger(__name__)
 api = FastAPI(title="Verify-PD")
 
-HEALTH_TIMEOUT_S = 5.0  # a lane that cannot answer /health within this is reported down
+HEALTH_TIMEOUT_S = 5.0
+try:
+    VERSION = importlib.metadata.version("verify-pd")  # at GET /version
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not pip-installed
+    VERSION = "unknown"  # a lane that cannot answer /health within this is reported down
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None, headers: dict | None = None):
@@ -69,6 +75,42 @@ class Ingress:
             return _error(404, "the draft-length controller is disabled in this app", "not_found_error")
         return await self.controller.state.remote()
 
+    @api.get("/version")
+    async def version(self) -> dict:
+        return {"version": VERSION}
+
+    @api.post("/tokenize")
+    @api.post("/v1/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt's token ids, or chat messages' after the chat template."""
+        body, refused = await self._parse(request, TokenizeRequest)
+        if refused is not None:
+            return refused
+        try:
+            if (body.prompt is None) == (body.messages is None):
+                raise ParamError("prompt", "send either prompt or messages")
+            if body.messages is not None:
+                ids = self._apply_template([m.for_template(i) for i, m in enumerate(body.messages)],
+                                           add_generation_prompt=body.add_generation_prompt)
+            else:
+                ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ParamError as exc:
+            return _error(400, str(exc), "invalid_request_error", exc.field)
+        response = {"count": len(ids), "max_model_len": self.cfg.engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            response["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return response
+
+    @api.post("/detokenize")
+    @api.post("/v1/detokenize")
+    async def detokenize(self, request: Request):
+        body, refused = await self._parse(request, DetokenizeRequest)
+        if refused is not None:
+            return refused
+        if any(not 0 <= t < len(self.tokenizer) for t in body.tokens):
+            return _error(400, f"token ids must be in [0, {len(self.tokenizer)})", "invalid_request_error", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._serve(request, CompletionRequest, chat=False)
@@ -79,15 +121,26 @@ class Ingress:
 
     # ---- the one path every request takes ----------------------------------------------------
 
-    async def _serve(self, request: Request, schema, chat: bool):
+    async def _parse(self, request: Request, schema):
+        """(body, None), or (None, the 400/422 response) for malformed JSON or a wrongly typed field."""
         try:
             body = schema.model_validate(await request.json())
         except json.JSONDecodeError as exc:
-            return _error(400, f"malformed JSON: {exc}", "invalid_request_error")
+            return None, _error(400, f"malformed JSON: {exc}", "invalid_request_error")
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
-            return _error(422, f"{param}: {first['msg']}", "invalid_request_error", param)
+            return None, _error(422, f"{param}: {first['msg']}", "invalid_request_error", param)
+        if ignored := body.ignored_fields if hasattr(body, "ignored_fields") else sorted(body.model_extra or {}):
+            # Accepted and ignored, as vLLM does; said once per request, and counted by name.
+            log.info("%s: ignoring fields this server does not know: %s", request.url.path, ", ".join(ignored))
+            self.metrics.observe_ignored_fields(ignored)
+        return body, None
+
+    async def _serve(self, request: Request, schema, chat: bool):
+        body, refused = await self._parse(request, schema)
+        if refused is not None:
+            return refused
         if body.model != self.cfg.model_name:
             return _error(404, f"model {body.model!r} does not exist; this server serves {self.cfg.model_name!r}",
                           "not_found_error", "model")
@@ -96,16 +149,25 @@ class Ingress:
                           headers={"Retry-After": "1"})
         try:
             params = body.sampling_params()
-            prompt = self._chat_prompt(body) if chat else body.prompt
+            prompt = self._chat_prompt(body) if chat else body.single_prompt()
         except ParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.field)
         return await self._respond(body, prompt, params, chat)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        return self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+                                    continue_final_message=body.continue_final_message,
+                                    **(body.chat_template_kwargs or {}))
+
+    def _apply_template(self, messages: list[dict], **kwargs) -> list[int]:
         if not self.tokenizer.chat_template:
             raise ParamError("messages", "the served model has no chat template")
-        ids = self.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True,
-                                                 tokenize=True)
+        if kwargs.get("continue_final_message"):
+            kwargs["add_generation_prompt"] = False  # the two contradict; vLLM lets continuation win
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+        except Exception as exc:  # the template refuses a role or shape (e.g. no system role)
+            raise ParamError("messages", f"the chat template refused them: {exc}") from exc
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def _respond(self, body, prompt, params, chat: bool):
@@ -180,6 +242,8 @@ class Ingress:
                     yield "data: [DONE]\n\n"
                     return
                 event = make(rid, self.cfg.model_name, out.text, out.finish_reason, None, True, first=is_first)
+                if body.continuous_usage:
+                    event["usage"] = running_usage(out.num_prompt_tokens, out.num_output_tokens)
                 if body.return_token_ids:
                     event["choices"][0]["token_ids"] = out.token_ids
                 yield _event(event)

@@ -80,6 +80,7 @@ class _Registry:
     kv_slots_total: Any
     gpu_utilization_ratio: Any
     gpu_memory_used_bytes: Any
+    ignored_request_fields: Any
 
 
 @functools.cache
@@ -129,6 +130,8 @@ def _registry() -> _Registry:
         gpu_memory_used_bytes=Gauge("vpd_gpu_memory_used_bytes",
                                     "GPU memory in use on the device, all processes (bytes).",
                                     tag_keys=("mode", "lane", "gpu")),
+        ignored_request_fields=Counter("vpd_ignored_request_fields", "Request fields this server does not know, "
+                                       "accepted and ignored, by name.", tag_keys=("mode", "field")),
     )
 
 
@@ -252,6 +255,11 @@ class IngressMetrics:
     def __init__(self, mode: str):
         self._metrics = _registry()
         self._tags = {"mode": mode}
+
+    def observe_ignored_fields(self, names: list[str]) -> None:
+        """Fields of one request that neither OpenAI's API nor vLLM's server defines (ignored)."""
+        for name in names:
+            self._metrics.ignored_request_fields.inc(1, tags={**self._tags, "field": name[:64]})
 
     def observe_request(self, status: str, ttft_ms: float | None, tpot_ms: float | None,
                         e2e_ms: float, completion_tokens: int) -> None:

@@ -1,26 +1,81 @@
-"""OpenAI-compatible request and response bodies (the subset Verify-PD serves)."""
+"""OpenAI-compatible request and response bodies, with vLLM's request fields.
+
+Every field that OpenAI's API or vLLM's server defines for /v1/completions and /v1/chat/completions
+is one of three things here: served with its meaning; declared and refused with a 400 that names it
+when a request sets it (this engine cannot honour it yet, and ignoring it would change what the
+client gets without telling them); or, for fields that change nothing about the output (`user`,
+`store`, `metadata`, ...), accepted. Any field neither API defines is accepted and ignored, as
+vLLM does; the ingress logs and counts it (`ignored_fields`).
+"""
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lanes.params import SamplingParams
+from lanes.params import ParamError, SamplingParams
 from lanes.spec_stats import SpecDecodeStats
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Open(BaseModel):
+    # Unknown fields are kept (model_extra) so that the ingress can log and count them, then ignored.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class _SamplingFields(BaseModel):
-    # Unknown fields are rejected (422) rather than silently ignored.
-    model_config = ConfigDict(extra="forbid")
+# Fields with a meaning this engine does not give yet: the value that leaves them off, and why a
+# request that sets anything else is refused. None as "off" also accepts an explicit null.
+_REFUSED_COMMON: dict[str, tuple[Any, str]] = {
+    "logprobs": (None, "log-probabilities are not served yet"),
+    "prompt_logprobs": (None, "prompt log-probabilities are not served yet"),
+    "echo": (False, "echo is not served yet"),
+    "best_of": (None, "best_of is not served"),
+    "use_beam_search": (False, "beam search is not served"),
+    "length_penalty": (1.0, "beam search is not served"),
+    "frequency_penalty": (0.0, "penalties are not served yet"),
+    "presence_penalty": (0.0, "penalties are not served yet"),
+    "repetition_penalty": (1.0, "penalties are not served yet"),
+    "logit_bias": (None, "logit_bias is not served yet"),
+    "min_tokens": (0, "min_tokens is not served yet"),
+    "min_p": (0.0, "min_p sampling is not served yet"),
+    "allowed_token_ids": (None, "allowed_token_ids is not served yet"),
+    "bad_words": (None, "bad_words is not served yet"),
+    "include_stop_str_in_output": (False, "stop strings are always cut from the output"),
+    "skip_special_tokens": (True, "special tokens are always skipped in the text"),
+    "truncate_prompt_tokens": (None, "prompt truncation is not served; send a prompt that fits"),
+    "guided_json": (None, "structured output is not served yet"),
+    "guided_regex": (None, "structured output is not served yet"),
+    "guided_choice": (None, "structured output is not served yet"),
+    "guided_grammar": (None, "structured output is not served yet"),
+    "structured_outputs": (None, "structured output is not served yet"),
+    "logits_processors": (None, "logits processors are not served"),
+    "kv_transfer_params": (None, "external KV transfer is not served"),
+    "priority": (0, "request priorities are not served"),
+}
+_REFUSED_COMPLETION = {"suffix": (None, "suffix (insertion) is not served")}
+_REFUSED_CHAT = {
+    "top_logprobs": (None, "log-probabilities are not served yet"),
+    "tools": (None, "tool calling is not served"),
+    "functions": (None, "function calling is not served"),
+    "function_call": (None, "function calling is not served"),
+    "audio": (None, "audio output is not served"),
+    "prediction": (None, "predicted outputs are not served"),
+    "documents": (None, "documents are not served"),
+    "chat_template": (None, "only the model's own chat template is served"),
+    "reasoning_effort": (None, "reasoning effort is not served"),
+    "web_search_options": (None, "web search is not served"),
+}
+_ALWAYS_OFF = {"none", "auto"}  # tool_choice values that call no tool when no tools are given
 
+
+class _SamplingFields(_Open):
     model: str
-    max_tokens: int = 16
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -30,36 +85,181 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    user: str | None = None
+    n: int = 1
+    response_format: dict | None = None
     return_token_ids: bool = Field(default=False, description="Also return the generated token ids "
                                    "(`choices[0].token_ids`), as vLLM's extension of the same name does.")
+    # Accepted: they change nothing about the output.
+    user: str | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    add_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool = True
+    vllm_xargs: dict | None = None
+    # Declared so that a value is refused by name, never ignored (see _REFUSED_*).
+    logprobs: Any = None
+    prompt_logprobs: Any = None
+    echo: Any = False
+    best_of: Any = None
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    frequency_penalty: Any = 0.0
+    presence_penalty: Any = 0.0
+    repetition_penalty: Any = 1.0
+    logit_bias: Any = None
+    min_tokens: Any = 0
+    min_p: Any = 0.0
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    include_stop_str_in_output: Any = False
+    skip_special_tokens: Any = True
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    priority: Any = 0
+
+    _refused: dict[str, tuple[Any, str]] = _REFUSED_COMMON
+    _default_max_tokens: int | None = 16
+
+    def check_served(self) -> None:
+        """Raises ParamError (-> 400) naming the first field set to something this server cannot honour."""
+        for name, (off, why) in {**_REFUSED_COMMON, **self._refused}.items():
+            value = getattr(self, name, None)
+            if value is not None and value != off and not (off is None and value in ([], {}, 0, False)):
+                raise ParamError(name, f"{why} (got {value!r}); leave it unset")
+        if self.n != 1:
+            raise ParamError("n", f"one choice a request is served (got n={self.n}); send n requests instead")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ParamError("response_format", f"structured output ({kind!r}) is not served yet")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Fields neither OpenAI's API nor vLLM's server defines: accepted and ignored."""
+        return sorted(self.model_extra or {})
 
     def sampling_params(self) -> SamplingParams:
-        """Raises lanes.params.ParamError (-> 400) on values out of range."""
+        """Raises lanes.params.ParamError (-> 400) on values out of range or fields not served."""
+        self.check_served()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=self.output_limit(), temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
         )
+
+    def output_limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else self._default_max_tokens
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    _refused = _REFUSED_COMPLETION
+
+    def single_prompt(self) -> str | list[int]:
+        """The request's one prompt: a list of one prompt is that prompt; more are refused by name."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ParamError("prompt", f"a list of {len(prompt)} prompts; one prompt a request is served")
+            return prompt[0]
+        return prompt
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self, index: int) -> dict:
+        """The message as chat templates take it: content as one string (text parts joined by newlines,
+        as vLLM joins them)."""
+        content = self.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ParamError(f"messages.{index}.content.{j}.type",
+                                     f"content part {part.type!r} is not served: text parts only")
+            content = "\n".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's current name for the chat limit; wins over max_tokens
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    top_logprobs: Any = None
+    tools: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    _refused = _REFUSED_CHAT
+
+    def check_served(self) -> None:
+        super().check_served()
+        if self.logprobs:  # chat's logprobs is a bool; False is off
+            raise ParamError("logprobs", "log-probabilities are not served yet (got true); leave it unset")
+        if self.tool_choice is not None and self.tool_choice not in _ALWAYS_OFF:
+            raise ParamError("tool_choice", "tool calling is not served")
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise ParamError("modalities", "text output only is served")
+
+    def output_limit(self) -> int:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else super().output_limit()
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(_Open):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Open):
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:
@@ -80,6 +280,12 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: SpecDecodeStats | N
             "acceptance_rate": stats.acceptance_rate,
         },
     }
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """Usage so far, for a chunk of a stream with `continuous_usage_stats` (vLLM's shape)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None, chunk: bool,
