@@ -27,11 +27,11 @@ from lanes.spec_stats import SpecDecodeStats
 log = logging.getLogger(__name__)
 api = FastAPI(title="Verify-PD")
 
-HEALTH_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 5.0  # a lane that cannot answer /health within this is reported down
 try:
     VERSION = importlib.metadata.version("verify-pd")  # at GET /version
 except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not pip-installed
-    VERSION = "unknown"  # a lane that cannot answer /health within this is reported down
+    VERSION = "unknown"
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None, headers: dict | None = None):
@@ -131,7 +131,7 @@ class Ingress:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             return None, _error(422, f"{param}: {first['msg']}", "invalid_request_error", param)
-        if ignored := body.ignored_fields if hasattr(body, "ignored_fields") else sorted(body.model_extra or {}):
+        if ignored := sorted(body.model_extra or {}):
             # Accepted and ignored, as vLLM does; said once per request, and counted by name.
             log.info("%s: ignoring fields this server does not know: %s", request.url.path, ", ".join(ignored))
             self.metrics.observe_ignored_fields(ignored)

@@ -5,7 +5,7 @@ is one of three things here: served with its meaning; declared and refused with 
 when a request sets it (this engine cannot honour it yet, and ignoring it would change what the
 client gets without telling them); or, for fields that change nothing about the output (`user`,
 `store`, `metadata`, ...), accepted. Any field neither API defines is accepted and ignored, as
-vLLM does; the ingress logs and counts it (`ignored_fields`).
+vLLM does; the ingress logs and counts it (`model_extra`).
 """
 
 import time
@@ -140,11 +140,6 @@ class _SamplingFields(_Open):
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise ParamError("response_format", f"structured output ({kind!r}) is not served yet")
-
-    @property
-    def ignored_fields(self) -> list[str]:
-        """Fields neither OpenAI's API nor vLLM's server defines: accepted and ignored."""
-        return sorted(self.model_extra or {})
 
     def sampling_params(self) -> SamplingParams:
         """Raises lanes.params.ParamError (-> 400) on values out of range or fields not served."""

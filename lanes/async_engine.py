@@ -1,4 +1,5 @@
-"""Async front of the co-located engine: `generate()` streams chunks while a background thread steps.
+"""Async front of the engine: `generate()` streams chunks while a background thread steps (AsyncEngine);
+lanes/engine_process.py steps it in a process of its own behind the same front (StreamingFront).
 
 The engine thread owns all engine state. Callers talk to it through a thread-safe inbox (new
 requests, aborts, draft-length changes); it hands each step's outputs to the event loop in one

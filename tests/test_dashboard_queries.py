@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 import yaml
@@ -95,6 +96,10 @@ class BackgroundLoad:
 
     async def _rounds(self) -> None:
         while not self._stop.is_set():
+            # As some clients do: a field this server does not know, which it ignores and counts.
+            async with httpx.AsyncClient(timeout=60) as http:
+                await http.post(f"{self.base_url}/v1/completions", json={
+                    "model": "vpd-python", "prompt": "hi", "max_tokens": 2, "x_client_trace_id": "t1"})
             self.results.append(await run_load(self.base_url, self.workload, ClosedLoop(3),
                                                duration_s=LOAD_ROUND_S, timeout_s=60.0,
                                                progress=False))
