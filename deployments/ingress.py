@@ -131,7 +131,7 @@ class Ingress:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             return None, _error(422, f"{param}: {first['msg']}", "invalid_request_error", param)
-        if ignored := sorted(body.model_extra or {}):
+        if ignored := body.ignored_fields():
             # Accepted and ignored, as vLLM does; said once per request, and counted by name.
             log.info("%s: ignoring fields this server does not know: %s", request.url.path, ", ".join(ignored))
             self.metrics.observe_ignored_fields(ignored)

@@ -1,16 +1,16 @@
 """OpenAI-compatible request and response bodies, with vLLM's request fields.
 
 Every field that OpenAI's API or vLLM's server defines for /v1/completions and /v1/chat/completions
-is one of three things here: served with its meaning; declared and refused with a 400 that names it
-when a request sets it (this engine cannot honour it yet, and ignoring it would change what the
-client gets without telling them); or, for fields that change nothing about the output (`user`,
-`store`, `metadata`, ...), accepted. Any field neither API defines is accepted and ignored, as
-vLLM does; the ingress logs and counts it (`model_extra`).
+is one of three things here: served with its meaning; listed in a _REFUSED_ table and refused with a
+400 that names it when a request sets it (this engine cannot honour it yet, and ignoring it would
+change what the client gets without telling them); or, for fields that change nothing about the
+output (`user`, `store`, `metadata`, ...), accepted. Any field neither API defines is accepted and ignored, as
+vLLM does; the ingress logs and counts it (`ignored_fields`).
 """
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,12 +21,21 @@ from lanes.spec_stats import SpecDecodeStats
 class _Open(BaseModel):
     # Unknown fields are kept (model_extra) so that the ingress can log and count them, then ignored.
     model_config = ConfigDict(extra="allow")
+    # Fields the APIs define that this server refuses when set (see _REFUSED_*): read from model_extra
+    # by check_served, and not reported as ignored.
+    refused_fields: ClassVar[dict[str, tuple[Any, str]]] = {}
+
+    def ignored_fields(self) -> list[str]:
+        """Fields neither OpenAI's API nor vLLM's server defines: accepted and ignored."""
+        return sorted(set(self.model_extra or {}) - self.refused_fields.keys())
 
 
 class StreamOptions(_Open):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; used for chat too
 
 # Fields with a meaning this engine does not give yet: the value that leaves them off, and why a
 # request that sets anything else is refused. None as "off" also accepts an explicit null.
@@ -99,40 +108,12 @@ class _SamplingFields(_Open):
     add_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
     vllm_xargs: dict | None = None
-    # Declared so that a value is refused by name, never ignored (see _REFUSED_*).
-    logprobs: Any = None
-    prompt_logprobs: Any = None
-    echo: Any = False
-    best_of: Any = None
-    use_beam_search: Any = False
-    length_penalty: Any = 1.0
-    frequency_penalty: Any = 0.0
-    presence_penalty: Any = 0.0
-    repetition_penalty: Any = 1.0
-    logit_bias: Any = None
-    min_tokens: Any = 0
-    min_p: Any = 0.0
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    include_stop_str_in_output: Any = False
-    skip_special_tokens: Any = True
-    truncate_prompt_tokens: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    logits_processors: Any = None
-    kv_transfer_params: Any = None
-    priority: Any = 0
-
-    _refused: dict[str, tuple[Any, str]] = _REFUSED_COMMON
-    _default_max_tokens: int | None = 16
+    refused_fields: ClassVar[dict[str, tuple[Any, str]]] = _REFUSED_COMMON
 
     def check_served(self) -> None:
         """Raises ParamError (-> 400) naming the first field set to something this server cannot honour."""
-        for name, (off, why) in {**_REFUSED_COMMON, **self._refused}.items():
-            value = getattr(self, name, None)
+        for name, (off, why) in self.refused_fields.items():
+            value = (self.model_extra or {}).get(name)
             if value is not None and value != off and not (off is None and value in ([], {}, 0, False)):
                 raise ParamError(name, f"{why} (got {value!r}); leave it unset")
         if self.n != 1:
@@ -151,7 +132,7 @@ class _SamplingFields(_Open):
         )
 
     def output_limit(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else self._default_max_tokens
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
 
     @property
     def include_usage(self) -> bool:
@@ -164,7 +145,7 @@ class _SamplingFields(_Open):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    _refused = _REFUSED_COMPLETION
+    refused_fields: ClassVar[dict[str, tuple[Any, str]]] = {**_REFUSED_COMMON, **_REFUSED_COMPLETION}
 
     def single_prompt(self) -> str | list[int]:
         """The request's one prompt: a list of one prompt is that prompt; more are refused by name."""
@@ -213,22 +194,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
-    top_logprobs: Any = None
-    tools: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    prediction: Any = None
-    documents: Any = None
-    chat_template: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-    _refused = _REFUSED_CHAT
+    refused_fields: ClassVar[dict[str, tuple[Any, str]]] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 
     def check_served(self) -> None:
-        super().check_served()
-        if self.logprobs:  # chat's logprobs is a bool; False is off
-            raise ParamError("logprobs", "log-probabilities are not served yet (got true); leave it unset")
+        super().check_served()  # chat's logprobs is a bool: False passes as off, True is refused
         if self.tool_choice is not None and self.tool_choice not in _ALWAYS_OFF:
             raise ParamError("tool_choice", "tool calling is not served")
         if self.modalities is not None and set(self.modalities) - {"text"}:
