@@ -212,8 +212,11 @@ class Ingress:
             yield last
         except Exception as exc:  # a lane replica died (or its engine did) under this request
             log.warning("request %s failed in a lane: %r", rid, exc)
-            failed = RequestOutput(rid, [], "", True, "error", error=f"a lane failed: {type(exc).__name__}")
-            self._record(failed, start, first_token_at)
+            sent = last if isinstance(last, RequestOutput) else None
+            # `last` becomes this finished output, so that `finally` does not count the request again.
+            last = RequestOutput(rid, [], "", True, "error", sent.num_prompt_tokens if sent else 0,
+                                 sent.num_output_tokens if sent else 0, error=f"a lane failed: {type(exc).__name__}")
+            self._record(last, start, first_token_at)
             yield GenerateError(503, f"the request failed in a lane of the server ({type(exc).__name__}); retry")
         finally:
             gen.cancel()
