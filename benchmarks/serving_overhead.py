@@ -184,7 +184,8 @@ def replica_counters(handle) -> dict:
 
 
 def start_profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
-    """py-spy's sampled stacks of the engine replica (every thread, by name), if py-spy is here."""
+    """py-spy's sampled stacks of the process that steps the engine (the engine process, or the replica
+    where the engine is a thread; every thread, by name), if py-spy is here."""
     if seconds <= 0 or shutil.which("py-spy") is None:
         return None
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "250",
@@ -307,7 +308,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="process (engine_process: true, the default for unified, spec and nospec), thread "
                         "(the engine on a thread of the replica), or both: process,thread")
     parser.add_argument("--profile-s", type=float, default=0,
-                        help="sample the engine replica with py-spy for this long during the http run")
+                        help="sample the process that steps the engine with py-spy for this long during the http run")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
