@@ -101,8 +101,7 @@ class EngineServer:
         for lane, handle in self.peers.items():
             if handle is not None:
                 try:
-                    await asyncio.wait_for(handle.placement.remote(), PEER_HEALTH_TIMEOUT_S)
-                    states[lane] = "ok"
+                    states[lane] = await asyncio.wait_for(handle.health.remote(), PEER_HEALTH_TIMEOUT_S)
                 except Exception as exc:
                     states[lane] = f"unreachable ({type(exc).__name__})"
         return states

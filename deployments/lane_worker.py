@@ -4,14 +4,18 @@ work on a stream of the lane's priority (lanes/streams.py), which also orders la
 replicas that share the GPU."""
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 import torch
 
+from lanes.device_fault import device_fault
 from lanes.streams import lane_stream
 
 T = TypeVar("T")
+
+WEDGED_AFTER_S = 60.0  # one job running longer than this: a hung kernel or a deadlock, not work
 
 
 class LaneWorker:
@@ -23,6 +27,29 @@ class LaneWorker:
                 torch.cuda.set_stream(stream)
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=use_lane_stream)
+        self.device = device
+        self.device_fault: str | None = None  # set when a failed job left the device unusable
+        self._busy_since_s: float | None = None  # monotonic start of the job running now
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, fn, args)
+
+    def problem(self, wedged_after_s: float = WEDGED_AFTER_S) -> str | None:
+        """Why this lane cannot serve (None when it can), for its replica's health check."""
+        if self.device_fault is not None:
+            return f"the device is unusable after a failed job ({self.device_fault})"
+        busy_since_s = self._busy_since_s
+        if busy_since_s is not None and time.monotonic() - busy_since_s > wedged_after_s:
+            return f"one job has run for {time.monotonic() - busy_since_s:.0f} s"
+        return None
+
+    def _call(self, fn: Callable[..., T], args: tuple) -> T:
+        self._busy_since_s = time.monotonic()
+        try:
+            return fn(*args)
+        except Exception:
+            # Probed here, on the thread and stream that met the failure, before the next job.
+            self.device_fault = self.device_fault or device_fault(self.device)
+            raise
+        finally:
+            self._busy_since_s = None

@@ -54,6 +54,15 @@ class PrefillServer:
     async def placement(self) -> Placement:
         return self.placement_
 
+    def check_health(self) -> None:
+        """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""
+        if (problem := self.worker.problem()) is not None:
+            raise RuntimeError(f"prefill lane: {problem}")
+
+    async def health(self) -> str:
+        """This lane's state for the ingress's /health: "ok" or why not."""
+        return self.worker.problem() or "ok"
+
     async def prefill(self, job: PrefillJob) -> PrefillDone:
         """Prefill one prompt in the next batch (calls from all decode replicas are merged)."""
         job.received_s = time.time()  # timelines: transit (sent -> received) apart from the batch queue

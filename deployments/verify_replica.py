@@ -31,6 +31,15 @@ class VerifyServer:
     async def placement(self) -> Placement:
         return self.placement_
 
+    def check_health(self) -> None:
+        """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""
+        if (problem := self.worker.problem()) is not None:
+            raise RuntimeError(f"verify lane: {problem}")
+
+    async def health(self) -> str:
+        """This lane's state for the ingress's /health: "ok" or why not."""
+        return self.worker.problem() or "ok"
+
     async def pool_handle(self) -> PoolHandle:
         """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once)."""
         return PoolHandle.export(f"verify-{id(self)}", self.lane.pool)

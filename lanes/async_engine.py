@@ -86,10 +86,14 @@ class StreamingFront:
         self.step_ms_total = 0.0  # time inside core.step(), summed
         self.progress_s = time.monotonic()  # when the engine last stepped or last reported itself idle
         self._streams: dict[str, _Stream] = {}
+        self.device_fault: str | None = None  # a failed step left the device unusable (lanes/device_fault.py)
 
     def problem(self, stall_s: float) -> str | None:
-        """Why this engine cannot serve (None when it can): its loop has exited, or it holds requests
-        but has not stepped for `stall_s` (wedged: a hung kernel, a deadlock)."""
+        """Why this engine cannot serve (None when it can): a failed step left its device unusable, its
+        loop has exited, or it holds requests but has not stepped for `stall_s` (wedged: a hung
+        kernel, a deadlock)."""
+        if self.device_fault is not None:
+            return f"the device is unusable after a failed step ({self.device_fault})"
         if not self.loop_alive():
             return "the engine loop has exited"
         quiet_s = time.monotonic() - self.progress_s
@@ -155,6 +159,14 @@ class StreamingFront:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.push, exc)
 
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._streams):
+            self._fail(request_id, exc)
+
+
+class EngineDeviceFault(RuntimeError):
+    """The engine's device is unusable (a sticky CUDA error): every request it held fails with this."""
+
 
 class AsyncEngine(StreamingFront):
     """The engine stepped by a thread of this process."""
@@ -176,6 +188,10 @@ class AsyncEngine(StreamingFront):
         return self._thread.is_alive()
 
     def _start(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
+        if self.device_fault is not None:  # the loop has stopped: nothing would take it in
+            self._streams[request_id] = stream
+            self._fail(request_id, EngineDeviceFault(f"the engine's device is unusable: {self.device_fault}"))
+            return
         # The engine thread takes it in at its next step boundary.
         self._submit(lambda: self._add(request_id, prompt, params, stream, arrival_s))
 
@@ -244,8 +260,19 @@ class AsyncEngine(StreamingFront):
         self.step_ms_total += step_ms
         self.progress_s = time.monotonic()
         self._deliver(outputs)
+        if self.core.device_fault is not None:
+            self._stop_on_fault(self.core.device_fault)
+            return
         if self.on_step is not None:
             self.on_step(snapshot(self.core), step_ms, batch_size)
+
+    def _stop_on_fault(self, fault: str) -> None:
+        # Every later step would fail too: stop stepping, fail what is held, and let the health
+        # check (problem()) have Serve replace the replica.
+        log.error("engine thread: the device is unusable (%s); stopping the engine loop", fault)
+        self.device_fault = fault
+        self._stopped = True
+        self._fail_all(EngineDeviceFault(f"the engine's device is unusable: {fault}"))
 
     @staticmethod
     def _guard(fn: Callable[[], object]) -> None:

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lanes.backends import LocalPrefiller, LocalVerifier, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
+from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal
 from lanes.kv_pool import KVPool, PoolShape
 from lanes.model_runner import ModelRunner
@@ -82,6 +83,9 @@ class EngineCore:
         self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None)
         self.default_draft_len = config.num_speculative_tokens if draft is not None else 0
         self.total_stats = SpecDecodeStats()
+        # Set when a failed batch left the device unusable (lanes/device_fault.py): the loop that
+        # steps this engine stops, and the replica's health check fails.
+        self.device_fault: str | None = None
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     @classmethod
@@ -182,6 +186,7 @@ class EngineCore:
             return run()
         except Exception as exc:
             log.exception("engine step failed for %d requests", len(seqs))
+            self.device_fault = self.device_fault or device_fault(self.streams.device)
             outputs = []
             for seq in seqs:
                 if seq.finish_reason is None:

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from lanes.async_engine import IDLE_WAIT_S, StreamingFront, _Stream
+from lanes.async_engine import IDLE_WAIT_S, EngineDeviceFault, StreamingFront, _Stream
 from lanes.engine_snapshot import EngineSnapshot, snapshot
 from lanes.params import SamplingParams
 
@@ -81,7 +81,7 @@ class ProcessEngine(StreamingFront):
     def _start(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
         self._streams[request_id] = stream
         if not self.alive:
-            self._fail(request_id, EngineProcessDied("the engine process is not running"))
+            self._fail(request_id, self._gone())
             return
         self._send(("add", request_id, prompt, params, arrival_s))
 
@@ -164,19 +164,25 @@ class ProcessEngine(StreamingFront):
             _guard(self.on_sample, message[1])
         elif kind == "refused":
             self._fail(message[1], message[2])
+        elif kind == "fault":
+            self.device_fault = message[1]
         elif kind == "result":
             _, call_id, ok, value = message
             loop, future = self._calls.pop(call_id)
             loop.call_soon_threadsafe(_settle, future, ok, value)
+
+    def _gone(self) -> Exception:
+        if self.device_fault is not None:
+            return EngineDeviceFault(f"the engine's device is unusable: {self.device_fault}")
+        return EngineProcessDied("the engine process is not running")
 
     def _died(self) -> None:
         self.alive = False
         if not self._stopped:
             log.error("engine process %d exited (code %s); failing %d requests", self._proc.pid,
                       self._proc.poll(), len(self._streams))
-        error = EngineProcessDied("the engine process exited")
-        for request_id in list(self._streams):
-            self._fail(request_id, error)
+        error = self._gone()
+        self._fail_all(error)
         for call_id in list(self._calls):
             loop, future = self._calls.pop(call_id)
             loop.call_soon_threadsafe(_settle, future, False, error)
@@ -246,6 +252,13 @@ class _EngineLoop:
                 continue
             step_ms = (time.perf_counter() - start) * 1e3
             self._send(("step", outputs, step_ms, batch_size, snapshot(self.core)))
+            if self.core.device_fault is not None:
+                # Every later step would fail too: report it and exit, so that the replica fails
+                # what it holds and its health check has Serve replace it (vLLM's engine core dies
+                # on such errors as well).
+                log.error("engine process: the device is unusable (%s); exiting", self.core.device_fault)
+                self._send(("fault", self.core.device_fault))
+                return
 
     def _take_commands(self, timeout_s: float) -> bool:
         """Apply every command waiting now (waiting up to `timeout_s` for the first); False to stop."""

@@ -26,6 +26,7 @@ def on(stream: torch.cuda.Stream | None):
 
 class LaneStreams:
     def __init__(self, device: torch.device):
+        self.device = device
         self.decode = lane_stream(device, DECODE_PRIORITY)
         self.verify = lane_stream(device, VERIFY_PRIORITY)
         self.prefill = lane_stream(device, PREFILL_PRIORITY)
