@@ -95,6 +95,10 @@ class EngineServer:
         if (problem := self.engine.problem(ENGINE_STALL_S)) is not None:
             raise RuntimeError(f"{self.lane} lane: {problem}")
 
+    async def pid(self) -> int:
+        """This replica's process id (operators, fault tests); the engine's own is in `stats()`."""
+        return os.getpid()
+
     async def lane_health(self) -> dict[str, str]:
         """This lane's state and, in pd and pdv, whether the other lanes answer: "ok" or why not."""
         states = {self.lane: self.engine.problem(ENGINE_STALL_S) or "ok"}

@@ -1,6 +1,7 @@
 """Prefill lane deployment: prompts of many requests prefilled together, KV handed to the owners."""
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -14,7 +15,7 @@ from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from lanes.streams import PREFILL_PRIORITY
 from deployments.metrics import LaneMetrics
-from deployments.remote import PrefillDone, PrefillJob
+from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob
 from deployments.timeline import TIMELINE, replica_report
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
 
@@ -49,6 +50,7 @@ class PrefillServer:
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0}  # draft KV hand-overs by transport
         self._verify_in_place: bool | None = None
         self._verify_pool = None
+        self._verify_lease: str | None = None  # the verify replica instance _verify_pool belongs to
         self._verify_route_lock = asyncio.Lock()
 
     async def placement(self) -> Placement:
@@ -58,6 +60,10 @@ class PrefillServer:
         """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""
         if (problem := self.worker.problem()) is not None:
             raise RuntimeError(f"prefill lane: {problem}")
+
+    async def pid(self) -> int:
+        """This replica's process id (operators, fault tests)."""
+        return os.getpid()
 
     async def health(self) -> str:
         """This lane's state for the ingress's /health: "ok" or why not."""
@@ -73,9 +79,10 @@ class PrefillServer:
             self._set_queue_depth(-1)
         # The RPCs left run here, per request, so the next forward need not wait for them.
         if out.verify_kv is not None:
-            out.done.target_slot = await self.verify.load_kv.remote(out.verify_kv)
+            out.done.target_lease, out.done.target_slot = await asyncio.wait_for(
+                self.verify.load_kv.remote(out.verify_kv), PEER_CALL_TIMEOUT_S)
         elif out.committed is not None:
-            await out.committed
+            await asyncio.wait_for(asyncio.shield(out.committed), PEER_CALL_TIMEOUT_S)
         self.handed_over[out.draft] += 1
         TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target,
                         draft=out.draft, target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
@@ -85,20 +92,23 @@ class PrefillServer:
     async def _forward(self, jobs: list[PrefillJob]) -> list[Prefilled]:
         batch_s = time.time()
         # The verify lane's slots are asked for while the forward runs.
-        forward, slots = await asyncio.gather(self.worker.run(self._prefill_timed, [j.request for j in jobs]),
-                                              self._verify_slots(len(jobs)), return_exceptions=True)
-        if isinstance(forward, BaseException) or isinstance(slots, BaseException):
-            if isinstance(slots, list):
-                self.verify.release.remote(slots)
+        forward, leased = await asyncio.gather(self.worker.run(self._prefill_timed, [j.request for j in jobs]),
+                                               self._verify_slots(len(jobs)), return_exceptions=True)
+        if isinstance(forward, BaseException) or isinstance(leased, BaseException):
+            if isinstance(leased, tuple):
+                self.verify.release.remote(leased[1], leased[0])
             if not isinstance(forward, BaseException):
                 await self.worker.run(forward[1])
-            raise forward if isinstance(forward, BaseException) else slots
+            raise forward if isinstance(forward, BaseException) else leased
+        lease, slots = leased if leased is not None else (None, None)
         kvs, release, forward_ms = forward
         self.metrics.observe_step(forward_ms, len(jobs))
         # The KV writes run next on the same thread and stream, before any other batch's forward,
         # straight from the scratch slots (views, released after), in one job: queued one by one,
         # each would wait behind the next batch's forward.
         outs = await self.worker.run(self._write_out, jobs, kvs, release, slots, (batch_s, time.time()))
+        for out in outs:
+            out.done.target_lease = lease if slots is not None else None
         if slots is not None:
             committed = asyncio.ensure_future(
                 self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs]))
@@ -149,17 +159,32 @@ class PrefillServer:
             out.written_s = written_s
         return outs
 
-    async def _verify_slots(self, n: int) -> list[int] | None:
-        """pdv with the verify lane's pool in reach: `n` of its slots to write into; else None."""
+    async def _verify_slots(self, n: int) -> tuple[str, list[int]] | None:
+        """pdv with the verify lane's pool in reach: its lease and `n` of its slots to write into;
+        else None."""
         if self.verify is None:
             return None
         async with self._verify_route_lock:  # batches may overlap here: ask the verify lane once
             if self._verify_in_place is None:
-                peer = await self.verify.placement.remote()
-                if self.placement_.can_write_into(peer):
-                    self._verify_pool = await self.verify.pool_handle.remote()
-                self._verify_in_place = self._verify_pool is not None
-        return await self.verify.allocate_many.remote(n) if self._verify_in_place else None
+                await self._route_to_verify()
+        if not self._verify_in_place:
+            return None
+        lease, slots = await asyncio.wait_for(self.verify.allocate_many.remote(n), PEER_CALL_TIMEOUT_S)
+        if lease != self._verify_lease:  # a new verify replica (a restart): its pool is another one
+            async with self._verify_route_lock:
+                if lease != self._verify_lease:
+                    await self._route_to_verify()
+                    self._verify_lease = lease
+            if not self._verify_in_place:  # the new replica is out of reach: copy through Ray instead
+                self.verify.release.remote(slots, lease)
+                return None
+        return lease, slots
+
+    async def _route_to_verify(self) -> None:
+        """Whether the verify replica's pool is in reach (same GPU, peer access), and its handle if so."""
+        peer = await self.verify.placement.remote()
+        self._verify_pool = await self.verify.pool_handle.remote() if self.placement_.can_write_into(peer) else None
+        self._verify_in_place = self._verify_pool is not None
 
     def _set_queue_depth(self, change: int) -> None:
         self.pending += change  # prompts waiting for or in a prefill forward

@@ -22,6 +22,11 @@ from deployments.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
+# A verify call or a KV hand-over call to the verify lane takes milliseconds. One that has waited
+# this long is waiting for a replica that is gone (Serve's router holds calls until a replacement
+# is up, ~10 s and more): fail it, so that the requests behind it end quickly instead of hanging.
+PEER_CALL_TIMEOUT_S = 5.0
+
 
 @dataclass
 class PrefillJob:
@@ -43,6 +48,7 @@ class PrefillDone:
     draft_kv: HostKV | None  # when it travelled by copy
     target_kv: HostKV | None
     target_slot: int | None  # pdv: the verify lane's slot that now holds the prompt
+    target_lease: str | None = None  # pdv: the verify replica instance that handed out target_slot
 
 
 class RemoteVerifier:
@@ -56,15 +62,16 @@ class RemoteVerifier:
         on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
         start_s = time.time()
         try:
-            return asyncio.run_coroutine_threadsafe(self._call("verify", on_host), self.loop).result(self.timeout_s)
+            call = asyncio.run_coroutine_threadsafe(self._call("verify", on_host), self.loop)
+            return call.result(min(self.timeout_s, PEER_CALL_TIMEOUT_S))
         finally:
             TIMELINE.record("verify_wait", start_s, time.time(), rows=len(batch.target_slots))
 
     def allocate(self) -> int | None:
         return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane
 
-    def release(self, target_slot: int) -> None:
-        asyncio.run_coroutine_threadsafe(self._call("release", [target_slot]), self.loop)
+    def release(self, target_slot: int, lease: str | None = None) -> None:
+        asyncio.run_coroutine_threadsafe(self._call("release", [target_slot], lease), self.loop)
 
     async def _call(self, method: str, *args):
         return await getattr(self.handle, method).remote(*args)
@@ -140,7 +147,7 @@ class RemotePrefiller:
         if seq.status is not SeqStatus.PREFILLING:
             # Aborted while its prompt was being prefilled: give back the verify slot it was given.
             if isinstance(result, PrefillDone) and result.target_slot is not None and self.target_pool is None:
-                scheduler.verifier.release(result.target_slot)
+                scheduler.verifier.release(result.target_slot, result.target_lease)
             return None
         if isinstance(result, BaseException):
             return seq, result
@@ -153,6 +160,6 @@ class RemotePrefiller:
                 self.target_pool.write_slot(seq.target_slot, result.target_kv.tensor(self.target_pool.kv.device))
             self.target_pool.lengths[seq.target_slot] = prompt_len
         else:
-            seq.target_slot = result.target_slot
+            seq.target_slot, seq.target_lease = result.target_slot, result.target_lease
         scheduler.mark_prefilled(PrefillChunk(seq, 0, prompt_len))
         return seq, result.first_token

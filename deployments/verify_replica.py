@@ -1,6 +1,9 @@
 """Verify lane deployment: the target model and its KV pool; scores drafts of many requests per forward."""
 
+import logging
+import os
 import time
+import uuid
 
 import torch
 from ray import serve
@@ -16,6 +19,12 @@ from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
 
 VERIFY_CALLS_MAX = 16  # decode replicas' calls merged into one verify forward
 
+log = logging.getLogger(__name__)
+
+
+class StaleTargetSlots(RuntimeError):
+    """Rows of a verify call hold slots that another (dead) instance of the verify replica handed out."""
+
 
 class VerifyServer:
     """Thin wrapper: forwards and KV copies run on the lane's worker thread, in call order."""
@@ -27,6 +36,10 @@ class VerifyServer:
         self.metrics = LaneMetrics("verify", mode)
         self.batcher = LaneBatcher(self._forward, VERIFY_CALLS_MAX)
         self.pending_rows = 0  # rows waiting for or in a verify forward: the lane's queue depth
+        # This instance's name on every slot it hands out. After a restart Serve routes to a new
+        # instance whose pool holds none of the old slots: a call or a release that names another
+        # lease is refused or ignored, never read from or freed in the new pool.
+        self.lease = uuid.uuid4().hex
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -36,16 +49,21 @@ class VerifyServer:
         if (problem := self.worker.problem()) is not None:
             raise RuntimeError(f"verify lane: {problem}")
 
+    async def pid(self) -> int:
+        """This replica's process id (operators, fault tests)."""
+        return os.getpid()
+
     async def health(self) -> str:
         """This lane's state for the ingress's /health: "ok" or why not."""
         return self.worker.problem() or "ok"
 
     async def pool_handle(self) -> PoolHandle:
         """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once)."""
-        return PoolHandle.export(f"verify-{id(self)}", self.lane.pool)
+        return PoolHandle.export(f"verify-{self.lease}", self.lane.pool)
 
-    async def allocate_many(self, n: int) -> list[int]:
-        """`n` free slots for a prefill lane to write a batch of prompts into in place."""
+    async def allocate_many(self, n: int) -> tuple[str, list[int]]:
+        """This instance's lease and `n` free slots, for a prefill lane to write a batch of prompts into
+        in place."""
         # On the event loop, not the worker: queued behind verify forwards (~15 ms each at 7B) every
         # in-place hand-over waited for up to two of them. It only pops the host-side free list (one
         # atomic list operation each; release and load_kv change it from the worker) and no forward
@@ -58,23 +76,28 @@ class VerifyServer:
             for slot in slots:
                 self.lane.pool.free(slot)
             raise
-        return slots
+        return self.lease, slots
 
     async def commit_many(self, slots: list[int], lengths: list[int]) -> None:
         """A prefill lane wrote these prompts' KV into `slots` in place (and waited for the copies)."""
         for slot, length in zip(slots, lengths):
             self.lane.pool.lengths[slot] = length  # host-side; the slot is in no batch yet (see allocate_many)
 
-    async def load_kv(self, kv: HostKV) -> int:
-        """Take a prompt's KV copied from another GPU or node; returns the slot that now holds it."""
+    async def load_kv(self, kv: HostKV) -> tuple[str, int]:
+        """Take a prompt's KV copied from another GPU or node; returns this instance's lease and the
+        slot that now holds it."""
         def load():
             slot = self.lane.pool.allocate()
             self.lane.pool.write_slot(slot, kv.tensor(self.lane.pool.kv.device))
             return slot
         timed = TIMELINE.timed("load_kv", load, tokens=kv.num_tokens, bytes=kv.nbytes)
-        return await self.worker.run(timed)
+        return self.lease, await self.worker.run(timed)
 
-    async def release(self, slots: list[int]) -> None:
+    async def release(self, slots: list[int], lease: str | None = None) -> None:
+        if lease is not None and lease != self.lease:
+            log.info("ignored the release of %d slots handed out by an earlier verify replica", len(slots))
+            return
+
         def free():
             for slot in slots:
                 self.lane.pool.free(slot)
@@ -83,6 +106,9 @@ class VerifyServer:
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
         """One decode replica's drafts; calls waiting together are merged into ONE target forward."""
         rows = len(batch.target_slots)
+        stale = sum(lease != self.lease for lease in batch.target_leases or [])
+        if stale:
+            raise StaleTargetSlots(f"{stale} of {rows} rows hold KV slots of a verify replica that is gone")
         self._set_queue_depth(rows)
         try:
             return await self.batcher.submit(batch)

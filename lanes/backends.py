@@ -24,7 +24,8 @@ class Verifier(Protocol):
     def allocate(self) -> int | None:
         """A target KV slot for a new request, or None when the slot is assigned by the prefill lane."""
 
-    def release(self, target_slot: int) -> None: ...
+    def release(self, target_slot: int, lease: str | None = None) -> None:
+        """Give back a target slot; `lease` names the pool instance that handed it out (remote pools)."""
 
 
 class Prefiller(Protocol):
@@ -45,7 +46,7 @@ class LocalVerifier:
     def allocate(self) -> int | None:
         return self.lane.pool.allocate()
 
-    def release(self, target_slot: int) -> None:
+    def release(self, target_slot: int, lease: str | None = None) -> None:
         self.lane.pool.free(target_slot)
 
     @property

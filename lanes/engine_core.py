@@ -210,6 +210,7 @@ class EngineCore:
             num_draft=draft_lens,
             params=[s.params for s in running],
             seeds=[s.seed for s in running],
+            target_leases=[s.target_lease for s in running],
         )
         self.streams.verify_after_decode()
         with on(self.streams.verify):

@@ -68,10 +68,10 @@ class Scheduler:
         else:
             self.running.remove(seq)
         if seq.target_slot is not None:
-            self.verifier.release(seq.target_slot)
+            self.verifier.release(seq.target_slot, seq.target_lease)
         if seq.draft_slot is not None and self.draft_pool is not None:
             self.draft_pool.free(seq.draft_slot)
-        seq.target_slot = seq.draft_slot = None
+        seq.target_slot = seq.draft_slot = seq.target_lease = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.by_id.pop(seq.request_id, None)

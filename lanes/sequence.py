@@ -25,6 +25,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt followed by the output so far
     status: SeqStatus = SeqStatus.WAITING
     target_slot: int | None = None
+    # Which instance of a remote target pool holds target_slot (pdv: the verify replica's lease), so
+    # that a slot number is never read or freed in a replica that did not hand it out.
+    target_lease: str | None = None
     draft_slot: int | None = None
     num_prefilled: int = 0  # prompt tokens already written to the KV caches
     finish_reason: str | None = None

@@ -29,11 +29,13 @@ class VerifyBatch:
     num_draft: list[int]  # drafts per row, 0 <= n <= L
     params: list[SamplingParams]
     seeds: list[int]
+    target_leases: list[str | None] | None = None  # per row: the remote pool instance that holds the slot
 
     def to(self, device) -> "VerifyBatch":
         return VerifyBatch(
             self.target_slots, self.num_tokens, self.last_tokens, self.draft_tokens.to(device),
             None if self.draft_probs is None else self.draft_probs.to(device), self.num_draft, self.params, self.seeds,
+            self.target_leases,
         )
 
 

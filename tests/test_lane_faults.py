@@ -1,0 +1,136 @@
+"""A lane replica killed under load in pdv (CPU, tiny pair, a real Serve instance; issue 15, item 2).
+
+For each lane in turn (prefill, verify, decode) its replica process gets SIGKILL while streams are
+in flight. Every stream ends within 10 s: completed, or with a final error event and [DONE]; none
+hangs. The surviving lanes free every slot that the dead replica's requests held, Serve replaces
+the dead replica by its health check, and the app serves the same greedy output again without a
+redeploy: the decode replica finds the new prefill or verify replica by itself, and never reads or
+frees a slot of the dead verify replica in the new one (the verify lane's lease).
+"""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from tests.serve_helpers import HTTP_PORT, app_config, base_url, deploy, lane_stats, start_ray, wait_until_idle
+from tests.tiny_pair import save_tiny_pair
+
+APP = "lanefaults"
+MODEL = "vpd-python"
+STREAMS = 12
+HEALTH_PERIOD_S = 1.0
+RECOVERY_LOG: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def app(tmp_path_factory):
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    start_ray()
+    lane = {"num_cpus": 0.05, "health_check_period_s": HEALTH_PERIOD_S}
+    config = app_config("pdv", target, draft, decode_lane=lane, prefill_lane=lane, verify_lane=lane)
+    config["engine"].update(max_model_len=1024, max_num_seqs=16)  # streams long enough to be cut
+    deploy({APP: config})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _greedy(prompt: str) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{base_url(APP)}/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def _stream(results: list, index: int, started: threading.Semaphore) -> None:
+    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": 600, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events, status = [], None
+    try:
+        with httpx.stream("POST", f"{base_url(APP)}/completions", json=body, timeout=60) as response:
+            status = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        started.release()
+    except httpx.HTTPError as exc:
+        events.append(f"transport error {exc!r}")
+    if status != 200 or not events:
+        started.release()  # refused before its first event: counted as started, ended
+    results[index] = (time.monotonic(), status, events)
+
+
+def _replica_pid(deployment: str) -> int:
+    return serve.get_deployment_handle(deployment, app_name=APP).pid.remote().result(timeout_s=30)
+
+
+def _health() -> httpx.Response:
+    return httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{APP}/health", timeout=10)
+
+
+def _wait_healthy(timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _health().status_code != 200:
+        assert time.monotonic() < deadline, f"the app did not recover: {_health().text}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def greedy_before() -> str:
+    return _greedy("def add(a, b):")
+
+
+@pytest.mark.parametrize("deployment", ["PrefillLane", "VerifyLane", "DecodeLane"])
+def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(deployment, greedy_before):
+    _wait_healthy(120)
+    wait_until_idle(APP, "pdv")
+    pid = _replica_pid(deployment)
+    results: list = [None] * STREAMS
+    started = threading.Semaphore(0)
+    threads = [threading.Thread(target=_stream, args=(results, i, started)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every stream is under way (or was refused)
+        assert started.acquire(timeout=120)
+    killed_s = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+
+    completed = failed = 0
+    for ended_s, status, events in results:
+        if status == 200 and events[-1] == "[DONE]" and '"error"' not in events[-2]:
+            completed += 1  # a stream that did not need the dead lane again
+            continue
+        failed += 1
+        assert ended_s - killed_s < 10.0, f"ended {ended_s - killed_s:.1f} s after the kill"
+        assert status in (200, 503), status
+        if status == 200:
+            assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+    if deployment == "VerifyLane":  # pdv's one verify replica is on every stream's path
+        assert failed == STREAMS, (completed, failed)
+    if deployment == "DecodeLane":  # one of the two decode replicas: its streams fail, the other's may finish
+        assert failed >= 1, (completed, failed)
+
+    _wait_healthy(120)
+    recovered_s = time.monotonic() - killed_s
+    RECOVERY_LOG[deployment] = recovered_s
+    print(f"{deployment}: killed; {completed} streams completed, {failed} failed; "
+          f"recovered {recovered_s:.1f} s after the kill")
+    assert _replica_pid(deployment) != pid
+    wait_until_idle(APP, "pdv")  # no slot held in the decode or the verify lane
+    assert _greedy("def add(a, b):") == greedy_before
+    wait_until_idle(APP, "pdv")
+
+
+def test_both_decode_replicas_serve_after_the_kills():
+    assert len(lane_stats(APP, "DecodeLane")) == 2
+    print("recovery after the kill, s:", {k: round(v, 1) for k, v in RECOVERY_LOG.items()})
