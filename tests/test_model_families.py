@@ -1,0 +1,67 @@
+"""Every family in docs/model_families.md: engine greedy output == HF's own greedy `generate`, token
+for token, on a tiny random-weight config of that family, for batched prompts of 1-150 tokens at
+draft lengths 0, 2 and 4 (the draft a perturbed copy of the target). Families or features the
+engine cannot run exactly must be refused when the model is built, before anything is served."""
+
+import pytest
+
+from lanes.models import build_random_model
+from lanes.params import SamplingParams
+from tests.conftest import perturbed_copy
+from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
+
+VOCAB = 128
+MAX_NEW = 16
+WINDOW = 24  # sliding window, in tokens: shorter than most prompts, so it matters from the first chunk
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=1024, initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+_ALTERNATING = ["sliding_attention", "full_attention"]
+
+FAMILIES = {
+    # Llama-3: GQA, llama3 rope scaling, tied embeddings, a head_dim other than hidden / heads.
+    "llama3": dict(_SMALL, model_type="llama", num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "qwen2": dict(_SMALL, model_type="qwen2", num_key_value_heads=2),  # q/k/v biases
+    "qwen3": dict(_SMALL, model_type="qwen3", num_key_value_heads=2, head_dim=16),  # q/k norms
+    "mistral": dict(_SMALL, model_type="mistral", num_key_value_heads=2, sliding_window=None),
+    "mistral_window": dict(_SMALL, model_type="mistral", num_key_value_heads=2, sliding_window=WINDOW),
+    # Soft-capped attention and logits, query_pre_attn_scalar, sandwich norms, sliding + full layers.
+    "gemma2": dict(_SMALL, model_type="gemma2", num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=WINDOW, layer_types=_ALTERNATING, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0, tie_word_embeddings=False),
+    # q/k norms, a local rope base on sliding layers.
+    "gemma3": dict(_SMALL, model_type="gemma3_text", num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=WINDOW, layer_types=_ALTERNATING, tie_word_embeddings=False),
+    "phi3": dict(_SMALL, model_type="phi3", num_key_value_heads=2),  # fused qkv and gate_up projections
+    # Partial rotary (a quarter of each head), parallel residual, LayerNorm, biases, no GQA.
+    "gpt_neox": dict(_SMALL, model_type="gpt_neox", rotary_pct=0.25, use_parallel_residual=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    """(target, draft, prompts, HF greedy references) of one family, the references taken with eager
+    attention (HF's SDPA path drops Gemma-2's attention soft-capping)."""
+    target = build_random_model(FAMILIES[request.param], dtype="float64", seed=1)
+    draft = perturbed_copy(target, 0.3, seed=2)
+    # Lengths 1..150, spread, so rows sit at different lengths in every batch and long ones take
+    # several prefill chunks.
+    prompts = [[5]] + random_prompts(6, VOCAB, 2, 150, seed=11)
+    target.model.set_attn_implementation("eager")
+    refs = [hf_greedy(target, p, MAX_NEW) for p in prompts]
+    return request.param, target, draft, prompts, refs
+
+
+@pytest.mark.parametrize("draft_len", [0, 2, 4])
+def test_engine_greedy_equals_hf_greedy(family, draft_len):
+    name, target, draft, prompts, refs = family
+    engine = small_engine(target, draft, num_speculative_tokens=draft_len)
+    requests = {str(i): (p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(prompts)}
+    outputs = run_to_completion(engine, requests)
+    for i, ref in enumerate(refs):
+        assert outputs[str(i)] == ref, f"{name}: prompt {i} (len {len(prompts[i])}) diverged at L={draft_len}"
+    stats = engine.total_stats
+    if draft_len:
+        # The draft must both hit and miss, or rollback went untested.
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (name, stats.acceptance_rate)
