@@ -4,7 +4,9 @@ draft lengths 0, 2 and 4 (the draft a perturbed copy of the target). Families or
 engine cannot run exactly must be refused when the model is built, before anything is served."""
 
 import pytest
+import torch
 
+from lanes.engine_core import EngineConfig, build_runner
 from lanes.models import build_random_model
 from lanes.params import SamplingParams
 from tests.conftest import perturbed_copy
@@ -50,12 +52,29 @@ def family(request):
     prompts = [[5]] + random_prompts(6, VOCAB, 2, 150, seed=11)
     target.model.set_attn_implementation("eager")
     refs = [hf_greedy(target, p, MAX_NEW) for p in prompts]
-    return request.param, target, draft, prompts, refs
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompts[-1]])).logits[0].float()  # [T, V]
+    return request.param, target, draft, prompts, refs, logits
+
+
+def test_runner_logits_equal_hf_logits(family):
+    """Greedy equality cannot see a monotone transform of the logits (Gemma-2's final soft-cap) but
+    sampling can: the runner's logits must be HF's, for a whole prompt from position 0 (the maskless
+    path) and then for its tail written after the head (the masked path)."""
+    name, target, _, prompts, _, hf_logits = family
+    prompt, split = torch.tensor([prompts[-1]]), 100
+    runner = build_runner(target.model, EngineConfig(max_model_len=320, max_num_seqs=2))
+    slot = runner.pool.allocate()
+    whole = runner.forward(runner.rows([slot], [0]), prompt)[0]  # [T, V]
+    tail = runner.forward(runner.rows([slot], [split]), prompt[:, split:])[0]
+    # float64 models, float32 logits; HF's eager attention takes its softmax in float32.
+    torch.testing.assert_close(whole, hf_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(tail, hf_logits[split:], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("draft_len", [0, 2, 4])
 def test_engine_greedy_equals_hf_greedy(family, draft_len):
-    name, target, draft, prompts, refs = family
+    name, target, draft, prompts, refs, _ = family
     engine = small_engine(target, draft, num_speculative_tokens=draft_len)
     requests = {str(i): (p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(prompts)}
     outputs = run_to_completion(engine, requests)
