@@ -84,3 +84,19 @@ def test_engine_greedy_equals_hf_greedy(family, draft_len):
     if draft_len:
         # The draft must both hit and miss, or rollback went untested.
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (name, stats.acceptance_rate)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral_window"])
+def test_engine_with_the_kernel_equals_hf_greedy(name):
+    """The in-place Triton kernel (on CPU under TRITON_INTERPRET) honours sliding windows and
+    soft-capping too; float32, as the kernel has no float64 dot."""
+    target = build_random_model(FAMILIES[name], dtype="float32", seed=1)
+    draft = perturbed_copy(target, 0.3, seed=2)
+    prompts = random_prompts(3, VOCAB, 30, 70, seed=5)  # past the window before the first output token
+    target.model.set_attn_implementation("eager")
+    refs = [hf_greedy(target, p, 8) for p in prompts]
+    engine = small_engine(target, draft, attention_kernel=True, num_speculative_tokens=3)
+    outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=8, ignore_eos=True))
+                                         for i, p in enumerate(prompts)})
+    assert [outputs[str(i)] for i in range(len(prompts))] == refs
+    assert engine.total_stats.num_accepted_tokens > 0
