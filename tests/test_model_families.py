@@ -6,8 +6,12 @@ engine cannot run exactly must be refused when the model is built, before anythi
 import pytest
 import torch
 
+from transformers import AutoConfig
+
+from lanes.attention import PoolAttentionMeta, pool_attention_forward
 from lanes.engine_core import EngineConfig, build_runner
-from lanes.models import build_random_model
+from lanes.families import UnsupportedModelError, check_supported
+from lanes.models import build_random_model, load_model
 from lanes.params import SamplingParams
 from tests.conftest import perturbed_copy
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
@@ -100,3 +104,50 @@ def test_engine_with_the_kernel_equals_hf_greedy(name):
                                          for i, p in enumerate(prompts)})
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
     assert engine.total_stats.num_accepted_tokens > 0
+
+
+def _longrope_phi3(original: int) -> AutoConfig:
+    half_rotary = 8  # head_dim 16 / 2
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * half_rotary,
+                long_factor=[2.0] * half_rotary, original_max_position_embeddings=original)
+    return AutoConfig.for_model(**dict(FAMILIES["phi3"], rope_parameters=rope, original_max_position_embeddings=original))
+
+
+def test_batch_dependent_rope_is_refused_before_any_weight_loads(tmp_path):
+    """Phi-3-128k's longrope switches frequencies on the batch's longest position: refused when a
+    slot can pass the switch point. The directory holds no weights, so the error can only come from
+    the config check that runs first."""
+    _longrope_phi3(original=64).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"rope_type='longrope'.*past 64 positions.*holds 1024"):
+        load_model(str(tmp_path))
+    with pytest.raises(UnsupportedModelError, match="holds 65"):
+        check_supported(_longrope_phi3(original=64), max_positions=65)
+    check_supported(_longrope_phi3(original=64), max_positions=64)  # every position below the switch: exact
+
+
+def test_engine_refuses_what_it_would_run_inexactly_when_built():
+    """A model built outside load_model is checked again when the engine builds its runner."""
+    target = build_random_model(FAMILIES["phi3"], dtype="float32")
+    target.model.config.rope_parameters = _longrope_phi3(original=64).rope_parameters
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        small_engine(target, None)
+
+
+@pytest.mark.parametrize(("config", "feature"), [
+    (dict(model_type="bloom"), "AttentionInterface"),  # ALiBi, computed in Bloom's own attention
+    (dict(model_type="gpt_oss"), "attention sinks"),
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+])
+def test_families_the_pool_cannot_run_are_refused_by_name(tmp_path, config, feature):
+    AutoConfig.for_model(**config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=feature):
+        load_model(str(tmp_path))
+
+
+def test_an_attention_term_the_pool_does_not_compute_is_never_dropped():
+    """Belt and braces for a family that passed the config check: attention sinks reaching the pool
+    attention raise instead of being ignored."""
+    query, pool = torch.zeros(1, 2, 1, 16), torch.zeros(2, 2, 8, 16)
+    meta = PoolAttentionMeta(torch.tensor([0]), torch.tensor([0], dtype=torch.int32), 1, None, 1, False)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        pool_attention_forward(torch.nn.Identity(), query, pool, pool, None, pool_meta=meta, s_aux=torch.zeros(2))
