@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from lanes.attention import PoolAttentionMeta, pool_attention_forward
 from lanes.engine_core import EngineConfig, build_runner
 from lanes.families import UnsupportedModelError, check_supported
+from lanes.fused_decoder import supports
 from lanes.models import build_random_model, load_model
 from lanes.params import SamplingParams
 from tests.conftest import perturbed_copy
@@ -44,6 +45,8 @@ FAMILIES = {
     "gpt_neox": dict(_SMALL, model_type="gpt_neox", rotary_pct=0.25, use_parallel_residual=True),
 }
 
+FUSED = {"llama3", "qwen2", "mistral"}  # the rest run HF's decoder modules over the pool (docs/model_families.md)
+
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
@@ -66,6 +69,7 @@ def test_runner_logits_equal_hf_logits(family):
     sampling can: the runner's logits must be HF's, for a whole prompt from position 0 (the maskless
     path) and then for its tail written after the head (the masked path)."""
     name, target, _, prompts, _, hf_logits = family
+    assert supports(target.model) == (name in FUSED), f"{name} takes the path the table does not say"
     prompt, split = torch.tensor([prompts[-1]]), 100
     runner = build_runner(target.model, EngineConfig(max_model_len=320, max_num_seqs=2))
     slot = runner.pool.allocate()
