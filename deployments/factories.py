@@ -19,11 +19,15 @@ PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lan
 
 
 def _target(cfg: AppConfig, device: str) -> LoadedModel:
-    return load_model(cfg.target.path, cfg.target.dtype, device)
+    return load_model(cfg.target.path, cfg.target.dtype, device, _slot_capacity(cfg))
 
 
 def _draft(cfg: AppConfig, device: str) -> LoadedModel:
-    return load_model(cfg.draft.path, cfg.draft.dtype, device)
+    return load_model(cfg.draft.path, cfg.draft.dtype, device, _slot_capacity(cfg))
+
+
+def _slot_capacity(cfg: AppConfig) -> int:
+    return cfg.engine.engine_config(cfg.mode).slot_capacity_tokens
 
 
 def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None) -> EngineCore:

@@ -16,6 +16,7 @@ from lanes.backends import LocalPrefiller, LocalVerifier, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
 from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal
+from lanes.families import check_supported
 from lanes.kv_pool import KVPool, PoolShape
 from lanes.model_runner import ModelRunner
 from lanes.models import LoadedModel, check_compatible
@@ -287,6 +288,8 @@ class EngineCore:
 
 
 def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
+    # Models built elsewhere (tests, benchmarks) reach the engine without load_model's check.
+    check_supported(model.config, config.slot_capacity_tokens)
     shape = PoolShape.for_model(model.config, config.max_num_seqs, config.slot_capacity_tokens)
     return ModelRunner(model, KVPool(shape, model.dtype, next(model.parameters()).device), config.attention_kernel,
                        config.cuda_graphs, config.fused_layers)

@@ -40,6 +40,8 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
+        # Gemma-2 caps its logits in the CausalLM forward, which we bypass to run the head on chosen rows.
+        self.logit_softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.num_kv_heads = pool.shape.num_kv_heads
         text = model.config.get_text_config()
         self._group = text.num_attention_heads // self.num_kv_heads
@@ -84,11 +86,18 @@ class ModelRunner:
         if keep is not None:
             # Only the rows' last tokens need logits: skip the LM head on the rest (prefill, catch-up).
             hidden = hidden[index, keep]  # [B, H]
-        return self.lm_head(hidden).float()
+        return self._head(hidden)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden states [..., H], soft-capped as HF's forward does (in the model's dtype)."""
+        logits = self.lm_head(hidden)
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits.float()
 
     def _logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The graph body: few-token forward through the in-place kernel, all logits [B, Q, V]."""
-        return self.lm_head(self._hidden(slot_ids, starts, input_ids, None)).float()
+        return self._head(self._hidden(slot_ids, starts, input_ids, None))
 
     def _hidden(self, slot_ids, starts, input_ids, longest: int | None) -> torch.Tensor:
         positions = starts[:, None].long() + torch.arange(input_ids.shape[1], device=self.device)  # [B, Q]

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from lanes.families import check_supported
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,9 +29,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
-    """Load any HF causal LM and its tokenizer by hub id or local path."""
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=resolve_dtype(dtype))
+def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               max_positions: int | None = None) -> LoadedModel:
+    """Load an HF causal LM the engine runs exactly (lanes/families.py decides, from the config,
+    before any weight is read) and its tokenizer, by hub id or local path. `max_positions`: the KV
+    slot capacity it will serve with."""
+    config = AutoConfig.from_pretrained(name_or_path)
+    check_supported(config, max_positions)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=resolve_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     return LoadedModel(_prepare(model, device), tokenizer, name_or_path)
 
@@ -40,6 +47,7 @@ def build_random_model(
     """A model with random weights built from a config (tests, shape-faithful benchmarks)."""
     if isinstance(config, dict):
         config = AutoConfig.for_model(**config)
+    check_supported(config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
     return LoadedModel(_prepare(model, device), None, f"random-{config.model_type}")

@@ -3,8 +3,9 @@
 Used for decode (Q = 1), verify (Q = L + 1) and short prefill chunks. It reads each row's keys and values straight from
 its slot (no gather into a batch copy), split along the key axis so that small batches still fill
 the GPU (flash-decoding), then merges the splits. Causal: query i of row b sits at absolute
-position kv_lens[b] + i and sees keys 0 .. kv_lens[b] + i. The new tokens' keys and values are
-already in the pool when this runs (PoolCache writes them first).
+position kv_lens[b] + i and sees keys 0 .. kv_lens[b] + i, or only the last `window` of them on a
+sliding-window layer; scores are soft-capped (softcap * tanh(s / softcap)) where the layer asks. The
+new tokens' keys and values are already in the pool when this runs (PoolCache writes them first).
 
 Shapes and the split count depend only on (batch, Q), never on sequence lengths, so the kernels
 can be captured in CUDA graphs. Q is a runtime argument, not a compile-time one: prefill chunks
@@ -24,9 +25,9 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr,
     stride_qb, stride_qh, stride_qq,
     stride_ks, stride_kh, stride_kn,
-    scale, Q,
+    scale, Q, window, softcap,
     KEYS_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -43,6 +44,7 @@ def _split_kernel(
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qq + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
     row_last_key = kv_len + q_idx  # causal bound per row
+    first_key = kv_len - window + 1  # the window of the first query; later queries' windows start later
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -54,11 +56,14 @@ def _split_kernel(
     # A static trip count (the split's width): blocks past the row's length load nothing (masked).
     for block in range(KEYS_PER_SPLIT // BLOCK_N):
         keys = start + block * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_ok = keys < stop
+        key_ok = (keys < stop) & (keys >= first_key)  # keys before every row's window are not loaded
         k = tl.load(k_base + keys[:, None] * stride_kn + dims[None, :], mask=key_ok[:, None], other=0.0)
         # The cast comes after the scale: under torch.compile a Python-float scale arrives as fp64.
         s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
-        visible = key_ok[None, :] & (keys[None, :] <= row_last_key[:, None])
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        visible = (key_ok[None, :] & (keys[None, :] <= row_last_key[:, None])
+                   & (keys[None, :] > row_last_key[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that have seen no visible key yet keep m = -inf; shift by 0 to avoid inf - inf.
@@ -74,6 +79,13 @@ def _split_kernel(
     tl.store(max_ptr + base + rows, m_i)
     tl.store(sum_ptr + base + rows, l_i)
     tl.store(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh that the interpreter also runs; exp of a non-positive argument cannot overflow.
+    t = tl.exp(-2.0 * tl.abs(x))
+    return tl.where(x >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t)
 
 
 @triton.jit
@@ -119,8 +131,10 @@ def split_count(capacity_tokens: int, batch: int, kv_heads: int, num_sms: int) -
 
 
 def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: torch.Tensor,
-                   kv_lens: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
-    """query [B, H, Q, D]; pools [slots, kv_heads, capacity, D]; returns [B, Q, H, D]."""
+                   kv_lens: torch.Tensor, scale: float, splits: int, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
+    """query [B, H, Q, D]; pools [slots, kv_heads, capacity, D]; returns [B, Q, H, D].
+    `window`: keys each query sees, itself included (None: all before it); `softcap`: tanh cap on scores."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, capacity = k_pool.shape[1], k_pool.shape[2]
     assert k_pool.stride(-1) == 1 and query.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
@@ -136,10 +150,10 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         query, k_pool, v_pool, slot_ids, kv_lens, acc, row_max, row_sum,
         query.stride(0), query.stride(1), query.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        scale, q_len,
+        scale, q_len, window if window is not None else capacity + q_len, softcap or 1.0,
         KEYS_PER_SPLIT=keys_per_split, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
     )
     _merge_kernel[(batch, kv_heads)](
         acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len,

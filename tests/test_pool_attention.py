@@ -12,13 +12,14 @@ from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 
 
-def _reference(query, k_pool, v_pool, slots, kv_lens, scale):
+def _reference(query, k_pool, v_pool, slots, kv_lens, scale, window=None, softcap=None):
     q_len = query.shape[2]
     positions = kv_lens[:, None].long() + torch.arange(q_len)
     bound = int(kv_lens.max()) + q_len
     allowed = torch.arange(bound)[None, None, :] <= positions[:, :, None]
     mask = torch.where(allowed, 0.0, float("-inf"))[:, None].to(query.dtype)
-    return _gathered_attention(query, k_pool, v_pool, PoolAttentionMeta(slots, kv_lens, bound, mask, 1, False), scale)
+    return _gathered_attention(query, k_pool, v_pool, PoolAttentionMeta(slots, kv_lens, bound, mask, 1, False), scale,
+                               window, softcap)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "q_len"), [(4, 2, 1), (4, 2, 5), (2, 2, 3), (8, 1, 2)])
@@ -33,6 +34,19 @@ def test_kernel_matches_gathered_sdpa(heads, kv_heads, q_len, splits):
     query = torch.randn(3, heads, q_len, dim, generator=gen)
     out = pool_attention(query, k_pool, v_pool, slot_ids, kv_lens, dim**-0.5, splits)
     torch.testing.assert_close(out, _reference(query, k_pool, v_pool, slot_ids, kv_lens, dim**-0.5),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(8, None), (70, None), (None, 2.0), (8, 2.0)])
+def test_kernel_sliding_window_and_softcap_match_gathered_path(window, softcap):
+    """Sliding windows shorter than one key block and spanning blocks and splits; soft-capped scores."""
+    gen = torch.Generator().manual_seed(window or 1)
+    k_pool = torch.randn(6, 2, 200, 16, generator=gen)
+    v_pool = torch.randn(6, 2, 200, 16, generator=gen)
+    slot_ids, kv_lens = torch.tensor([4, 0, 2]), torch.tensor([0, 37, 187], dtype=torch.int32)
+    query = torch.randn(3, 4, 3, 16, generator=gen)
+    out = pool_attention(query, k_pool, v_pool, slot_ids, kv_lens, 0.25, 3, window, softcap)
+    torch.testing.assert_close(out, _reference(query, k_pool, v_pool, slot_ids, kv_lens, 0.25, window, softcap),
                                rtol=1e-4, atol=1e-4)
 
 
