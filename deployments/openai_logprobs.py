@@ -46,7 +46,8 @@ class ChoiceExtras:
         return body
 
     def _strs(self, ids: list[int]) -> list[str]:
-        return self.tokenizer.batch_decode([[t] for t in ids])
+        # batch_decode([]) reads the empty list as one empty sequence: [""].
+        return self.tokenizer.batch_decode([[t] for t in ids]) if ids else []
 
     def _legacy(self, body: dict, ids: list[int], lp: TokenLogprobs | None) -> None:
         for j, token in enumerate(self._strs(ids)):

@@ -44,7 +44,8 @@ def test_completions_logprobs_legacy_shape_streamed_and_not():
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert 3 <= len(top) <= 4 and logprob <= 0
+        # Top 3 and the token itself; fewer where byte tokens decode to the same string (one dict key).
+        assert 1 <= len(top) <= 4 and logprob <= 0
         assert max(top.values()) == logprob and top[token] == logprob  # greedy: the most likely token
     chunks = [ch for ch in c.completions.create(**args, stream=True) if ch.choices]
     assert sum((ch.choices[0].logprobs.tokens for ch in chunks), []) == lp.tokens
