@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lanes.params import SamplingParams
-
 
 @dataclass
 class TokenLogprobs:
@@ -72,7 +70,3 @@ def unpack(packed: torch.Tensor, k: int, first: int, count: int, want_k: int) ->
     values = blocks[:, : 1 + k].contiguous().view(torch.float64)
     return TokenLogprobs(values[:, 0].tolist(), blocks[:, 1 + k : 1 + k + want_k].tolist(),
                          values[:, 1 : 1 + want_k].tolist())
-
-
-def asked(params: SamplingParams) -> bool:
-    return params.logprobs is not None or params.prompt_logprobs is not None
