@@ -16,11 +16,12 @@ from transformers import AutoTokenizer
 from deployments.config import AppConfig
 from deployments.engine_replica import GenerateError
 from deployments.metrics import IngressMetrics
+from deployments.openai_logprobs import ChoiceExtras
 from deployments.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_body, completion_body,
     error_body, new_id, running_usage, usage, usage_chunk,
 )
-from lanes.outputs import RequestOutput
+from lanes.outputs import RequestOutput, merge_outputs
 from lanes.params import ParamError
 from lanes.spec_stats import SpecDecodeStats
 
@@ -152,7 +153,12 @@ class Ingress:
             prompt = self._chat_prompt(body) if chat else body.single_prompt()
         except ParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.field)
-        return await self._respond(body, prompt, params, chat)
+        echo = not chat and body.echo
+        echo_text = prompt if echo and isinstance(prompt, str) else None
+        if echo_text is not None:
+            prompt = self.tokenizer.encode(prompt)  # as the engine would: echo scores exactly these tokens
+        extras = ChoiceExtras(self.tokenizer, chat, params.logprobs is not None, prompt if echo else None, echo_text)
+        return await self._respond(body, prompt, params, chat, extras)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         return self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
@@ -170,7 +176,7 @@ class Ingress:
             raise ParamError("messages", f"the chat template refused them: {exc}") from exc
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    async def _respond(self, body, prompt, params, chat: bool):
+    async def _respond(self, body, prompt, params, chat: bool, extras: ChoiceExtras):
         rid = new_id("chatcmpl" if chat else "cmpl")
         self.in_flight += 1
         stream = self._stream(prompt, params, rid)
@@ -184,13 +190,13 @@ class Ingress:
             kind = "invalid_request_error" if first.status < 500 else "service_unavailable"
             return _error(first.status, first.message, kind, first.param)
         if body.stream:
-            sse = self._sse(body, rid, chat, first, stream)
+            sse = self._sse(body, rid, chat, first, stream, extras)
             return StreamingResponse(sse, media_type="text/event-stream")
         try:
             outs = [first] + [out async for out in stream]
         finally:
             self.in_flight -= 1
-        return self._final(body, rid, chat, outs)
+        return self._final(body, rid, chat, outs, extras)
 
     async def _stream(self, prompt, params, rid: str) -> AsyncIterator[RequestOutput | GenerateError]:
         """The engine's chunks, with the request timeout; leaving early cancels it in every lane."""
@@ -233,7 +239,8 @@ class Ingress:
                    if first_token_at and last.num_output_tokens > 1 else None)
         self.metrics.observe_request(status, ttft_ms, tpot_ms, (end - start) * 1e3, last.num_output_tokens)
 
-    async def _sse(self, body, rid: str, chat: bool, first: RequestOutput, rest) -> AsyncIterator[str]:
+    async def _sse(self, body, rid: str, chat: bool, first: RequestOutput, rest, extras: ChoiceExtras
+                   ) -> AsyncIterator[str]:
         make = chat_body if chat else completion_body
         try:
             out, is_first = first, True
@@ -245,6 +252,7 @@ class Ingress:
                     yield "data: [DONE]\n\n"
                     return
                 event = make(rid, self.cfg.model_name, out.text, out.finish_reason, None, True, first=is_first)
+                extras.decorate(event["choices"][0], out, is_first)
                 if body.continuous_usage:
                     event["usage"] = running_usage(out.num_prompt_tokens, out.num_output_tokens)
                 if body.return_token_ids:
@@ -263,7 +271,7 @@ class Ingress:
             self.in_flight -= 1
             await rest.aclose()
 
-    def _final(self, body, rid: str, chat: bool, outs: list[RequestOutput | GenerateError]):
+    def _final(self, body, rid: str, chat: bool, outs: list[RequestOutput | GenerateError], extras: ChoiceExtras):
         last = outs[-1]
         if isinstance(last, GenerateError):
             return _error(last.status, last.message, "service_unavailable")
@@ -273,6 +281,7 @@ class Ingress:
         usage_ = usage(last.num_prompt_tokens, last.num_output_tokens, last.stats)
         make = chat_body if chat else completion_body
         response = make(rid, self.cfg.model_name, text, last.finish_reason, usage_, False)
+        extras.decorate(response["choices"][0], merge_outputs(outs), True)
         if body.return_token_ids:
             response["choices"][0]["token_ids"] = [t for o in outs for t in o.token_ids]
         return JSONResponse(response)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lanes.params import ParamError, SamplingParams
+from lanes.params import MAX_LOGPROBS, ParamError, SamplingParams
 from lanes.spec_stats import SpecDecodeStats
 
 
@@ -40,9 +40,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; used for chat too
 # Fields with a meaning this engine does not give yet: the value that leaves them off, and why a
 # request that sets anything else is refused. None as "off" also accepts an explicit null.
 _REFUSED_COMMON: dict[str, tuple[Any, str]] = {
-    "logprobs": (None, "log-probabilities are not served yet"),
-    "prompt_logprobs": (None, "prompt log-probabilities are not served yet"),
-    "echo": (False, "echo is not served yet"),
+    "prompt_logprobs": (None, "vLLM's prompt_logprobs is not served; on /v1/completions send echo with logprobs"),
     "best_of": (None, "best_of is not served"),
     "use_beam_search": (False, "beam search is not served"),
     "length_penalty": (1.0, "beam search is not served"),
@@ -68,7 +66,7 @@ _REFUSED_COMMON: dict[str, tuple[Any, str]] = {
 }
 _REFUSED_COMPLETION = {"suffix": (None, "suffix (insertion) is not served")}
 _REFUSED_CHAT = {
-    "top_logprobs": (None, "log-probabilities are not served yet"),
+    "echo": (False, "chat's echo (vLLM's: repeat the last message) is not served"),
     "tools": (None, "tool calling is not served"),
     "functions": (None, "function calling is not served"),
     "function_call": (None, "function calling is not served"),
@@ -126,10 +124,16 @@ class _SamplingFields(_Open):
         """Raises lanes.params.ParamError (-> 400) on values out of range or fields not served."""
         self.check_served()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
             max_tokens=self.output_limit(), temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(top-k per output token, top-k per prompt token); None where not asked."""
+        return None, None
 
     def output_limit(self) -> int:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
@@ -145,6 +149,10 @@ class _SamplingFields(_Open):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, description="Per token, its logprob and the `logprobs` most "
+                                 "likely tokens' (0 to 20): the target's raw log_softmax")
+    echo: bool = Field(default=False, description="Prepend the prompt to the text; with `logprobs`, its tokens' "
+                       "logprobs too (the first null). With max_tokens 0 this scores the prompt")
     refused_fields: ClassVar[dict[str, tuple[Any, str]]] = {**_REFUSED_COMMON, **_REFUSED_COMPLETION}
 
     def single_prompt(self) -> str | list[int]:
@@ -155,6 +163,12 @@ class CompletionRequest(_SamplingFields):
                 raise ParamError("prompt", f"a list of {len(prompt)} prompts; one prompt a request is served")
             return prompt[0]
         return prompt
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        prompt_k = self.logprobs if self.echo else None
+        if self.echo and self.max_tokens == 0 and prompt_k is None:
+            prompt_k = 0  # echo alone, nothing generated: the prompt is prefilled and returned as text
+        return self.logprobs, prompt_k
 
 
 class ContentPart(_Open):
@@ -194,14 +208,25 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
+    logprobs: bool = Field(default=False, description="Return each output token's logprob (the target's raw "
+                           "log_softmax)")
+    top_logprobs: int | None = Field(default=None, description="With logprobs, this many most likely tokens per "
+                                     "position (0 to 20)")
     refused_fields: ClassVar[dict[str, tuple[Any, str]]] = {**_REFUSED_COMMON, **_REFUSED_CHAT}
 
     def check_served(self) -> None:
-        super().check_served()  # chat's logprobs is a bool: False passes as off, True is refused
+        super().check_served()
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ParamError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.tool_choice is not None and self.tool_choice not in _ALWAYS_OFF:
             raise ParamError("tool_choice", "tool calling is not served")
         if self.modalities is not None and set(self.modalities) - {"text"}:
             raise ParamError("modalities", "text output only is served")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def output_limit(self) -> int:
         return self.max_completion_tokens if self.max_completion_tokens is not None else super().output_limit()

@@ -80,6 +80,8 @@ class RemoteVerifier:
 class RemotePrefiller:
     """Sends each admitted request to the prefill lane once and collects finished prefills."""
 
+    serves_logprobs = False  # the prefill lane returns the first token only: refused by name at add_request
+
     def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool, target_pool: KVPool | None,
                  placement: Placement, owner: str):
         self.handle = handle
@@ -95,7 +97,8 @@ class RemotePrefiller:
         self._peer: Placement | None = None
         self._exported: dict[str, PoolHandle] = {}
 
-    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list[tuple[Sequence, int | BaseException]]:
+    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
+             ) -> list[tuple[Sequence, int | BaseException, None]]:
         for seq in scheduler.prefilling:
             if seq.request_id not in self._submitted:
                 self._submitted.add(seq.request_id)
@@ -142,7 +145,7 @@ class RemotePrefiller:
             self._exported[name] = PoolHandle.export(f"{self.owner}/{name}", pool)
         return self._exported[name]
 
-    def _land(self, scheduler: Scheduler, seq: Sequence, result) -> tuple[Sequence, int | BaseException] | None:
+    def _land(self, scheduler: Scheduler, seq: Sequence, result) -> tuple[Sequence, int | BaseException, None] | None:
         self._submitted.discard(seq.request_id)
         if seq.status is not SeqStatus.PREFILLING:
             # Aborted while its prompt was being prefilled: give back the verify slot it was given.
@@ -150,7 +153,7 @@ class RemotePrefiller:
                 scheduler.verifier.release(result.target_slot, result.target_lease)
             return None
         if isinstance(result, BaseException):
-            return seq, result
+            return seq, result, None
         prompt_len = seq.num_prompt_tokens
         if result.draft_kv is not None:
             self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.tensor(self.draft_pool.kv.device))
@@ -162,4 +165,4 @@ class RemotePrefiller:
         else:
             seq.target_slot, seq.target_lease = result.target_slot, result.target_lease
         scheduler.mark_prefilled(PrefillChunk(seq, 0, prompt_len))
-        return seq, result.first_token
+        return seq, result.first_token, None

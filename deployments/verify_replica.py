@@ -171,7 +171,8 @@ def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
 def split_result(result: VerifyResult, rows: list[int]) -> list[VerifyResult]:
     out, start = [], 0
     for n in rows:
-        out.append(VerifyResult(result.tokens[start : start + n], result.num_accepted[start : start + n]))
+        out.append(VerifyResult(result.tokens[start : start + n], result.num_accepted[start : start + n],
+                                None if result.logprobs is None else result.logprobs[start : start + n]))
         start += n
     return out
 

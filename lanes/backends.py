@@ -11,7 +11,8 @@ from typing import Protocol
 import torch
 
 from lanes.kv_pool import KVPool
-from lanes.prefill import PrefillChunk, PrefillLane
+from lanes.logprobs import TokenLogprobs, concat
+from lanes.prefill import PrefillChunk, PrefillLane, PrefillLogprobs
 from lanes.scheduler import Scheduler
 from lanes.sequence import SeqStatus, Sequence
 from lanes.streams import on
@@ -29,10 +30,14 @@ class Verifier(Protocol):
 
 
 class Prefiller(Protocol):
+    # Whether this prefiller computes the logprobs requests ask for (the first output token's, the prompt's).
+    serves_logprobs: bool
+
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
-             ) -> list[tuple[Sequence, int | BaseException]]:
-        """Advance prefill of the scheduler's PREFILLING requests; return (request, first token)
-        for each whose prompt is now in both caches, or (request, error) where prefill failed.
+             ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
+        """Advance prefill of the scheduler's PREFILLING requests; return (request, first token, its
+        logprobs if asked) for each whose prompt is now in both caches, or (request, error, None)
+        where prefill failed. Prompt logprobs accumulate in `Sequence.prompt_logprobs`.
         `decoding`: requests are decoding, so prefill may overlap with their next step."""
 
 
@@ -57,7 +62,7 @@ class LocalVerifier:
 @dataclass
 class _Launched:
     chunks: list[PrefillChunk]
-    first_tokens: torch.Tensor  # [B] on the host (filled asynchronously on CUDA)
+    first_tokens: torch.Tensor  # [B, 1 + packed logprobs] on the host (filled asynchronously on CUDA)
     done: torch.cuda.Event | None
 
 
@@ -69,12 +74,15 @@ class LocalPrefiller:
     time. On the CPU, or when nothing is decoding, it completes within the step.
     """
 
+    serves_logprobs = True
+
     def __init__(self, lane: PrefillLane, stream: torch.cuda.Stream | None = None):
         self.lane = lane
         self.stream = stream
         self._launched: _Launched | None = None
 
-    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list[tuple[Sequence, int]]:
+    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
+             ) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
         done = self._collect(scheduler, wait=False)
         if self._launched is None:
             self._launch(scheduler, budget_tokens)
@@ -97,7 +105,7 @@ class LocalPrefiller:
             event.record(self.stream)
         self._launched = _Launched(chunks, host, event)
 
-    def _collect(self, scheduler: Scheduler, wait: bool) -> list[tuple[Sequence, int]]:
+    def _collect(self, scheduler: Scheduler, wait: bool) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
         launched = self._launched
         if launched is None or (launched.done is not None and not wait and not launched.done.query()):
             return []
@@ -105,10 +113,13 @@ class LocalPrefiller:
             launched.done.synchronize()
         self._launched = None
         done = []
-        for chunk, token in zip(launched.chunks, launched.first_tokens.tolist()):
-            if chunk.seq.status is not SeqStatus.PREFILLING:
+        layout = PrefillLogprobs.of(launched.chunks)
+        for chunk, row in zip(launched.chunks, launched.first_tokens):
+            seq = chunk.seq
+            if seq.status is not SeqStatus.PREFILLING:
                 continue  # aborted meanwhile; its slots were freed (later prefills queue behind this one)
             scheduler.mark_prefilled(chunk)
+            seq.prompt_logprobs = concat([seq.prompt_logprobs, layout.prompt(chunk, row)])
             if chunk.completes_prompt:
-                done.append((chunk.seq, token))
+                done.append((seq, int(row[0]), layout.first_token(chunk, row)))
         return done

@@ -18,6 +18,7 @@ from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal
 from lanes.families import check_supported
 from lanes.kv_pool import KVPool, PoolShape
+from lanes.logprobs import TokenLogprobs
 from lanes.model_runner import ModelRunner
 from lanes.models import LoadedModel, check_compatible
 from lanes.outputs import RequestOutput
@@ -117,6 +118,11 @@ class EngineCore:
         """Validate and queue a request. Raises ParamError naming the field; nothing is queued then.
         `arrival_s`: when it reached the server (wall clock; default now), for timelines."""
         params.validate()
+        if not self.prefiller.serves_logprobs:
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(params, name) is not None:
+                    raise ParamError(name, "log-probabilities (and echo's prompt logprobs) are served in modes "
+                                           "unified, spec and nospec, not where prefill runs in a lane of its own")
         if request_id in self.scheduler.by_id:
             raise ParamError("request_id", f"{request_id!r} is already in flight")
         prompt_ids = self._prompt_ids(prompt)
@@ -219,10 +225,12 @@ class EngineCore:
         if self.draft is not None:
             rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
         outputs = []
-        for seq, num_draft, tokens, num_accepted in zip(running, draft_lens, result.tokens, result.num_accepted):
+        logprobs = result.logprobs or [None] * len(running)
+        for seq, num_draft, tokens, num_accepted, lp in zip(running, draft_lens, result.tokens, result.num_accepted,
+                                                            logprobs):
             seq.stats.observe(num_draft, num_accepted)
             self.total_stats.observe(num_draft, num_accepted)
-            outputs.append(self._append(seq, tokens))
+            outputs.append(self._append(seq, tokens, lp))
         return outputs
 
     def _propose(self, running: list[Sequence], draft_lens: list[int]) -> DraftProposal:
@@ -233,18 +241,24 @@ class EngineCore:
 
     def _prefill(self, budget_tokens: int, decoding: bool) -> list[RequestOutput]:
         outputs = []
-        for seq, first in self.prefiller.step(self.scheduler, budget_tokens, decoding):
+        for seq, first, logprobs in self.prefiller.step(self.scheduler, budget_tokens, decoding):
             if isinstance(first, BaseException):  # a remote prefill failed: this request only
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, [], "", error=f"prefill failed: {type(first).__name__}: {first}"))
+            elif seq.params.max_tokens == 0:  # scoring: the prompt's logprobs were the whole answer
+                self._finish(seq, "length")
+                outputs.append(self._output(seq, [], "", prompt_logprobs=seq.prompt_logprobs))
             else:
-                outputs.append(self._append(seq, [first]))
+                outputs.append(self._append(seq, [first], logprobs, seq.prompt_logprobs))
+            seq.prompt_logprobs = None  # sent with its first chunk
         return outputs
 
     # ---- postprocess --------------------------------------------------------------------
 
-    def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        """Append a step's tokens, stopping at EOS, a stop token, max_tokens or a stop string."""
+    def _append(self, seq: Sequence, new_tokens: list[int], logprobs: TokenLogprobs | None = None,
+                prompt_logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """Append a step's tokens (with their logprobs, when asked), stopping at EOS, a stop token,
+        max_tokens or a stop string."""
         params, reason, emitted, visible = seq.params, None, [], []
         for token in new_tokens:
             seq.token_ids.append(token)
@@ -266,13 +280,15 @@ class EngineCore:
                 text += detok.flush()
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, emitted, text)
+        return self._output(seq, emitted, text, logprobs=logprobs.head(len(emitted)) if logprobs is not None else None,
+                            prompt_logprobs=prompt_logprobs)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._detok.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, tokens: list[int], text: str, error: str | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, tokens: list[int], text: str, error: str | None = None,
+                logprobs: TokenLogprobs | None = None, prompt_logprobs: TokenLogprobs | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=tokens,
@@ -284,6 +300,8 @@ class EngineCore:
             # A finished sequence's counters no longer change, so the final chunk can carry them uncopied.
             stats=seq.stats if seq.finish_reason is not None else None,
             error=error,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from lanes.logprobs import TokenLogprobs, concat
 from lanes.spec_stats import SpecDecodeStats
 
 
@@ -18,6 +19,8 @@ class RequestOutput:
     # a deep copy and every message its pickling, and only the end of a request reads it.
     stats: SpecDecodeStats | None = None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # of this chunk's tokens, when the request asked
+    prompt_logprobs: TokenLogprobs | None = None  # of prompt tokens 1.., on the request's first chunk
 
 
 def merge_outputs(chunks: list[RequestOutput]) -> RequestOutput:
@@ -36,4 +39,6 @@ def merge_outputs(chunks: list[RequestOutput]) -> RequestOutput:
         num_output_tokens=last.num_output_tokens,
         stats=last.stats,
         error=last.error,
+        logprobs=concat([c.logprobs for c in chunks]),
+        prompt_logprobs=concat([c.prompt_logprobs for c in chunks]),
     )

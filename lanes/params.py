@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API and vLLM's default max_logprobs allow
+
 
 class ParamError(ValueError):
     """A request parameter is invalid. `field` names the offending parameter."""
@@ -32,6 +34,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # per output token: its logprob and the top-k alternatives (0 <= k <= 20)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -40,8 +44,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens <= 0:
-            raise ParamError("max_tokens", f"must be > 0, got {self.max_tokens}")
+        # 0 scores the prompt and generates nothing: meaningful only with its logprobs.
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ParamError("max_tokens", f"must be > 0 (0 only with prompt logprobs), got {self.max_tokens}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise ParamError("temperature", f"must be a number, got {type(self.temperature).__name__}")
         if not self.temperature >= 0:  # also rejects NaN
@@ -59,6 +64,12 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise ParamError("stop_token_ids", "must be a list of non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                _check_int(name, k)
+                if not 0 <= k <= MAX_LOGPROBS:
+                    raise ParamError(name, f"must be in [0, {MAX_LOGPROBS}], got {k}")
 
     @property
     def greedy(self) -> bool:

@@ -77,7 +77,7 @@ class PromptPrefiller:
         first: dict[str, int] = {}
         while len(first) < len(seqs):
             chunks = plan_whole_prompts([s for s in seqs if s.request_id not in first], self.chunk_tokens)
-            tokens = lane.run(chunks).cpu().tolist()
+            tokens = lane.run(chunks)[:, 0].cpu().tolist()  # logprobs are not served here: none packed
             for chunk, token in zip(chunks, tokens):
                 chunk.seq.num_prefilled += chunk.length
                 if chunk.completes_prompt:

@@ -4,6 +4,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from lanes.logprobs import TokenLogprobs
 from lanes.params import SamplingParams
 from lanes.spec_stats import SpecDecodeStats
 
@@ -33,6 +34,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     arrival_s: float = field(default_factory=time.time)  # wall clock, for timelines of where it waited
+    prompt_logprobs: TokenLogprobs | None = None  # gathered chunk by chunk during prefill, when asked
 
     def __post_init__(self):
         if not self.token_ids:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from lanes.batching import to_device
+from lanes.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.model_runner import ModelRunner, Rows
 from lanes.params import SamplingParams
 from lanes.rejection import greedy_verify, rejection_sample
@@ -43,6 +44,8 @@ class VerifyBatch:
 class VerifyResult:
     tokens: list[list[int]]  # per row: accepted drafts then the recovered or bonus token
     num_accepted: list[int]
+    # Per row, the logprobs of its tokens (None for a row that did not ask); None when no row asked.
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 class VerifyLane:
@@ -71,12 +74,28 @@ class VerifyLane:
             out = greedy_verify(drafts, logits, num_draft)
         else:
             out = self._sample(logits, drafts, batch.draft_probs, num_draft, starts + 1, st)
-        # The step's single device-to-host transfer: accepted tokens and their count per row.
-        host = torch.cat([out.tokens, out.num_accepted[:, None]], dim=1).cpu()
-        accepted = host[:, -1].numpy()
+        # The step's single device-to-host transfer: accepted tokens, their count per row, and the
+        # logprobs of every column (only when a row asked for them).
+        k = batch_k([p.logprobs for p in batch.params])
+        columns = [out.tokens, out.num_accepted[:, None]]
+        if k is not None:
+            columns.append(pack(logits, out.tokens, k))  # [B, (L + 1) * (1 + 2k)]
+        host = torch.cat(columns, dim=1).cpu()
+        width = ids.shape[1]
+        accepted = host[:, width].numpy()
         self.pool.lengths[slots] = np.add(num_tokens, batch.num_draft)  # what this forward wrote for the real drafts
         rollback_after_verify(self.pool, slots, num_tokens, accepted)
-        return VerifyResult([row[: row[-1] + 1] for row in host.tolist()], accepted.tolist())
+        emitted = (accepted + 1).tolist()
+        tokens = [row[:n] for row, n in zip(host[:, :width].tolist(), emitted)]
+        return VerifyResult(tokens, accepted.tolist(), None if k is None else self._logprobs(host[:, width + 1 :], k,
+                                                                                             batch.params, emitted))
+
+    @staticmethod
+    def _logprobs(packed: torch.Tensor, k: int, params: list[SamplingParams], emitted: list[int]
+                  ) -> list[TokenLogprobs | None]:
+        # Column c of a row holds the target's logprobs at the position of its c-th emitted token.
+        return [None if p.logprobs is None else unpack(row, k, 0, n, p.logprobs)
+                for row, p, n in zip(packed, params, emitted)]
 
     def _sample(self, logits, drafts, draft_probs, num_draft, num_tokens: torch.Tensor, st: SamplingTensors):
         device = logits.device

@@ -141,9 +141,9 @@ BAD = [
     ({"model": "gpt-4", "prompt": "x"}, None, 404, "model"),
     ({"model": MODEL, "prompt": "x", "stop": [3]}, None, 422, "stop"),
     # Fields OpenAI or vLLM define that this engine cannot honour yet: refused by name, never ignored.
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, None, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, None, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "n": 2}, None, 400, "n"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, None, 400, "echo"),
+    ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, None, 400, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, None, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, None, 400, "response_format"),
