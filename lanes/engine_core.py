@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from lanes.backends import LocalPrefiller, LocalVerifier, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
@@ -110,10 +110,9 @@ class EngineCore:
         draft_runner = build_runner(draft.model, config) if draft is not None else None
         streams = LaneStreams(target_runner.device)
         prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
-        return cls(
-            config, target_runner.vocab_size, tokenizer, eos_token_ids(target.model, tokenizer), draft_runner,
-            LocalVerifier(VerifyLane(target_runner)), prefiller, streams, proposer,
-        )
+        eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
+        return cls(config, target_runner.vocab_size, tokenizer, eos_ids, draft_runner,
+                   LocalVerifier(VerifyLane(target_runner)), prefiller, streams, proposer)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -298,9 +297,9 @@ def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
                        config.cuda_graphs, config.fused_layers)
 
 
-def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+def eos_token_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     ids: set[int] = set()
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is not None:
         ids.update(eos if isinstance(eos, list) else [eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
