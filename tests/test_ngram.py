@@ -5,9 +5,10 @@ import random
 
 import numpy as np
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from deployments.config import AppConfig, NgramSpec
+from deployments.config import REPO_ROOT, AppConfig, NgramSpec
 from deployments.factories import build_engine, build_prompt_prefiller
 from lanes.engine_core import EngineConfig, EngineCore
 from lanes.ngram import NgramProposer
@@ -152,6 +153,12 @@ def test_config_takes_ngram_and_keeps_draft_models():
     assert model.draft_model.path == "/some/draft" and model.ngram is None
     assert AppConfig().draft_model is not None  # the shipped default is still the draft model
     assert AppConfig.model_validate({"mode": "nospec", "draft": NGRAM}).ngram is None
+
+
+def test_shipped_ngram_yaml_validates():
+    (app,) = yaml.safe_load((REPO_ROOT / "configs" / "ngram.yaml").read_text())["applications"]
+    cfg = AppConfig.model_validate(app["args"])
+    assert cfg.ngram == NgramSpec(**NGRAM) and cfg.draft_model is None
 
 
 @pytest.mark.parametrize("draft, message", [
