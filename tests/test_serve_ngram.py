@@ -20,7 +20,9 @@ NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 def target_path(tmp_path_factory) -> str:
     target, _ = save_tiny_pair(tmp_path_factory.mktemp("pair"))
     start_ray()
-    deploy({APP: app_config("pdv", target, None, draft=NGRAM, decode_lane={"num_cpus": 0.05})})
+    config = app_config("pdv", target, "unused", decode_lane={"num_cpus": 0.05})
+    config["draft"] = NGRAM
+    deploy({APP: config})
     yield target
     serve.shutdown()
     ray.shutdown()
