@@ -63,9 +63,9 @@ def instrument(engine: EngineCore) -> Sections:
     sections.wrap(engine.verifier.lane.runner, "forward", "model forwards")
     sections.wrap(engine.verifier, "verify", "verify (incl. its forward and the device-to-host copy)")
     sections.wrap(engine, "_append", "postprocess: EngineCore._append (outside this work)")
-    if engine.draft_lane is not None:
+    if engine.draft is not None:
         sections.wrap(engine.draft, "forward", "model forwards")
-        sections.wrap(engine.draft_lane, "propose", "draft: propose (incl. its forwards)")
+        sections.wrap(engine.proposer, "propose", "draft: propose (incl. its forwards)")
     return sections
 
 

@@ -49,6 +49,7 @@ from benchmarks.gpu_modes import GPU_SHARES, MAX_ONGOING, free_device_memory, sa
 from benchmarks.serving import (ALL_MODES, benchmark_app_args, deploy, git_commit,  # noqa: E402
                                 load_average, machine, start_cluster)
 from deployments.config import AppConfig  # noqa: E402
+from deployments.factories import build_proposer  # noqa: E402
 from lanes.engine_core import EngineCore  # noqa: E402
 from lanes.models import load_model  # noqa: E402
 from lanes.params import SamplingParams  # noqa: E402
@@ -134,9 +135,9 @@ def _record(index: int, work: Work, start_s: float, end_s: float, first_s: float
 def engine_point(cfg: AppConfig, work: Work, warmup: Work, device: str) -> dict:
     """The co-located engine of the mode's config (unified's lanes for pd and pdv), warmed up first."""
     target = load_model(cfg.target.path, cfg.target.dtype, device)
-    draft = load_model(cfg.draft.path, cfg.draft.dtype, device) if cfg.mode != "nospec" else None
+    draft = load_model(spec.path, spec.dtype, device) if (spec := cfg.draft_model) is not None else None
     mode = cfg.mode if cfg.mode in ("nospec", "spec", "unified") else "unified"
-    core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode))
+    core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode), proposer=build_proposer(cfg, device))
     try:
         run_engine(core, warmup)
         records, steps = run_engine(core, work)

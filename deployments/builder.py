@@ -43,13 +43,14 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
 
 def check_pair(cfg: AppConfig) -> None:
     """Refuse, before loading weights anywhere, a draft whose token ids mean something else."""
-    if cfg.draft is None:
+    draft = cfg.draft_model
+    if draft is None:  # no speculation, or prompt lookup: the target's own ids are drafted
         return
-    target_tok, draft_tok = AutoTokenizer.from_pretrained(cfg.target.path), AutoTokenizer.from_pretrained(cfg.draft.path)
+    target_tok, draft_tok = AutoTokenizer.from_pretrained(cfg.target.path), AutoTokenizer.from_pretrained(draft.path)
     if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ConfigError(f"tokenizers of target {cfg.target.path!r} and draft {cfg.draft.path!r} differ")
+        raise ConfigError(f"tokenizers of target {cfg.target.path!r} and draft {draft.path!r} differ")
     target_vocab = AutoConfig.from_pretrained(cfg.target.path).get_text_config().vocab_size
-    draft_vocab = AutoConfig.from_pretrained(cfg.draft.path).get_text_config().vocab_size
+    draft_vocab = AutoConfig.from_pretrained(draft.path).get_text_config().vocab_size
     if target_vocab != draft_vocab:
         raise ConfigError(f"target has {target_vocab} logits, draft {draft_vocab}")
 

@@ -3,7 +3,7 @@
     mode: pdv
     model_name: vpd-python
     target: {path: models/vpd-target, dtype: float32}
-    draft:  {path: models/vpd-draft,  dtype: float32}
+    draft:  {path: models/vpd-draft,  dtype: float32}   # or {method: ngram, prompt_lookup_max: 5}
     engine: {max_model_len: 1024, max_num_seqs: 16, num_speculative_tokens: 4}
     prefill_lane: {num_gpus: 0.2}
     decode_lane:  {num_gpus: 0.2, num_replicas: 2}
@@ -11,9 +11,9 @@
 """
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from controller.config import ControllerConfig
 from deployments.gpu_binding import lane_device, peer_access_env
@@ -54,6 +54,38 @@ class ModelSpec(_Strict):
     def _anchor(cls, path: str) -> str:
         local = REPO_ROOT / path
         return str(local) if not Path(path).is_absolute() and local.exists() else path
+
+
+# Every step searches each sequence once per n-gram length: the bound keeps that search cheap.
+MAX_PROMPT_LOOKUP = 32
+
+
+class NgramSpec(_Strict):
+    """Drafting by prompt lookup (vLLM's `ngram` method): no draft model, no draft KV, no draft prefill.
+    The longest suffix n-gram of a sequence's tokens that occurred earlier in them proposes the
+    tokens that followed it; works best where outputs copy the prompt (code, editing, RAG)."""
+
+    method: Literal["ngram"] = Field(description="Draft by n-gram prompt lookup.")
+    prompt_lookup_min: int = Field(default=2, ge=1, le=MAX_PROMPT_LOOKUP,
+                                   description="Shortest suffix n-gram that may match.")
+    prompt_lookup_max: int = Field(default=5, ge=1, le=MAX_PROMPT_LOOKUP,
+                                   description="Longest suffix n-gram tried (longer matches are preferred).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("draft.prompt_lookup_min must be <= draft.prompt_lookup_max")
+        return self
+
+
+def _draft_kind(value) -> str:
+    # A `method` key means a draft-free method (its Literal names the allowed ones); else a model.
+    has_method = "method" in value if isinstance(value, dict) else isinstance(value, NgramSpec)
+    return "ngram" if has_method else "model"
+
+
+DraftSpec = Annotated[Annotated[ModelSpec, Tag("model")] | Annotated[NgramSpec, Tag("ngram")],
+                      Discriminator(_draft_kind)]
 
 
 class LaneConfig(_Strict):
@@ -112,7 +144,8 @@ class AppConfig(_Strict):
     mode: Mode = "unified"
     model_name: str = Field(default="vpd-python", description="The id clients pass as `model`.")
     target: ModelSpec = Field(default_factory=lambda: ModelSpec(path=DEFAULT_TARGET))
-    draft: ModelSpec | None = Field(default_factory=lambda: ModelSpec(path=DEFAULT_DRAFT))
+    draft: DraftSpec | None = Field(default_factory=lambda: ModelSpec(path=DEFAULT_DRAFT), description=
+                                    "The draft model, or {method: ngram, ...} to draft by prompt lookup.")
     engine: EngineArgs = Field(default_factory=EngineArgs)
     ingress: LaneConfig = Field(default_factory=lambda: LaneConfig(num_cpus=0.1))
     prefill_lane: LaneConfig = Field(default_factory=LaneConfig)
@@ -149,7 +182,7 @@ class AppConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.mode != "nospec" and self.draft is None:
-            raise ValueError(f"mode {self.mode!r} needs a draft model")
+            raise ValueError(f"mode {self.mode!r} needs a draft: a model, or {{method: ngram}}")
         if self.verify_lane.num_replicas != 1 or self.verify_lane.autoscaling_config is not None:
             # A request's target KV lives in one verify replica; routing every verify call of that
             # request back to it needs replica affinity that Serve's router does not offer yet.
@@ -163,3 +196,13 @@ class AppConfig(_Strict):
     @property
     def lanes(self) -> tuple[str, ...]:
         return MODE_LANES[self.mode]
+
+    @property
+    def draft_model(self) -> ModelSpec | None:
+        """The draft model that this mode loads (None: no speculation, or prompt lookup)."""
+        return self.draft if isinstance(self.draft, ModelSpec) and self.mode != "nospec" else None
+
+    @property
+    def ngram(self) -> NgramSpec | None:
+        """Prompt-lookup drafting, where this mode drafts by it."""
+        return self.draft if isinstance(self.draft, NgramSpec) and self.mode != "nospec" else None

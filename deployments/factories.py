@@ -5,12 +5,15 @@ import asyncio
 import uuid
 from dataclasses import replace
 
+import torch
+
 from deployments.config import AppConfig
 from deployments.kv_transfer import Placement
 from deployments.remote import RemotePrefiller, RemoteVerifier
 from lanes.backends import LocalVerifier
 from lanes.engine_core import EngineCore, build_runner, eos_token_ids
-from lanes.models import LoadedModel, check_compatible, load_model
+from lanes.models import LoadedModel, Vocabulary, check_compatible, load_model, load_vocabulary
+from lanes.ngram import NgramProposer
 from lanes.prompt_prefiller import PromptPrefiller
 from lanes.streams import LaneStreams
 from lanes.verify import VerifyLane
@@ -22,12 +25,20 @@ def _target(cfg: AppConfig, device: str) -> LoadedModel:
     return load_model(cfg.target.path, cfg.target.dtype, device, _slot_capacity(cfg))
 
 
-def _draft(cfg: AppConfig, device: str) -> LoadedModel:
-    return load_model(cfg.draft.path, cfg.draft.dtype, device, _slot_capacity(cfg))
+def _draft(cfg: AppConfig, device: str) -> LoadedModel | None:
+    """The draft model, where the mode drafts with one (prompt lookup and nospec load none)."""
+    spec = cfg.draft_model
+    return load_model(spec.path, spec.dtype, device, _slot_capacity(cfg)) if spec is not None else None
 
 
 def _slot_capacity(cfg: AppConfig) -> int:
     return cfg.engine.engine_config(cfg.mode).slot_capacity_tokens
+
+
+def build_proposer(cfg: AppConfig, device: str | torch.device) -> NgramProposer | None:
+    """The prompt-lookup proposer where the config drafts by it (else the draft model, or nothing, drafts)."""
+    spec = cfg.ngram
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, device) if spec is not None else None
 
 
 def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None) -> EngineCore:
@@ -35,32 +46,42 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     device = cfg.decode_lane.bind_device()
     config = cfg.engine.engine_config(cfg.mode)
     if cfg.mode in ("unified", "spec", "nospec"):
-        draft = _draft(cfg, device) if cfg.mode != "nospec" else None
-        return EngineCore.colocated(_target(cfg, device), draft, config)
+        return EngineCore.colocated(_target(cfg, device), _draft(cfg, device), config,
+                                    proposer=build_proposer(cfg, device))
     draft = _draft(cfg, device)
-    draft_runner = build_runner(draft.model, config)
+    draft_runner = build_runner(draft.model, config) if draft is not None else None
     placement = Placement.here(device)
     owner = f"decode-{uuid.uuid4().hex[:8]}"
     if cfg.mode == "pd":
         target = _target(cfg, device)
-        check_compatible(draft, target)
+        if draft is not None:
+            check_compatible(draft, target)
         target_runner = build_runner(target.model, config)
         verifier, target_pool = LocalVerifier(VerifyLane(target_runner)), target_runner.pool
+        vocab = Vocabulary(target_runner.vocab_size, target.tokenizer, target.model.generation_config)
+        model_device = target_runner.device
     else:  # pdv: the target lives in the verify lane
         verifier, target_pool = RemoteVerifier(verify, loop, cfg.request_timeout_s), None
-    prefiller = RemotePrefiller(prefill, loop, draft_runner.pool, target_pool, placement, owner)
+        vocab = (Vocabulary(draft_runner.vocab_size, draft.tokenizer, draft.model.generation_config)
+                 if draft is not None else load_vocabulary(cfg.target.path))
+        # pdv by prompt lookup holds no model here: its drafts go to the verify lane from the host.
+        model_device = draft_runner.device if draft_runner is not None else torch.device("cpu")
+    prefiller = RemotePrefiller(prefill, loop, draft_runner.pool if draft_runner else None, target_pool, placement,
+                                owner)
     # The decode lane drafts (and in pd also verifies) on high-priority streams.
-    return EngineCore(config, draft_runner.vocab_size, draft.tokenizer, eos_token_ids(draft.model, draft.tokenizer),
-                      draft_runner, verifier, prefiller, LaneStreams(draft_runner.device))
+    return EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
+                      draft_runner, verifier, prefiller, LaneStreams(model_device), build_proposer(cfg, model_device))
 
 
 def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
     device = cfg.prefill_lane.bind_device()
-    target, draft = _target(cfg, device), _draft(cfg, device)
-    check_compatible(draft, target)
+    target, draft = _target(cfg, device), _draft(cfg, device)  # no draft to prefill with prompt lookup
+    if draft is not None:
+        check_compatible(draft, target)
     # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8).
     config = replace(cfg.engine.engine_config(cfg.mode), max_num_seqs=PREFILL_BATCH_MAX)
-    return PromptPrefiller(build_runner(target.model, config), build_runner(draft.model, config),
+    return PromptPrefiller(build_runner(target.model, config),
+                           build_runner(draft.model, config) if draft is not None else None,
                            cfg.engine.idle_prefill_tokens)
 
 

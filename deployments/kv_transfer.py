@@ -43,9 +43,11 @@ class Placement:
 
     @classmethod
     def of_engine(cls, node_id: str | None, core) -> "Placement":
-        """Where an engine's models run (the draft's device, or the target's where there is no draft),
-        on `node_id` (an engine process is no Ray worker and cannot ask Ray its node)."""
-        device = core.draft.device if core.draft is not None else core.verifier.pool.kv.device
+        """Where an engine's models run (the draft's device, or the target's where there is no draft;
+        the host for a pdv decode lane that drafts by prompt lookup and holds no model), on `node_id`
+        (an engine process is no Ray worker and cannot ask Ray its node)."""
+        target_pool = getattr(core.verifier, "pool", None)  # a RemoteVerifier has none here
+        device = core.draft.device if core.draft is not None else target_pool.kv.device if target_pool else "cpu"
         here = cls.here(device)
         return here if node_id is None else replace(here, node_id=node_id)
 

@@ -47,7 +47,8 @@ class PrefillServer:
         self.metrics = LaneMetrics("prefill", mode)
         self.batcher = LaneBatcher(self._forward, PREFILL_BATCH_MAX)
         self.pending = 0
-        self.handed_over = {"in_place": 0, "peer": 0, "copied": 0}  # draft KV hand-overs by transport
+        # Draft KV hand-overs by transport ("none": drafting by prompt lookup, there is no draft KV).
+        self.handed_over = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
         self._verify_in_place: bool | None = None
         self._verify_pool = None
         self._verify_lease: str | None = None  # the verify replica instance _verify_pool belongs to
@@ -140,6 +141,8 @@ class PrefillServer:
                 labels.append((out, "draft"))
             elif kv.draft_kv is not None:
                 out.done.draft_kv = HostKV.from_tensor(kv.draft_kv)
+            else:
+                out.draft = "none"
             if verify_slots is not None:
                 writes.append((self.views.get(self._verify_pool), verify_slots[i], kv.target_kv))
                 labels.append((out, "target"))

@@ -82,11 +82,11 @@ class RemotePrefiller:
 
     serves_logprobs = False  # the prefill lane returns the first token only: refused by name at add_request
 
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool, target_pool: KVPool | None,
+    def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool | None, target_pool: KVPool | None,
                  placement: Placement, owner: str):
         self.handle = handle
         self.loop = loop
-        self.draft_pool = draft_pool
+        self.draft_pool = draft_pool  # None when drafting by prompt lookup: no draft KV to receive
         self.target_pool = target_pool  # pd: local target pool; pdv: None (the verify lane owns it)
         self.placement = placement
         self.owner = owner
@@ -132,7 +132,7 @@ class RemotePrefiller:
         return PrefillJob(
             request=PrefillRequest(seq.request_id, seq.prompt_ids, seq.params, seq.seed),
             draft_slot=seq.draft_slot,
-            draft_pool=self._export("draft", self.draft_pool) if in_place else None,
+            draft_pool=self._export("draft", self.draft_pool) if in_place and self.draft_pool else None,
             target_slot=seq.target_slot,
             target_pool=self._export("target", self.target_pool) if in_place and self.target_pool else None,
             want_target_kv=self.target_pool is not None and not in_place,
@@ -155,9 +155,10 @@ class RemotePrefiller:
         if isinstance(result, BaseException):
             return seq, result, None
         prompt_len = seq.num_prompt_tokens
-        if result.draft_kv is not None:
-            self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.tensor(self.draft_pool.kv.device))
-        self.draft_pool.lengths[seq.draft_slot] = prompt_len
+        if self.draft_pool is not None:
+            if result.draft_kv is not None:
+                self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.tensor(self.draft_pool.kv.device))
+            self.draft_pool.lengths[seq.draft_slot] = prompt_len
         if self.target_pool is not None:
             if result.target_kv is not None:
                 self.target_pool.write_slot(seq.target_slot, result.target_kv.tensor(self.target_pool.kv.device))

@@ -15,6 +15,7 @@ from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
 from lanes.kv_pool import PoolFullError
+from lanes.rejection import point_mass
 from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
 
 VERIFY_CALLS_MAX = 16  # decode replicas' calls merged into one verify forward
@@ -152,8 +153,8 @@ def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
         return out
 
     def probs_of(b: VerifyBatch) -> torch.Tensor:
-        # A greedy batch sent no probabilities: its q is one-hot at each drafted token.
-        q = b.draft_probs if b.draft_probs is not None else torch.nn.functional.one_hot(b.draft_tokens, vocab).float()
+        # A greedy or prompt-lookup batch sent no probabilities: its q is one-hot at each drafted token.
+        q = b.draft_probs if b.draft_probs is not None else point_mass(b.draft_tokens, vocab, with_probs[0].dtype)
         return pad(q, True)
 
     return VerifyBatch(

@@ -6,6 +6,7 @@ between the L forwards the rows advance on the device, and nothing is read back.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,12 +24,20 @@ class DraftProposal:
     """What travels from the decode lane to the verify lane: token ids and probabilities only."""
 
     tokens: torch.Tensor  # [B, L] int64, rows padded past their own length
-    probs: torch.Tensor | None  # [B, L, V] the distribution q each token was drawn from; None when
-    # every row is greedy (q is then one-hot at the token, and 4 bytes a token travel instead of 4 V)
+    probs: torch.Tensor | None  # [B, L, V] the distribution q each token was drawn from; None when q
+    # is one-hot at every token (greedy rows, or a lookup proposer): 4 bytes a token travel, not 4 V
+    num_draft: list[int]  # tokens drafted per row (a lookup proposer may find fewer than asked)
 
     @classmethod
     def empty(cls, batch: int, device) -> "DraftProposal":
-        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device), None)
+        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device), None, [0] * batch)
+
+
+class Proposer(Protocol):
+    """What the decode loop drafts with: a draft model (DraftLane) or prompt lookup (NgramProposer)."""
+
+    def propose(self, seqs: list[Sequence], draft_lens: list[int]) -> DraftProposal:
+        """At most `draft_lens[i]` draft tokens for `seqs[i]`."""
 
 
 class DraftLane:
@@ -42,6 +51,7 @@ class DraftLane:
         if max_len == 0:
             return DraftProposal.empty(batch, device)
         drafting = [i for i, n in enumerate(draft_lens) if n > 0]
+        asked = draft_lens  # the model drafts every token asked for
         if len(drafting) < batch:
             seqs, draft_lens = [seqs[i] for i in drafting], [draft_lens[i] for i in drafting]
         slots = [s.draft_slot for s in seqs]
@@ -50,11 +60,11 @@ class DraftLane:
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
         tokens, probs = self._draft(seqs, slots, num_tokens, draft_lens, max_len, st)  # [B', L], [B', L, V] | None
         if len(drafting) == batch:
-            return DraftProposal(tokens, probs)
+            return DraftProposal(tokens, probs, asked)
         index = to_device(drafting, torch.long, device)
         full_tokens = tokens.new_zeros(batch, max_len).index_copy_(0, index, tokens)
         full_probs = None if probs is None else probs.new_zeros(batch, max_len, probs.shape[-1]).index_copy_(0, index, probs)
-        return DraftProposal(full_tokens, full_probs)
+        return DraftProposal(full_tokens, full_probs, asked)
 
     def _draft(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int], draft_lens: list[int],
                max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:

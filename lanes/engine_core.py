@@ -10,12 +10,12 @@ import random
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from lanes.backends import LocalPrefiller, LocalVerifier, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
 from lanes.device_fault import device_fault
-from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal
+from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer
 from lanes.families import check_supported
 from lanes.kv_pool import KVPool, PoolShape
 from lanes.logprobs import TokenLogprobs
@@ -72,18 +72,21 @@ class EngineCore:
         verifier: Verifier,
         prefiller: Prefiller,
         streams: LaneStreams | None = None,
+        proposer: Proposer | None = None,
     ):
+        """`draft`: the draft model's runner, whose KV this engine rolls back; `proposer`: what drafts
+        (default: the draft model; an NgramProposer needs no draft model). Neither: no speculation."""
         self.config = config
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.draft = draft
-        self.draft_lane = DraftLane(draft) if draft is not None else None
+        self.proposer = proposer if proposer is not None else DraftLane(draft) if draft is not None else None
         self.verifier = verifier
         self.prefiller = prefiller
         self.streams = streams or LaneStreams(torch.device("cpu"))
         self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None)
-        self.default_draft_len = config.num_speculative_tokens if draft is not None else 0
+        self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
         # Set when a failed batch left the device unusable (lanes/device_fault.py): the loop that
         # steps this engine stops, and the replica's health check fails.
@@ -97,8 +100,11 @@ class EngineCore:
         draft: LoadedModel | None,
         config: EngineConfig,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        proposer: Proposer | None = None,
     ) -> "EngineCore":
-        """All three lanes in this process over its own pools (modes unified, spec, nospec)."""
+        """All three lanes in this process over its own pools (modes unified, spec, nospec).
+        `proposer` drafts instead of a draft model (pass `draft=None` with it)."""
+        assert draft is None or proposer is None, "a draft model or a proposer, not both"
         if draft is not None:
             check_compatible(draft, target)
         tokenizer = tokenizer if tokenizer is not None else target.tokenizer
@@ -106,10 +112,9 @@ class EngineCore:
         draft_runner = build_runner(draft.model, config) if draft is not None else None
         streams = LaneStreams(target_runner.device)
         prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
-        return cls(
-            config, target_runner.vocab_size, tokenizer, eos_token_ids(target.model, tokenizer), draft_runner,
-            LocalVerifier(VerifyLane(target_runner)), prefiller, streams,
-        )
+        eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
+        return cls(config, target_runner.vocab_size, tokenizer, eos_ids, draft_runner,
+                   LocalVerifier(VerifyLane(target_runner)), prefiller, streams, proposer)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -163,7 +168,7 @@ class EngineCore:
 
     def set_draft_lengths(self, default_len: int, per_request: dict[str, int] | None = None) -> None:
         """Change L (the controller's action). Bounded by max_draft_len; 0 turns speculation off."""
-        bound = self.config.max_draft_len if self.draft is not None else 0
+        bound = self.config.max_draft_len if self.proposer is not None else 0
         self.default_draft_len = max(0, min(default_len, bound))
         for seq in self.scheduler.by_id.values():
             wanted = (per_request or {}).get(seq.request_id, default_len)
@@ -203,7 +208,7 @@ class EngineCore:
 
     def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
         max_draft = self.config.max_draft_len
-        draft_lens = [s.step_draft_len(max_draft) for s in running] if self.draft_lane else [0] * len(running)
+        draft_lens = [s.step_draft_len(max_draft) for s in running] if self.proposer else [0] * len(running)
         num_tokens = [len(s.token_ids) for s in running]
         self.streams.decode_after_current()  # verify follows decode, so it is ordered after them too
         with on(self.streams.decode):
@@ -214,7 +219,7 @@ class EngineCore:
             last_tokens=[s.token_ids[-1] for s in running],
             draft_tokens=proposal.tokens,
             draft_probs=proposal.probs,
-            num_draft=draft_lens,
+            num_draft=proposal.num_draft,
             params=[s.params for s in running],
             seeds=[s.seed for s in running],
             target_leases=[s.target_lease for s in running],
@@ -226,18 +231,18 @@ class EngineCore:
             rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
         outputs = []
         logprobs = result.logprobs or [None] * len(running)
-        for seq, num_draft, tokens, num_accepted, lp in zip(running, draft_lens, result.tokens, result.num_accepted,
-                                                            logprobs):
+        for seq, num_draft, tokens, num_accepted, lp in zip(running, proposal.num_draft, result.tokens,
+                                                            result.num_accepted, logprobs):
             seq.stats.observe(num_draft, num_accepted)
             self.total_stats.observe(num_draft, num_accepted)
             outputs.append(self._append(seq, tokens, lp))
         return outputs
 
     def _propose(self, running: list[Sequence], draft_lens: list[int]) -> DraftProposal:
-        if self.draft_lane is None or not any(draft_lens):
+        if self.proposer is None or not any(draft_lens):
             device = self.draft.device if self.draft is not None else "cpu"
             return DraftProposal.empty(len(running), device)
-        return self.draft_lane.propose(running, draft_lens)
+        return self.proposer.propose(running, draft_lens)
 
     def _prefill(self, budget_tokens: int, decoding: bool) -> list[RequestOutput]:
         outputs = []
@@ -313,9 +318,9 @@ def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
                        config.cuda_graphs, config.fused_layers)
 
 
-def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+def eos_token_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     ids: set[int] = set()
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is not None:
         ids.update(eos if isinstance(eos, list) else [eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:

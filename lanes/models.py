@@ -3,7 +3,8 @@
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
+                          PreTrainedTokenizerBase)
 
 from lanes.families import check_supported
 
@@ -39,6 +40,25 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: 
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=resolve_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     return LoadedModel(_prepare(model, device), tokenizer, name_or_path)
+
+
+@dataclass
+class Vocabulary:
+    """What an engine that holds no model needs of one: ids, their text, and when to stop."""
+
+    size: int  # output logits of the model
+    tokenizer: PreTrainedTokenizerBase
+    generation_config: GenerationConfig | None
+
+
+def load_vocabulary(name_or_path: str) -> Vocabulary:
+    """The vocabulary of a model, without its weights (a decode lane that drafts by prompt lookup)."""
+    try:
+        generation = GenerationConfig.from_pretrained(name_or_path)
+    except OSError:  # no generation_config.json: the model config's own EOS applies
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(name_or_path))
+    return Vocabulary(AutoConfig.from_pretrained(name_or_path).get_text_config().vocab_size,
+                      AutoTokenizer.from_pretrained(name_or_path), generation)
 
 
 def build_random_model(

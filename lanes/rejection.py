@@ -47,6 +47,13 @@ def rejection_sample(
     return RejectionOutput(tokens, num_accepted)
 
 
+def point_mass(draft_tokens: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """q [B, L, V] of a proposer that sends no probabilities (greedy drafting, prompt lookup): all
+    mass on the drafted token. The rule then accepts x with probability p(x) and on rejection
+    samples norm(max(0, p - one_hot(x))), that is p with x removed."""
+    return torch.nn.functional.one_hot(draft_tokens, vocab).to(dtype)
+
+
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor) -> RejectionOutput:
     """The rule above when every row is greedy (p and q one-hot): a draft is accepted iff it is
     the target's argmax, and the token after the accepted prefix is the target's argmax there.

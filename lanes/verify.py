@@ -15,7 +15,7 @@ from lanes.batching import to_device
 from lanes.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.model_runner import ModelRunner, Rows
 from lanes.params import SamplingParams
-from lanes.rejection import greedy_verify, rejection_sample
+from lanes.rejection import greedy_verify, point_mass, rejection_sample
 from lanes.rollback import rollback_after_verify
 from lanes.sampling import STREAM_ACCEPT, STREAM_TARGET, SamplingTensors, logits_to_probs, uniform_noise
 
@@ -26,7 +26,7 @@ class VerifyBatch:
     num_tokens: list[int]  # T per row: committed tokens, the last of which the target has not seen
     last_tokens: list[int]
     draft_tokens: torch.Tensor  # [B, L] int64
-    draft_probs: torch.Tensor | None  # [B, L, V] q; None when every drafting row is greedy (q one-hot)
+    draft_probs: torch.Tensor | None  # [B, L, V] q; None when q is one-hot at every draft (greedy, lookup)
     num_draft: list[int]  # drafts per row, 0 <= n <= L
     params: list[SamplingParams]
     seeds: list[int]
@@ -101,8 +101,8 @@ class VerifyLane:
         device = logits.device
         p = logits_to_probs(logits, st)  # [B, L + 1, V]
         max_draft = drafts.shape[1]
-        if draft_probs is None:  # greedy drafting rows: q is one-hot at the drafted token
-            draft_probs = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
+        if draft_probs is None:  # greedy drafting rows or prompt lookup: q is one-hot at the drafted token
+            draft_probs = point_mass(drafts, p.shape[-1], p.dtype)
         # Row b's token at column c lands at absolute position T_b + c.
         positions = num_tokens[:, None] + torch.arange(max_draft + 1, device=device)
         return rejection_sample(

@@ -2,7 +2,7 @@
 
 import torch
 
-from lanes.rejection import greedy_verify, rejection_sample
+from lanes.rejection import greedy_verify, point_mass, rejection_sample
 from lanes.sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, sample_from, uniform_noise
 
 V = 6
@@ -109,6 +109,26 @@ def test_the_bound_rejects_wrong_rules():
     assert _chi2(greedy_match, P[0]) > 10 * CHI2_BOUND
     # (c) always accept the draft.
     assert _chi2(drafts[:, 0], P[0]) > 10 * CHI2_BOUND
+
+
+def test_point_mass_proposals_keep_the_target_distribution():
+    """Prompt lookup drafts a fixed token with q one-hot at it: accepted with probability p(x), and
+    on rejection the residual is p without x. Every column still follows P."""
+    seeds, positions, _, _ = _draws()
+    lookup = torch.tensor([0, 4, 1]).expand(N, -1)  # likely, middling and unlikely under P[0..2]
+    q = point_mass(lookup, V, torch.float64)
+    p = P[None].expand(N, -1, -1)
+    u_accept = uniform_noise(seeds, positions[:, :L], STREAM_ACCEPT)
+    out = rejection_sample(lookup, q, p, torch.full((N,), L), u_accept, uniform_noise(seeds, positions, STREAM_TARGET, V))
+    for stat in _column_chi2s(out.tokens):
+        assert stat < CHI2_BOUND, stat
+    accept_rate = (out.num_accepted > 0).double().mean().item()
+    assert abs(accept_rate - P[0, 0].item()) < 0.01, accept_rate
+    assert 0 < out.num_accepted.max() <= L and (out.num_accepted == 0).any()
+    # The same statistic catches a rule that samples p itself after rejecting the lookup.
+    target_sample = sample_from(p, uniform_noise(seeds, positions, STREAM_TARGET, V))
+    no_residual = torch.where(u_accept[:, 0] < P[0, 0], lookup[:, 0], target_sample[:, 0])
+    assert _chi2(no_residual, P[0]) > 10 * CHI2_BOUND
 
 
 def test_greedy_fast_path_equals_the_general_rule_on_one_hot_inputs():
