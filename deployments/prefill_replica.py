@@ -81,7 +81,7 @@ class PrefillServer:
         # The RPCs left run here, per request, so the next forward need not wait for them.
         if out.verify_kv is not None:
             out.done.target_lease, out.done.target_slot = await asyncio.wait_for(
-                self.verify.load_kv.remote(out.verify_kv), PEER_CALL_TIMEOUT_S)
+                self.verify.load_kv.remote(out.verify_kv, job.owner), PEER_CALL_TIMEOUT_S)
         elif out.committed is not None:
             await asyncio.wait_for(asyncio.shield(out.committed), PEER_CALL_TIMEOUT_S)
         self.handed_over[out.draft] += 1
@@ -112,7 +112,7 @@ class PrefillServer:
             out.done.target_lease = lease if slots is not None else None
         if slots is not None:
             committed = asyncio.ensure_future(
-                self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs]))
+                self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs], [j.owner for j in jobs]))
             for out in outs:
                 out.committed = committed
         return outs

@@ -39,6 +39,7 @@ class PrefillJob:
     target_pool: PoolHandle | None
     want_target_kv: bool  # pd over the object store: return the target KV to the caller
     sent_s: float | None = None  # wall clock when the decode replica sent it (timelines: transit and queue)
+    owner: object | None = None  # pdv: the decode replica's actor handle; the verify lane frees its slots if it dies
     received_s: float | None = None  # wall clock when the prefill lane's replica received it
 
 
@@ -77,6 +78,16 @@ class RemoteVerifier:
         return await getattr(self.handle, method).remote(*args)
 
 
+def _current_actor():
+    """This replica's actor handle (None outside an actor: in-process tests)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor if ray.is_initialized() else None
+    except RuntimeError:  # a driver or a task, not an actor
+        return None
+
+
 class RemotePrefiller:
     """Sends each admitted request to the prefill lane once and collects finished prefills."""
 
@@ -95,6 +106,7 @@ class RemotePrefiller:
         self._done: list[tuple[Sequence, PrefillDone | BaseException, float, float]] = []
         self._lock = threading.Lock()
         self._peer: Placement | None = None
+        self.owner_actor = _current_actor()
         self._exported: dict[str, PoolHandle] = {}
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
@@ -137,6 +149,7 @@ class RemotePrefiller:
             target_pool=self._export("target", self.target_pool) if in_place and self.target_pool else None,
             want_target_kv=self.target_pool is not None and not in_place,
             sent_s=time.time(),
+            owner=self.owner_actor,
         )
 
     def _export(self, name: str, pool: KVPool) -> PoolHandle:

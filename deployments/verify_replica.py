@@ -11,6 +11,7 @@ from ray import serve
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
+from deployments.slot_owners import SlotOwners
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
@@ -41,6 +42,7 @@ class VerifyServer:
         # instance whose pool holds none of the old slots: a call or a release that names another
         # lease is refused or ignored, never read from or freed in the new pool.
         self.lease = uuid.uuid4().hex
+        self.owners = SlotOwners(self._free_slots)
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -79,12 +81,15 @@ class VerifyServer:
             raise
         return self.lease, slots
 
-    async def commit_many(self, slots: list[int], lengths: list[int]) -> None:
-        """A prefill lane wrote these prompts' KV into `slots` in place (and waited for the copies)."""
+    async def commit_many(self, slots: list[int], lengths: list[int], owners: list | None = None) -> None:
+        """A prefill lane wrote these prompts' KV into `slots` in place (and waited for the copies);
+        `owners`: the decode replica (actor handle) each slot's request decodes on."""
         for slot, length in zip(slots, lengths):
             self.lane.pool.lengths[slot] = length  # host-side; the slot is in no batch yet (see allocate_many)
+        for slot, owner in zip(slots, owners or []):
+            self.owners.hold(slot, owner)
 
-    async def load_kv(self, kv: HostKV) -> tuple[str, int]:
+    async def load_kv(self, kv: HostKV, owner=None) -> tuple[str, int]:
         """Take a prompt's KV copied from another GPU or node; returns this instance's lease and the
         slot that now holds it."""
         def load():
@@ -92,12 +97,19 @@ class VerifyServer:
             self.lane.pool.write_slot(slot, kv.tensor(self.lane.pool.kv.device))
             return slot
         timed = TIMELINE.timed("load_kv", load, tokens=kv.num_tokens, bytes=kv.nbytes)
-        return self.lease, await self.worker.run(timed)
+        slot = await self.worker.run(timed)
+        self.owners.hold(slot, owner)
+        return self.lease, slot
 
     async def release(self, slots: list[int], lease: str | None = None) -> None:
         if lease is not None and lease != self.lease:
             log.info("ignored the release of %d slots handed out by an earlier verify replica", len(slots))
             return
+        await self._free_slots(slots)
+
+    async def _free_slots(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.owners.drop(slot)
 
         def free():
             for slot in slots:
@@ -132,7 +144,7 @@ class VerifyServer:
 
     async def stats(self) -> dict:
         return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,
-                "pending_rows": self.pending_rows}
+                "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
