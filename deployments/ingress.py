@@ -4,11 +4,14 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
 from pydantic import ValidationError
 from ray import serve
 from transformers import AutoTokenizer
@@ -28,6 +31,8 @@ from lanes.spec_stats import SpecDecodeStats
 log = logging.getLogger(__name__)
 api = FastAPI(title="Verify-PD")
 
+API_KEY_ENV = "VPD_API_KEY"  # as vLLM's VLLM_API_KEY; `api_key` in the app config wins over it
+OPEN_PATHS = {"/health"}  # answered without the key: load balancers and probes call it
 HEALTH_TIMEOUT_S = 5.0  # a lane that cannot answer /health within this is reported down
 try:
     VERSION = importlib.metadata.version("verify-pd")  # at GET /version
@@ -39,11 +44,47 @@ def _error(status: int, message: str, err_type: str, param: str | None = None, h
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
 
 
+def resolve_api_key(configured: str | None, environ) -> bytes | None:
+    """The key every route but /health requires: the config's, else the environment's, else none."""
+    key = configured or environ.get(API_KEY_ENV)
+    return key.encode() if key else None
+
+
+def authorized(authorization: str | None, key: bytes) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time (no timing side channel on the key)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), key)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware), so that a client's disconnect still reaches a stream and
+    cancels its request in every lane."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            key = serve.get_replica_context().servable_object.api_key
+            # Serve mounts the app under its route prefix: the route is the path below root_path.
+            path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+            if key is not None and path not in OPEN_PATHS and not authorized(Headers(scope=scope).get("authorization"),
+                                                                            key):
+                response = _error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+api.add_middleware(ApiKeyMiddleware)
+
+
 class Ingress:
     def __init__(self, engine, config: dict, controller=None):
         self.engine = engine
         self.controller = controller  # handle of the Controller deployment, None when it is disabled
         self.cfg = AppConfig.model_validate(config)
+        self.api_key = resolve_api_key(self.cfg.api_key, os.environ)  # read by ApiKeyMiddleware
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.target.path)
         self.in_flight = 0
         self.totals = SpecDecodeStats()  # over requests served by this ingress replica
