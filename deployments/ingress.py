@@ -166,9 +166,13 @@ class Ingress:
     async def _parse(self, request: Request, schema):
         """(body, None), or (None, the 400/422 response) for malformed JSON or a wrongly typed field."""
         try:
-            body = schema.model_validate(await request.json())
-        except json.JSONDecodeError as exc:
+            payload = await request.json()
+        except ValueError as exc:  # json.JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
             return None, _error(400, f"malformed JSON: {exc}", "invalid_request_error")
+        except RecursionError:  # the parser's nesting bound (~1,000 levels)
+            return None, _error(400, "malformed JSON: nested too deeply", "invalid_request_error")
+        try:
+            body = schema.model_validate(payload)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
@@ -202,9 +206,13 @@ class Ingress:
         return await self._respond(body, prompt, params, chat, extras)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        return self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-                                    continue_final_message=body.continue_final_message,
-                                    **(body.chat_template_kwargs or {}))
+        ids = self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message,
+                                   **(body.chat_template_kwargs or {}))
+        if len(ids) >= (limit := self.cfg.engine.max_model_len):  # named here: the client sent messages
+            raise ParamError("messages", f"{len(ids)} tokens after the chat template; the context holds {limit} "
+                             "(prompt + output)")
+        return ids
 
     def _apply_template(self, messages: list[dict], **kwargs) -> list[int]:
         if not self.tokenizer.chat_template:

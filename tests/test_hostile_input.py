@@ -105,3 +105,89 @@ def test_config_key_wins_over_the_environment_and_comparison_is_exact():
     assert authorized("Bearer k1", b"k1") and authorized("bearer  k1 ", b"k1")
     assert not authorized("Bearer k", b"k1") and not authorized("Bearer k1k", b"k1") and not authorized(None, b"k1")
     assert not authorized("Bearer ключ", b"k1")  # non-ASCII headers are compared, not crashed on
+
+
+# ---- hostile input ----------------------------------------------------------------------------
+
+COMPLETION = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+MB = 1 << 20
+# (case, path, body: a dict sent as JSON or raw bytes, expected status, the field a 4xx must name)
+HOSTILE = [
+    ("huge max_tokens", "completions", {**COMPLETION, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("max_tokens past int64", "completions", {**COMPLETION, "max_tokens": 10**30}, 400, "max_tokens"),
+    ("negative max_tokens", "completions", {**COMPLETION, "max_tokens": -1}, 400, "max_tokens"),
+    ("huge max_completion_tokens", "chat/completions", {**CHAT, "max_completion_tokens": 10**9}, 400, "max_tokens"),
+    ("n > 1", "completions", {**COMPLETION, "n": 2}, 400, "n"),
+    ("n > 1, chat", "chat/completions", {**CHAT, "n": 3}, 400, "n"),
+    ("n = 0", "completions", {**COMPLETION, "n": 0}, 400, "n"),
+    ("logprobs", "completions", {**COMPLETION, "logprobs": 5}, 400, "logprobs"),
+    ("logprobs, chat", "chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs, chat", "chat/completions", {**CHAT, "top_logprobs": 5}, 400, "top_logprobs"),
+    ("stop: 100 strings", "completions", {**COMPLETION, "stop": [f"never-{i}" for i in range(100)]}, 200, None),
+    ("stop: 100 strings, chat", "chat/completions", {**CHAT, "stop": [f"no{i}" for i in range(100)]}, 200, None),
+    ("1 MB prompt", "completions", {**COMPLETION, "prompt": "x = 1\n" * (MB // 6)}, 400, "prompt"),
+    ("1 MB prompt of one character", "completions", {**COMPLETION, "prompt": "a" * MB}, 400, "prompt"),
+    ("1 MB chat message", "chat/completions", {**CHAT, "messages": [{"role": "user", "content": "y" * MB}]}, 400,
+     "messages"),
+    ("temperature 1e-45 (raised to 0.01, as vLLM does)", "chat/completions", {**CHAT, "temperature": 1e-45}, 200,
+     None),
+    ("1 MB of token ids", "completions", {**COMPLETION, "prompt": [1] * (MB // 3)}, 400, "prompt"),
+    ("invalid UTF-8", "completions", b'{"model": "vpd-python", "prompt": "\xff\xfe\xfa"}', 400, None),
+    ("invalid UTF-8 in a key", "completions", b'{"model": "vpd-python", "\xc3\x28": 1, "prompt": "x"}', 400, None),
+    ("nested 10,000 deep in a field", "completions",
+     f'{{"model": "vpd-python", "prompt": "x", "metadata": {"[" * 10_000}{"]" * 10_000}}}'.encode(), 400, None),
+    ("nested 10,000 deep", "chat/completions", ("[" * 10_000 + "]" * 10_000).encode(), 400, None),
+    ("nested objects 10,000 deep", "completions", ('{"a": ' * 10_000 + "1" + "}" * 10_000).encode(), 400, None),
+    ("a JSON array body", "completions", b"[1, 2]", 422, None),
+    ("temperature -0.1", "completions", {**COMPLETION, "temperature": -0.1}, 400, "temperature"),
+    ("temperature NaN", "completions", b'{"model": "vpd-python", "prompt": "x", "temperature": NaN}', 400,
+     "temperature"),
+    ("temperature 0", "completions", {**COMPLETION, "temperature": 0}, 200, None),
+    ("temperature 1e-30", "completions", {**COMPLETION, "temperature": 1e-30}, 200, None),
+    ("temperature 1e-45", "completions", {**COMPLETION, "temperature": 1e-45}, 200, None),
+    ("temperature 2", "completions", {**COMPLETION, "temperature": 2}, 200, None),
+    ("temperature 2.5", "completions", {**COMPLETION, "temperature": 2.5}, 200, None),
+    ("temperature 1e300", "completions", {**COMPLETION, "temperature": 1e300}, 200, None),
+    ("temperature Infinity", "completions", b'{"model": "vpd-python", "prompt": "x", "temperature": Infinity}',
+     400, "temperature"),
+    ("top_p 0", "completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
+    ("top_p -0.5", "completions", {**COMPLETION, "top_p": -0.5}, 400, "top_p"),
+    ("top_p 1e-9", "completions", {**COMPLETION, "top_p": 1e-9, "temperature": 1}, 200, None),
+    ("top_p 1", "completions", {**COMPLETION, "top_p": 1}, 200, None),
+    ("top_p 1.0001", "completions", {**COMPLETION, "top_p": 1.0001}, 400, "top_p"),
+    ("top_k -1 (vLLM's 'off')", "completions", {**COMPLETION, "top_k": -1}, 200, None),
+    ("top_k -2", "completions", {**COMPLETION, "top_k": -2}, 400, "top_k"),
+    ("top_k 0", "completions", {**COMPLETION, "top_k": 0}, 200, None),
+    ("top_k 1", "completions", {**COMPLETION, "top_k": 1, "temperature": 1}, 200, None),
+    ("top_k past the vocabulary", "completions", {**COMPLETION, "top_k": 10**6, "temperature": 1}, 200, None),
+    ("top_k past int64", "completions", {**COMPLETION, "top_k": 10**30, "temperature": 1}, 400, "top_k"),
+    ("seed past int64", "completions", {**COMPLETION, "seed": 2**64, "temperature": 1}, 400, "seed"),
+    ("negative seed", "completions", {**COMPLETION, "seed": -(2**63), "temperature": 1}, 200, None),
+    ("stop_token_ids past int64", "completions", {**COMPLETION, "stop_token_ids": [10**30]}, 400, "stop_token_ids"),
+    ("stop_token_ids past the vocabulary", "completions", {**COMPLETION, "stop_token_ids": [10**6]}, 400,
+     "stop_token_ids"),
+    ("prompt ids past int64", "completions", {**COMPLETION, "prompt": [10**30]}, 400, "prompt"),
+    ("empty prompt", "completions", {**COMPLETION, "prompt": ""}, 400, "prompt"),
+    ("empty stop string", "completions", {**COMPLETION, "stop": [""]}, 400, "stop"),
+]
+
+
+@pytest.mark.parametrize(("case", "path", "body", "status", "param"), HOSTILE, ids=[c[0] for c in HOSTILE])
+def test_hostile_input_gets_a_clean_answer(case, path, body, status, param):
+    raw = body if isinstance(body, bytes) else None
+    r = httpx.post(f"{base_url('pdv')}/{path}", json=None if raw else body, content=raw, timeout=60,
+                   headers={"content-type": "application/json"})
+    if status == 200:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    else:
+        assert_openai_error(r, status, param)
+    assert r.elapsed.total_seconds() < 30, case
+
+
+def test_the_app_serves_normally_after_hostile_input():
+    assert httpx.get(f"{root('pdv')}/health", timeout=30).status_code == 200
+    r = httpx.post(f"{base_url('pdv')}/completions", json={**COMPLETION, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    wait_until_idle("pdv", "pdv")
