@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 from pydantic import ValidationError
@@ -38,6 +39,32 @@ try:
     VERSION = importlib.metadata.version("verify-pd")  # at GET /version
 except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not pip-installed
     VERSION = "unknown"
+
+
+# Handlers read the raw request (so that every error has OpenAI's shape), so FastAPI cannot see their
+# bodies: the schema at /openapi.json gets them from here, for clients and schemathesis.
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": TokenizeRequest, "/v1/tokenize": TokenizeRequest,
+                  "/detokenize": DetokenizeRequest, "/v1/detokenize": DetokenizeRequest}
+
+
+def _openapi() -> dict:
+    """FastAPI's schema of the routes, plus each POST route's request body."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=VERSION, routes=api.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json":
+                                                                                          {"schema": ref}}}
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None, headers: dict | None = None):
