@@ -223,9 +223,12 @@ class Ingress:
         try:
             params = body.sampling_params()
             prompt = self._chat_prompt(body) if chat else body.single_prompt()
+            echo = not chat and body.echo
+            if echo and isinstance(prompt, list) and not all(0 <= t < len(self.tokenizer) for t in prompt):
+                # Checked here, not only in the engine: echo decodes the ids before the engine sees them.
+                raise ParamError("prompt", f"token ids must be in [0, {len(self.tokenizer)})")
         except ParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.field)
-        echo = not chat and body.echo
         echo_text = prompt if echo and isinstance(prompt, str) else None
         if echo_text is not None:
             prompt = self.tokenizer.encode(prompt)  # as the engine would: echo scores exactly these tokens
