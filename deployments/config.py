@@ -170,6 +170,9 @@ class AppConfig(_Strict):
                                                     "each one's interval is at least n / this. Every message "
                                                     "costs the replica's event loop time that the engine's step "
                                                     "loop waits for (one GIL). None: no bound.")
+    api_key: str | None = Field(default=None, min_length=1, repr=False, description="When set (or when the "
+                                "ingress replica's environment has VPD_API_KEY; this field wins), every route but "
+                                "/health requires `Authorization: Bearer <key>`, as vLLM's --api-key does.")
     request_timeout_s: float = Field(default=600, gt=0, description="A request still running after this "
                                      "is aborted in every lane.")
     kv_peer_access: bool = Field(default=True, description="Lane replicas see every GPU of their node, so "

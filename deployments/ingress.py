@@ -4,11 +4,15 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
 from pydantic import ValidationError
 from ray import serve
 from transformers import AutoTokenizer
@@ -28,6 +32,8 @@ from lanes.spec_stats import SpecDecodeStats
 log = logging.getLogger(__name__)
 api = FastAPI(title="Verify-PD")
 
+API_KEY_ENV = "VPD_API_KEY"  # as vLLM's VLLM_API_KEY; `api_key` in the app config wins over it
+OPEN_PATHS = {"/health"}  # answered without the key: load balancers and probes call it
 HEALTH_TIMEOUT_S = 5.0  # a lane that cannot answer /health within this is reported down
 try:
     VERSION = importlib.metadata.version("verify-pd")  # at GET /version
@@ -35,8 +41,69 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout that was 
     VERSION = "unknown"
 
 
+# Handlers read the raw request (so that every error has OpenAI's shape), so FastAPI cannot see their
+# bodies: the schema at /openapi.json gets them from here, for clients and schemathesis.
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": TokenizeRequest, "/v1/tokenize": TokenizeRequest,
+                  "/detokenize": DetokenizeRequest, "/v1/detokenize": DetokenizeRequest}
+
+
+def _openapi() -> dict:
+    """FastAPI's schema of the routes, plus each POST route's request body."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=VERSION, routes=api.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json":
+                                                                                          {"schema": ref}}}
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi
+
+
 def _error(status: int, message: str, err_type: str, param: str | None = None, headers: dict | None = None):
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
+
+
+def resolve_api_key(configured: str | None, environ) -> bytes | None:
+    """The key every route but /health requires: the config's, else the environment's, else none."""
+    key = configured or environ.get(API_KEY_ENV)
+    return key.encode() if key else None
+
+
+def authorized(authorization: str | None, key: bytes) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time (no timing side channel on the key)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), key)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware), so that a client's disconnect still reaches a stream and
+    cancels its request in every lane."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            key = serve.get_replica_context().servable_object.api_key
+            # Serve mounts the app under its route prefix: the route is the path below root_path.
+            path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+            if key is not None and path not in OPEN_PATHS and not authorized(Headers(scope=scope).get("authorization"),
+                                                                            key):
+                response = _error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+api.add_middleware(ApiKeyMiddleware)
 
 
 class Ingress:
@@ -44,6 +111,7 @@ class Ingress:
         self.engine = engine
         self.controller = controller  # handle of the Controller deployment, None when it is disabled
         self.cfg = AppConfig.model_validate(config)
+        self.api_key = resolve_api_key(self.cfg.api_key, os.environ)  # read by ApiKeyMiddleware
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.target.path)
         self.in_flight = 0
         self.totals = SpecDecodeStats()  # over requests served by this ingress replica
@@ -125,9 +193,13 @@ class Ingress:
     async def _parse(self, request: Request, schema):
         """(body, None), or (None, the 400/422 response) for malformed JSON or a wrongly typed field."""
         try:
-            body = schema.model_validate(await request.json())
-        except json.JSONDecodeError as exc:
+            payload = await request.json()
+        except ValueError as exc:  # json.JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
             return None, _error(400, f"malformed JSON: {exc}", "invalid_request_error")
+        except RecursionError:  # the parser's nesting bound (~1,000 levels)
+            return None, _error(400, "malformed JSON: nested too deeply", "invalid_request_error")
+        try:
+            body = schema.model_validate(payload)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
@@ -151,9 +223,12 @@ class Ingress:
         try:
             params = body.sampling_params()
             prompt = self._chat_prompt(body) if chat else body.single_prompt()
+            echo = not chat and body.echo
+            if echo and isinstance(prompt, list) and not all(0 <= t < len(self.tokenizer) for t in prompt):
+                # Checked here, not only in the engine: echo decodes the ids before the engine sees them.
+                raise ParamError("prompt", f"token ids must be in [0, {len(self.tokenizer)})")
         except ParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.field)
-        echo = not chat and body.echo
         echo_text = prompt if echo and isinstance(prompt, str) else None
         if echo_text is not None:
             prompt = self.tokenizer.encode(prompt)  # as the engine would: echo scores exactly these tokens
@@ -161,9 +236,13 @@ class Ingress:
         return await self._respond(body, prompt, params, chat, extras)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        return self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-                                    continue_final_message=body.continue_final_message,
-                                    **(body.chat_template_kwargs or {}))
+        ids = self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message,
+                                   **(body.chat_template_kwargs or {}))
+        if len(ids) >= (limit := self.cfg.engine.max_model_len):  # named here: the client sent messages
+            raise ParamError("messages", f"{len(ids)} tokens after the chat template; the context holds {limit} "
+                             "(prompt + output)")
+        return ids
 
     def _apply_template(self, messages: list[dict], **kwargs) -> list[int]:
         if not self.tokenizer.chat_template:

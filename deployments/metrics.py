@@ -35,6 +35,7 @@ PromQL over a window `$w` (as exported):
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -249,17 +250,32 @@ def _check_spec_counts(num_drafts: int, num_draft_tokens: int, num_accepted_toke
                          f"num_accepted_tokens={num_accepted_tokens}")
 
 
+# Ignored field names come from clients: a label value only for names that look like a field, and for
+# at most this many distinct names per replica, so that a client inventing names cannot grow the
+# series without bound (or send a label Ray's exporter cannot encode). Others count as "(other)".
+MAX_IGNORED_FIELD_LABELS = 100
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
 class IngressMetrics:
     """Request-level metrics recorded by the ingress for one mode."""
 
     def __init__(self, mode: str):
         self._metrics = _registry()
         self._tags = {"mode": mode}
+        self._field_labels: set[str] = set()
 
     def observe_ignored_fields(self, names: list[str]) -> None:
         """Fields of one request that neither OpenAI's API nor vLLM's server defines (ignored)."""
         for name in names:
-            self._metrics.ignored_request_fields.inc(1, tags={**self._tags, "field": name[:64]})
+            self._metrics.ignored_request_fields.inc(1, tags={**self._tags, "field": self._field_label(name)})
+
+    def _field_label(self, name: str) -> str:
+        if name not in self._field_labels:
+            if not _FIELD_NAME.fullmatch(name) or len(self._field_labels) >= MAX_IGNORED_FIELD_LABELS:
+                return "(other)"
+            self._field_labels.add(name)
+        return name
 
     def observe_request(self, status: str, ttft_ms: float | None, tpot_ms: float | None,
                         e2e_ms: float, completion_tokens: int) -> None:

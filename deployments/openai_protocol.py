@@ -36,6 +36,9 @@ class StreamOptions(_Open):
 
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; used for chat too
+# vLLM raises a temperature in (0, 0.01) to 0.01: below it, logits / temperature overflow to inf and
+# the probabilities become NaN. 0 stays greedy.
+MIN_TEMPERATURE = 1e-2
 
 # Fields with a meaning this engine does not give yet: the value that leaves them off, and why a
 # request that sets anything else is refused. None as "off" also accepts an explicit null.
@@ -125,8 +128,10 @@ class _SamplingFields(_Open):
         self.check_served()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         logprobs, prompt_logprobs = self.logprob_counts()
+        temperature = max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else self.temperature
+        top_k = 0 if self.top_k == -1 else self.top_k  # vLLM takes -1 for "off", as 0
         return SamplingParams(
-            max_tokens=self.output_limit(), temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=self.output_limit(), temperature=temperature, top_p=self.top_p, top_k=top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )

@@ -139,6 +139,8 @@ class EngineCore:
                 "max_tokens",
                 f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens",
             )
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ParamError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len)
         if arrival_s is not None:

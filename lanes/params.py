@@ -1,8 +1,10 @@
 """Per-request sampling parameters, validated once at the boundary."""
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API and vLLM's default max_logprobs allow
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k become int64 tensors
 
 
 class ParamError(ValueError):
@@ -49,15 +51,17 @@ class SamplingParams:
             raise ParamError("max_tokens", f"must be > 0 (0 only with prompt logprobs), got {self.max_tokens}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise ParamError("temperature", f"must be a number, got {type(self.temperature).__name__}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ParamError("temperature", f"must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # also rejects NaN
+            raise ParamError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check_int("top_k", self.top_k)
-        if self.top_k < 0:
-            raise ParamError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= INT64_MAX:
+            raise ParamError("top_k", f"must be in [0, 2**63) (0 disables it), got {self.top_k}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not INT64_MIN <= self.seed <= INT64_MAX:
+                raise ParamError("seed", f"must be a 64-bit signed integer, got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ParamError("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
