@@ -38,7 +38,8 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     controller = None
     if cfg.controller.enabled:
         controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)
-    return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump(), controller)
+    return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump(), controller,
+                                                                              prefill=prefill, verify=verify)
 
 
 def check_pair(cfg: AppConfig) -> None:

@@ -35,6 +35,7 @@ api = FastAPI(title="Verify-PD")
 API_KEY_ENV = "VPD_API_KEY"  # as vLLM's VLLM_API_KEY; `api_key` in the app config wins over it
 OPEN_PATHS = {"/health"}  # answered without the key: load balancers and probes call it
 HEALTH_TIMEOUT_S = 5.0  # a lane that cannot answer /health within this is reported down
+LANES_TIMEOUT_S = 10.0  # a decode replica's stats wait for its current step: seconds under CPU load
 try:
     VERSION = importlib.metadata.version("verify-pd")  # at GET /version
 except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not pip-installed
@@ -69,6 +70,18 @@ api.openapi = _openapi
 
 def _error(status: int, message: str, err_type: str, param: str | None = None, headers: dict | None = None):
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
+
+
+def lane_load(lane: str, stats: dict) -> dict:
+    """The operator's view of one replica's `stats()`: KV slots in use of the total, and its queue."""
+    if lane == "decode":  # the engine: requests not yet decoding wait for a slot or for their prefill
+        return {"pid": stats.get("pid"), "max_num_seqs": stats["max_num_seqs"], "running": stats["running"],
+                "queue_depth": stats["waiting"] + stats["prefilling"], "draft_slots_used": stats["kv_slots_used"],
+                "target_slots_used": stats.get("target_slots_used")}
+    if lane == "verify":
+        return {"kv_slots_used": stats["kv_slots_used"], "kv_slots_total": stats["kv_slots_total"],
+                "queue_depth": stats["pending_rows"], "slots_reclaimed": stats.get("slots_reclaimed", 0)}
+    return {"queue_depth": stats["pending"], "handed_over": stats.get("handed_over")}
 
 
 def resolve_api_key(configured: str | None, environ) -> bytes | None:
@@ -107,9 +120,10 @@ api.add_middleware(ApiKeyMiddleware)
 
 
 class Ingress:
-    def __init__(self, engine, config: dict, controller=None):
+    def __init__(self, engine, config: dict, controller=None, prefill=None, verify=None):
         self.engine = engine
         self.controller = controller  # handle of the Controller deployment, None when it is disabled
+        self.lane_handles = {"decode": engine, "prefill": prefill, "verify": verify}  # for /v1/lanes
         self.cfg = AppConfig.model_validate(config)
         self.api_key = resolve_api_key(self.cfg.api_key, os.environ)  # read by ApiKeyMiddleware
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.target.path)
@@ -136,6 +150,20 @@ class Ingress:
     async def spec_decode_stats(self) -> dict:
         """Spec-decode counters summed over every finished request (vLLM's definitions)."""
         return self.totals.to_dict()
+
+    @api.get("/v1/lanes")
+    async def lanes(self):
+        """Every lane replica's slots in use and queue depth, as each replica reports them now."""
+        lanes = {}
+        for lane, handle in self.lane_handles.items():
+            if handle is not None:
+                try:
+                    reports = await handle.broadcast("stats").results_async(timeout_s=LANES_TIMEOUT_S)
+                except Exception as exc:  # a lane being replaced: say so, keep the others
+                    lanes[lane] = {"error": f"{type(exc).__name__}: {exc}"}
+                    continue
+                lanes[lane] = {"replicas": [lane_load(lane, r) for r in reports]}
+        return {"mode": self.cfg.mode, "lanes": lanes}
 
     @api.get("/v1/controller")
     async def controller_state(self):

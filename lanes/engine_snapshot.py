@@ -45,7 +45,8 @@ def core_report(core: EngineCore) -> dict:
         "max_num_seqs": core.config.max_num_seqs,
         "default_draft_len": core.default_draft_len,
         "spec_decode": core.total_stats.to_dict(),
-        "target_slots_used": getattr(getattr(core.verifier, "pool", None), "num_used", None),
+        # The target pool where this engine holds it (unified, spec, nospec, pd); pdv's is the verify lane's.
+        "target_slots_used": getattr(getattr(getattr(core.verifier, "lane", None), "pool", None), "num_used", None),
         "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
     }
 

@@ -139,3 +139,25 @@ def test_both_decode_replicas_serve_after_the_kills():
         assert time.monotonic() < deadline, "the killed decode replica was not replaced"
         time.sleep(1)
     print("recovery after the kill, s:", {k: round(v, 1) for k, v in RECOVERY_LOG.items()})
+
+
+def test_lanes_endpoint_reports_every_replicas_slots_and_queue():
+    results: list = [None] * 4
+    started = threading.Semaphore(0)
+    threads = [threading.Thread(target=_stream, args=(results, i, started)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=120)
+    busy = httpx.get(f"{base_url(APP)}/lanes", timeout=30).json()
+    for t in threads:
+        t.join(timeout=120)
+    assert busy["mode"] == "pdv" and set(busy["lanes"]) == {"decode", "prefill", "verify"}
+    decode, verify = busy["lanes"]["decode"]["replicas"], busy["lanes"]["verify"]["replicas"]
+    assert len(decode) == 2 and len(verify) == 1 and len(busy["lanes"]["prefill"]["replicas"]) == 1
+    held = sum(r["running"] + r["queue_depth"] for r in decode)
+    assert 0 < held <= 4 and 0 < verify[0]["kv_slots_used"] <= 4, busy
+    wait_until_idle(APP, "pdv")
+    idle = httpx.get(f"{base_url(APP)}/lanes", timeout=30).json()["lanes"]
+    assert all(r["running"] == r["queue_depth"] == 0 for r in idle["decode"]["replicas"]), idle
+    assert idle["verify"]["replicas"][0]["kv_slots_used"] == 0 and idle["prefill"]["replicas"][0]["queue_depth"] == 0
