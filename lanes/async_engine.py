@@ -69,6 +69,18 @@ class _Stream:
         await asyncio.wait([self._waiter], timeout=timeout_s)
 
 
+def guarded(fn: Callable | None, *args) -> None:
+    """`fn(*args)`, logging instead of raising: the thread that steps the engine or reads its steps
+    must outlive any one failure (failed batches already answer their requests in EngineCore.step,
+    and a metrics callback must not stop the streams)."""
+    if fn is None:
+        return
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("engine: %s failed", getattr(fn, "__qualname__", fn))
+
+
 class StreamingFront:
     """The event-loop side shared by the engine thread (AsyncEngine) and the engine process
     (lanes/engine_process.py): each request's stream, the coalescing interval, and the hand-off of a
@@ -242,14 +254,14 @@ class AsyncEngine(StreamingFront):
         while not self._stopped:
             self._wake.clear()  # before draining, so a submit during the drain still wakes us
             while self._inbox:
-                self._guard(self._inbox.popleft())
+                guarded(self._inbox.popleft())
             if not self.core.has_work:
                 self.progress_s = time.monotonic()
                 if self.on_idle is not None:
-                    self._guard(lambda: self.on_idle(snapshot(self.core)))
+                    guarded(lambda: self.on_idle(snapshot(self.core)))
                 self._wake.wait(IDLE_WAIT_S)
                 continue
-            self._guard(self._step)
+            guarded(self._step)
 
     def _step(self) -> None:
         batch_size = len(self.core.scheduler.running)
@@ -274,14 +286,6 @@ class AsyncEngine(StreamingFront):
         self._stopped = True
         self._fail_all(EngineDeviceFault(f"the engine's device is unusable: {fault}"))
 
-    @staticmethod
-    def _guard(fn: Callable[[], object]) -> None:
-        # The engine thread must outlive any single failure; failed batches already answer their
-        # requests inside EngineCore.step.
-        try:
-            fn()
-        except Exception:
-            log.exception("engine thread: command failed")
 
 
 def _push_all(items: list[tuple[_Stream, RequestOutput]]) -> None:

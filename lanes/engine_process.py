@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from lanes.async_engine import IDLE_WAIT_S, EngineDeviceFault, StreamingFront, _Stream
+from lanes.async_engine import IDLE_WAIT_S, EngineDeviceFault, StreamingFront, _Stream, guarded
 from lanes.engine_snapshot import EngineSnapshot, snapshot
 from lanes.params import SamplingParams
 
@@ -156,12 +156,12 @@ class ProcessEngine(StreamingFront):
             self.step_ms_total += step_ms
             self.progress_s = time.monotonic()
             self._deliver(outputs)
-            _guard(self.on_step, snap, step_ms, batch_size)
+            guarded(self.on_step, snap, step_ms, batch_size)
         elif kind == "idle":
             self.progress_s = time.monotonic()
-            _guard(self.on_idle, message[1])
+            guarded(self.on_idle, message[1])
         elif kind == "sample":
-            _guard(self.on_sample, message[1])
+            guarded(self.on_sample, message[1])
         elif kind == "refused":
             self._fail(message[1], message[2])
         elif kind == "fault":
@@ -186,15 +186,6 @@ class ProcessEngine(StreamingFront):
         for call_id in list(self._calls):
             loop, future = self._calls.pop(call_id)
             loop.call_soon_threadsafe(_settle, future, False, error)
-
-
-def _guard(callback: Callable | None, *args) -> None:
-    if callback is None:
-        return
-    try:
-        callback(*args)
-    except Exception:  # a metrics failure must not stop the streams
-        log.exception("engine process: callback failed")
 
 
 def _settle(future: asyncio.Future, ok: bool, value) -> None:
