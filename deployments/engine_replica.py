@@ -123,7 +123,7 @@ class EngineServer:
                 # Engine steps and the stream messages they became (what serving_overhead.py reads),
                 # and the process that steps (the one to profile).
                 "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
-                "step_ms_total": self.engine.step_ms_total, "pid": pid}
+                "step_ms_total": self.engine.step_ms_total, "pid": pid, "replica_pid": os.getpid()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its engine steps (and, in pdv, its waits on the verify lane)

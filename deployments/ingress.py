@@ -73,15 +73,17 @@ def _error(status: int, message: str, err_type: str, param: str | None = None, h
 
 
 def lane_load(lane: str, stats: dict) -> dict:
-    """The operator's view of one replica's `stats()`: KV slots in use of the total, and its queue."""
+    """The operator's view of one replica's `stats()`: KV slots in use of the total, its queue, and its
+    process (and, for the decode lane, the process that steps its engine: another one in unified)."""
+    pid = {"replica_pid": stats.get("replica_pid")}
     if lane == "decode":  # the engine: requests not yet decoding wait for a slot or for their prefill
-        return {"pid": stats.get("pid"), "max_num_seqs": stats["max_num_seqs"], "running": stats["running"],
+        return {**pid, "engine_pid": stats.get("pid"), "max_num_seqs": stats["max_num_seqs"], "running": stats["running"],
                 "queue_depth": stats["waiting"] + stats["prefilling"], "draft_slots_used": stats["kv_slots_used"],
                 "target_slots_used": stats.get("target_slots_used")}
     if lane == "verify":
-        return {"kv_slots_used": stats["kv_slots_used"], "kv_slots_total": stats["kv_slots_total"],
+        return {**pid, "kv_slots_used": stats["kv_slots_used"], "kv_slots_total": stats["kv_slots_total"],
                 "queue_depth": stats["pending_rows"], "slots_reclaimed": stats.get("slots_reclaimed", 0)}
-    return {"queue_depth": stats["pending"], "handed_over": stats.get("handed_over")}
+    return {**pid, "queue_depth": stats["pending"], "handed_over": stats.get("handed_over")}
 
 
 def resolve_api_key(configured: str | None, environ) -> bytes | None:
@@ -163,7 +165,7 @@ class Ingress:
                     lanes[lane] = {"error": f"{type(exc).__name__}: {exc}"}
                     continue
                 lanes[lane] = {"replicas": [lane_load(lane, r) for r in reports]}
-        return {"mode": self.cfg.mode, "lanes": lanes}
+        return {"mode": self.cfg.mode, "ingress_pid": os.getpid(), "lanes": lanes}
 
     @api.get("/v1/controller")
     async def controller_state(self):

@@ -195,7 +195,7 @@ class PrefillServer:
 
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over),
-                "verify_in_place": self._verify_in_place}
+                "verify_in_place": self._verify_in_place, "replica_pid": os.getpid()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs, its prefill forwards and each request's KV hand-over since `start_s`."""

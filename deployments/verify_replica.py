@@ -144,7 +144,8 @@ class VerifyServer:
 
     async def stats(self) -> dict:
         return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,
-                "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed}
+                "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
+                "replica_pid": os.getpid()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
