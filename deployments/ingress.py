@@ -77,9 +77,10 @@ def lane_load(lane: str, stats: dict) -> dict:
     process (and, for the decode lane, the process that steps its engine: another one in unified)."""
     pid = {"replica_pid": stats.get("replica_pid")}
     if lane == "decode":  # the engine: requests not yet decoding wait for a slot or for their prefill
-        return {**pid, "engine_pid": stats.get("pid"), "max_num_seqs": stats["max_num_seqs"], "running": stats["running"],
-                "queue_depth": stats["waiting"] + stats["prefilling"], "draft_slots_used": stats["kv_slots_used"],
-                "target_slots_used": stats.get("target_slots_used")}
+        return {**pid, "engine_pid": stats.get("pid"), "max_num_seqs": stats["max_num_seqs"],
+                "running": stats["running"], "queue_depth": stats["waiting"] + stats["prefilling"], "draft_slots_used": stats["kv_slots_used"],
+                "target_slots_used": stats.get("target_slots_used"),
+                "prefills_in_flight": stats.get("prefills_in_flight", 0)}
     if lane == "verify":
         return {**pid, "kv_slots_used": stats["kv_slots_used"], "kv_slots_total": stats["kv_slots_total"],
                 "queue_depth": stats["pending_rows"], "slots_reclaimed": stats.get("slots_reclaimed", 0)}

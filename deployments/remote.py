@@ -109,6 +109,17 @@ class RemotePrefiller:
         self.owner_actor = _current_actor()
         self._exported: dict[str, PoolHandle] = {}
 
+    @property
+    def num_in_flight(self) -> int:
+        """Prompts sent to the prefill lane whose reply has not landed yet, aborted requests' included."""
+        return len(self._submitted)
+
+    @property
+    def has_replies(self) -> bool:
+        # A reply for a request aborted while the prefill lane had it holds a verify slot until `step`
+        # lands it: the engine must step for it even with nothing else to do (the idle loop polls this).
+        return bool(self._done)
+
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int | BaseException, None]]:
         for seq in scheduler.prefilling:

@@ -32,6 +32,9 @@ class Verifier(Protocol):
 class Prefiller(Protocol):
     # Whether this prefiller computes the logprobs requests ask for (the first output token's, the prompt's).
     serves_logprobs: bool
+    # Results that arrived from elsewhere and wait for `step` to take them in, some perhaps of requests
+    # aborted meanwhile whose slots only `step` gives back: the engine steps until there are none.
+    has_replies: bool
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
@@ -75,6 +78,7 @@ class LocalPrefiller:
     """
 
     serves_logprobs = True
+    has_replies = False  # what it launched is collected with the requests still prefilling
 
     def __init__(self, lane: PrefillLane, stream: torch.cuda.Stream | None = None):
         self.lane = lane

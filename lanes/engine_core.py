@@ -178,7 +178,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.prefiller.has_replies
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -190,7 +190,7 @@ class EngineCore:
             outputs += self._guarded(running, lambda: self._decode(running))
         budget = self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens
         prefilling = list(self.scheduler.prefilling)
-        if prefilling:
+        if prefilling or self.prefiller.has_replies:  # replies of aborted requests give their slots back
             outputs += self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)))
         return outputs
 

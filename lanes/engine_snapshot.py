@@ -47,6 +47,8 @@ def core_report(core: EngineCore) -> dict:
         "spec_decode": core.total_stats.to_dict(),
         # The target pool where this engine holds it (unified, spec, nospec, pd); pdv's is the verify lane's.
         "target_slots_used": getattr(getattr(getattr(core.verifier, "lane", None), "pool", None), "num_used", None),
+        # pd, pdv: prompts at the prefill lane; one of an aborted request holds a verify slot until it lands.
+        "prefills_in_flight": getattr(core.prefiller, "num_in_flight", 0),
         "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
     }
 

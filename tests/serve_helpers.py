@@ -74,7 +74,8 @@ def wait_until_idle(app: str, mode: str, timeout_s: float = 30) -> list[dict]:
     while True:
         stats = lane_stats(app, "DecodeLane") + (lane_stats(app, "VerifyLane") if mode == "pdv" else [])
         if all(not s.get("kv_slots_used") and not s.get("target_slots_used") and not s.get("running")
-               and not s.get("waiting") and not s.get("prefilling") for s in stats):
+               and not s.get("waiting") and not s.get("prefilling") and not s.get("prefills_in_flight")
+               for s in stats):
             return stats
         assert time.monotonic() < deadline, f"slots still held: {stats}"
         time.sleep(0.2)

@@ -76,7 +76,7 @@ def _lanes(mode: str) -> dict:
 def assert_lanes_idle(mode: str) -> dict:
     lanes = _lanes(mode)["lanes"]
     for r in lanes["decode"]["replicas"]:
-        assert r["running"] == r["queue_depth"] == r["draft_slots_used"] == 0, lanes
+        assert r["running"] == r["queue_depth"] == r["draft_slots_used"] == r["prefills_in_flight"] == 0, lanes
         assert r["target_slots_used"] in (0, None), lanes
     if mode == "pdv":
         assert lanes["verify"]["replicas"][0]["kv_slots_used"] == 0, lanes
