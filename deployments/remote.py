@@ -9,6 +9,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lanes.kv_pool import KVPool
@@ -107,6 +108,7 @@ class RemotePrefiller:
         self._lock = threading.Lock()
         self._peer: Placement | None = None
         self.owner_actor = _current_actor()
+        self.on_reply: Callable[[], None] | None = None  # set by the loop that steps the engine, to wake it
         self._exported: dict[str, PoolHandle] = {}
 
     @property
@@ -149,6 +151,8 @@ class RemotePrefiller:
             result = exc
         with self._lock:
             self._done.append((seq, result, submitted_s, time.time()))
+        if self.on_reply is not None:
+            self.on_reply()
 
     def _job(self, seq: Sequence) -> PrefillJob:
         in_place = self._peer is not None and self._peer.can_write_into(self.placement)

@@ -193,6 +193,11 @@ class AsyncEngine(StreamingFront):
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False
+        self._idle_step = False  # the last step made nothing and nothing is decoding
+        # A remote prefiller (pd, pdv) wakes this loop when a prefill reply arrives.
+        self._wakes_on_replies = hasattr(core.prefiller, "on_reply")
+        if self._wakes_on_replies:
+            core.prefiller.on_reply = self._wake.set
         self._thread = threading.Thread(target=self._run, name="vpd-engine", daemon=True)
         self._thread.start()
 
@@ -262,11 +267,16 @@ class AsyncEngine(StreamingFront):
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             guarded(self._step)
+            if self._idle_step and self._wakes_on_replies:
+                # Nothing decodes and every prompt is at the prefill lane: wait for a reply (or a
+                # command) instead of stepping in a busy loop, which took a core from the lanes.
+                self._wake.wait(IDLE_WAIT_S)
 
     def _step(self) -> None:
         batch_size = len(self.core.scheduler.running)
         start = time.perf_counter()
         outputs = self.core.step()
+        self._idle_step = not outputs and not self.core.scheduler.running
         step_ms = (time.perf_counter() - start) * 1e3
         self.num_steps += 1
         self.step_ms_total += step_ms
