@@ -20,6 +20,7 @@ from pathlib import Path
 
 from loadtest.arrivals import Arrivals, ClosedLoop, OpenLoop
 from loadtest.client import RequestOptions
+from loadtest.memory import MemorySamples, sample_memory, write_memory
 from loadtest.report import Point, write_comparison, write_point
 from loadtest.runner import run_load
 from loadtest.summary import parse_slos
@@ -113,6 +114,11 @@ def _add_output_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--slo", action="append", default=[], metavar="NAME=MS",
                        help="goodput SLO: ttft_ms, tpot_ms or e2e_ms (repeat)")
     group.add_argument("--no-progress", action="store_true")
+    group.add_argument("--memory-sample-s", type=float, default=0.0,
+                       help="soak runs: sample every replica's RSS (and GPU memory) this often, into "
+                            "memory.csv / memory.png (the tester must run on the replicas' node)")
+    group.add_argument("--memory-warmup-s", type=float, default=120.0,
+                       help="memory growth is measured from this far into the run")
 
 
 def _floats(text: str) -> list[float]:
@@ -198,15 +204,35 @@ async def run_points(args: argparse.Namespace, warmup: list[WorkloadRequest],
     points = []
     for label, base_url in targets_from_args(args):
         for arrivals in loads_from_args(args):
-            result = await run_load(base_url, workload, arrivals, duration_s=args.duration_s,
-                                    warmup=warmup, options=request_options(args),
-                                    timeout_s=args.timeout_s, seed=args.seed,
-                                    progress=not args.no_progress)
+            samples, stop = MemorySamples(), asyncio.Event()
+            sampler = (asyncio.create_task(sample_memory(base_url, args.memory_sample_s, samples, stop))
+                       if args.memory_sample_s > 0 else None)
+            try:
+                result = await run_load(base_url, workload, arrivals, duration_s=args.duration_s,
+                                        warmup=warmup, options=request_options(args),
+                                        timeout_s=args.timeout_s, seed=args.seed,
+                                        progress=not args.no_progress)
+            finally:
+                stop.set()
+                if sampler is not None:
+                    await sampler
             point = Point(label=label, result=result, summary=result.summary(slos))
             directory = write_point(output_dir, point, config)
+            if sampler is not None:
+                _add_memory(directory, write_memory(directory, samples, args.memory_warmup_s))
             print(f"{point.name}: {_one_line(point)} -> {directory}")
             points.append(point)
     return points
+
+
+def _add_memory(directory: Path, memory: dict) -> None:
+    """Each process's memory growth into result.json, and a line of it on the console."""
+    document = json.loads((directory / "result.json").read_text())
+    document["memory"] = memory
+    (directory / "result.json").write_text(json.dumps(document, indent=2))
+    for name, m in memory.items():
+        print(f"  {name}: RSS {m['rss_after_warmup_mib']:.0f} -> {m['rss_last_mib']:.0f} MiB "
+              f"({100 * m['growth_frac']:+.1f} %), peak {m['rss_peak_mib']:.0f} MiB")
 
 
 def _one_line(point: Point) -> str:
