@@ -7,7 +7,7 @@
     engine: {max_model_len: 1024, max_num_seqs: 16, num_speculative_tokens: 4}
     prefill_lane: {num_gpus: 0.2}
     decode_lane:  {num_gpus: 0.2, num_replicas: 2}
-    verify_lane:  {num_gpus: 0.5}
+    verify_lane:  {num_gpus: 0.5}                       # num_replicas / autoscaling_config as any lane
 """
 
 from pathlib import Path
@@ -186,10 +186,6 @@ class AppConfig(_Strict):
     def _check(self) -> Self:
         if self.mode != "nospec" and self.draft is None:
             raise ValueError(f"mode {self.mode!r} needs a draft: a model, or {{method: ngram}}")
-        if self.verify_lane.num_replicas != 1 or self.verify_lane.autoscaling_config is not None:
-            # A request's target KV lives in one verify replica; routing every verify call of that
-            # request back to it needs replica affinity that Serve's router does not offer yet.
-            raise ValueError("verify_lane must have exactly one replica (scale the decode lane, or use mode 'pd')")
         if self.engine.num_speculative_tokens > self.engine.max_draft_len:
             raise ValueError("engine.num_speculative_tokens must be <= engine.max_draft_len")
         if self.controller.enabled and self.controller.max_draft_len > self.engine.max_draft_len:

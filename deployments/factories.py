@@ -87,7 +87,8 @@ def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
 
 def build_verify_lane(cfg: AppConfig) -> VerifyLane:
     config = cfg.engine.engine_config(cfg.mode)
-    # One verify replica serves every decode replica: size its pool for all of them.
+    # Each verify replica may hold requests of every decode replica (slots are handed out by the verify
+    # replica with the fewest calls in flight, not the fewest slots in use): size its pool for all of them.
     replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)
     config = replace(config, max_num_seqs=config.max_num_seqs * replicas)
     return VerifyLane(build_runner(_target(cfg, cfg.verify_lane.bind_device()).model, config))

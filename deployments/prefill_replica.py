@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from ray import serve
 
-from deployments.kv_transfer import HostKV, Placement, PoolViews, write_all
+from deployments.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
 from deployments.factories import PREFILL_BATCH_MAX
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
@@ -49,9 +49,8 @@ class PrefillServer:
         self.pending = 0
         # Draft KV hand-overs by transport ("none": drafting by prompt lookup, there is no draft KV).
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
-        self._verify_in_place: bool | None = None
-        self._verify_pool = None
-        self._verify_lease: str | None = None  # the verify replica instance _verify_pool belongs to
+        # pdv: each verify replica's target pool (by lease) when this replica can write into it, else None.
+        self._verify_pools: dict[str, PoolHandle | None] = {}
         self._verify_route_lock = asyncio.Lock()
 
     async def placement(self) -> Placement:
@@ -97,22 +96,23 @@ class PrefillServer:
                                                self._verify_slots(len(jobs)), return_exceptions=True)
         if isinstance(forward, BaseException) or isinstance(leased, BaseException):
             if isinstance(leased, tuple):
-                self.verify.release.remote(leased[1], leased[0])
+                self.verify.release.remote(leased[1], lease=leased[0])
             if not isinstance(forward, BaseException):
                 await self.worker.run(forward[1])
             raise forward if isinstance(forward, BaseException) else leased
-        lease, slots = leased if leased is not None else (None, None)
+        lease, slots, pool = leased if leased is not None else (None, None, None)
         kvs, release, forward_ms = forward
         self.metrics.observe_step(forward_ms, len(jobs))
         # The KV writes run next on the same thread and stream, before any other batch's forward,
         # straight from the scratch slots (views, released after), in one job: queued one by one,
         # each would wait behind the next batch's forward.
-        outs = await self.worker.run(self._write_out, jobs, kvs, release, slots, (batch_s, time.time()))
+        outs = await self.worker.run(self._write_out, jobs, kvs, release, (pool, slots), (batch_s, time.time()))
         for out in outs:
             out.done.target_lease = lease if slots is not None else None
         if slots is not None:
             committed = asyncio.ensure_future(
-                self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs], [j.owner for j in jobs]))
+                self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs], [j.owner for j in jobs],
+                                               lease=lease))
             for out in outs:
                 out.committed = committed
         return outs
@@ -124,14 +124,16 @@ class PrefillServer:
         return kvs, release, (time.perf_counter() - start) * 1e3
 
     def _write_out(self, jobs: list[PrefillJob], kvs: list[PrefilledKV], release: Callable[[], None],
-                   verify_slots: list[int] | None, times_s: tuple[float, float]) -> list[Prefilled]:
-        """Each prompt's KV into its owners' pools where this replica can reach them, else to the host."""
+                   verify: tuple[PoolHandle | None, list[int] | None], times_s: tuple[float, float]) -> list[Prefilled]:
+        """Each prompt's KV into its owners' pools where this replica can reach them, else to the host;
+        `verify`: the verify replica's pool and the slots it gave this batch (pdv in place)."""
         try:
-            return self._write_each(jobs, kvs, verify_slots, times_s)
+            return self._write_each(jobs, kvs, verify, times_s)
         finally:
             release()  # every copy out of the scratch slots has finished (write_all waits; HostKV reads to the host)
 
-    def _write_each(self, jobs, kvs, verify_slots, times_s) -> list[Prefilled]:
+    def _write_each(self, jobs, kvs, verify, times_s) -> list[Prefilled]:
+        verify_pool, verify_slots = verify
         outs, writes, labels = [], [], []
         for i, (job, kv) in enumerate(zip(jobs, kvs)):
             out = Prefilled(PrefillDone(kv.first_token, None, None, None), "none", "copied", kv.target_kv.shape[3],
@@ -144,7 +146,7 @@ class PrefillServer:
             else:
                 out.draft = "none"
             if verify_slots is not None:
-                writes.append((self.views.get(self._verify_pool), verify_slots[i], kv.target_kv))
+                writes.append((self.views.get(verify_pool), verify_slots[i], kv.target_kv))
                 labels.append((out, "target"))
                 out.done.target_slot = verify_slots[i]
             elif self.verify is not None:
@@ -162,32 +164,33 @@ class PrefillServer:
             out.written_s = written_s
         return outs
 
-    async def _verify_slots(self, n: int) -> tuple[str, list[int]] | None:
-        """pdv with the verify lane's pool in reach: its lease and `n` of its slots to write into;
-        else None."""
-        if self.verify is None:
-            return None
-        async with self._verify_route_lock:  # batches may overlap here: ask the verify lane once
-            if self._verify_in_place is None:
-                await self._route_to_verify()
-        if not self._verify_in_place:
-            return None
+    async def _verify_slots(self, n: int) -> tuple[str, list[int], PoolHandle] | None:
+        """pdv: `n` slots of a verify replica whose pool this replica can write into, with its lease and
+        pool; None where the KV goes through Ray instead."""
+        if self.verify is None or (self._verify_pools and not any(self._verify_pools.values())):
+            return None  # no verify lane, or none of its replicas is in reach: no slots to ask for
+        # The least loaded verify replica gives the slots; the batch's KV, its commit and every later
+        # call about these slots go to that replica (its lease).
         lease, slots = await asyncio.wait_for(self.verify.allocate_many.remote(n), PEER_CALL_TIMEOUT_S)
-        if lease != self._verify_lease:  # a new verify replica (a restart): its pool is another one
-            async with self._verify_route_lock:
-                if lease != self._verify_lease:
-                    await self._route_to_verify()
-                    self._verify_lease = lease
-            if not self._verify_in_place:  # the new replica is out of reach: copy through Ray instead
-                self.verify.release.remote(slots, lease)
-                return None
-        return lease, slots
+        try:
+            pool = await self._verify_pool(lease)
+        except BaseException:
+            self.verify.release.remote(slots, lease=lease)
+            raise
+        if pool is None:  # out of reach: copy through Ray instead
+            self.verify.release.remote(slots, lease=lease)
+            return None
+        return lease, slots, pool
 
-    async def _route_to_verify(self) -> None:
-        """Whether the verify replica's pool is in reach (same GPU, peer access), and its handle if so."""
-        peer = await self.verify.placement.remote()
-        self._verify_pool = await self.verify.pool_handle.remote() if self.placement_.can_write_into(peer) else None
-        self._verify_in_place = self._verify_pool is not None
+    async def _verify_pool(self, lease: str) -> PoolHandle | None:
+        """The pool of verify replica `lease` if its GPU is in reach (same GPU, peer access), asked once."""
+        async with self._verify_route_lock:  # batches may overlap here: ask each replica once
+            if lease not in self._verify_pools:
+                peer = await asyncio.wait_for(self.verify.placement.remote(lease=lease), PEER_CALL_TIMEOUT_S)
+                self._verify_pools[lease] = (
+                    await asyncio.wait_for(self.verify.pool_handle.remote(lease=lease), PEER_CALL_TIMEOUT_S)
+                    if self.placement_.can_write_into(peer) else None)
+        return self._verify_pools[lease]
 
     def _set_queue_depth(self, change: int) -> None:
         self.pending += change  # prompts waiting for or in a prefill forward
@@ -195,7 +198,8 @@ class PrefillServer:
 
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over),
-                "verify_in_place": self._verify_in_place, "replica_pid": os.getpid()}
+                "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
+                "replica_pid": os.getpid()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs, its prefill forwards and each request's KV hand-over since `start_s`."""

@@ -54,29 +54,63 @@ class PrefillDone:
 
 
 class RemoteVerifier:
+    """The verify lane of pdv. A batch's rows may hold KV in different verify replicas: each replica
+    gets its own rows (one call each, all at once), and the results come back in row order. A call
+    that fails fails only its own rows."""
+
     def __init__(self, handle, loop: asyncio.AbstractEventLoop, timeout_s: float):
         self.handle = handle
         self.loop = loop
-        self.timeout_s = timeout_s
+        self.timeout_s = min(timeout_s, PEER_CALL_TIMEOUT_S)
 
     def verify(self, batch: VerifyBatch) -> VerifyResult:
-        # The whole batch in one call: only ids and probabilities cross the process boundary.
+        # Only ids and probabilities cross the process boundary.
         on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
         start_s = time.time()
         try:
-            call = asyncio.run_coroutine_threadsafe(self._call("verify", on_host), self.loop)
-            return call.result(min(self.timeout_s, PEER_CALL_TIMEOUT_S))
+            call = asyncio.run_coroutine_threadsafe(self._verify_by_lease(on_host), self.loop)
+            return call.result()  # each replica's call is bounded by timeout_s
         finally:
             TIMELINE.record("verify_wait", start_s, time.time(), rows=len(batch.target_slots))
+
+    async def _verify_by_lease(self, batch: VerifyBatch) -> VerifyResult:
+        by_lease: dict[str | None, list[int]] = {}
+        for row, lease in enumerate(batch.target_leases or [None] * len(batch.target_slots)):
+            by_lease.setdefault(lease, []).append(row)
+        results = await asyncio.gather(*(self._verify_rows(batch.select(rows), lease)
+                                         for lease, rows in by_lease.items()), return_exceptions=True)
+        return merge_rows(len(batch.target_slots), list(zip(by_lease.values(), results)))
+
+    async def _verify_rows(self, batch: VerifyBatch, lease: str | None) -> VerifyResult:
+        return await asyncio.wait_for(self._call("verify", batch, lease=lease), self.timeout_s)
 
     def allocate(self) -> int | None:
         return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane
 
     def release(self, target_slot: int, lease: str | None = None) -> None:
-        asyncio.run_coroutine_threadsafe(self._call("release", [target_slot], lease), self.loop)
+        asyncio.run_coroutine_threadsafe(self._call("release", [target_slot], lease=lease), self.loop)
 
-    async def _call(self, method: str, *args):
-        return await getattr(self.handle, method).remote(*args)
+    async def _call(self, method: str, *args, **kwargs):
+        return await getattr(self.handle, method).remote(*args, **kwargs)
+
+
+def merge_rows(num_rows: int, parts: list[tuple[list[int], VerifyResult | BaseException]]) -> VerifyResult:
+    """One result in row order from the results of sub-batches (`rows`: each one's rows in the batch);
+    the rows of a sub-batch that failed carry its error."""
+    tokens: list[list[int]] = [[] for _ in range(num_rows)]
+    accepted = [0] * num_rows
+    logprobs: list = [None] * num_rows
+    errors: list[str | None] = [None] * num_rows
+    for rows, result in parts:
+        for i, row in enumerate(rows):
+            if isinstance(result, BaseException):
+                errors[row] = f"verify failed: {type(result).__name__}: {result}"
+                continue
+            tokens[row], accepted[row] = result.tokens[i], result.num_accepted[i]
+            logprobs[row] = result.logprobs[i] if result.logprobs is not None else None
+    any_logprobs = any(not isinstance(r, BaseException) and r.logprobs is not None for _, r in parts)
+    return VerifyResult(tokens, accepted, logprobs if any_logprobs else None,
+                        errors if any(e is not None for e in errors) else None)
 
 
 def _current_actor():

@@ -3,14 +3,15 @@
 import logging
 import os
 import time
-import uuid
 
 import torch
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
+from deployments.lease_router import LeaseRouter, replica_lease
 from deployments.slot_owners import SlotOwners
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class StaleTargetSlots(RuntimeError):
-    """Rows of a verify call hold slots that another (dead) instance of the verify replica handed out."""
+    """A call names slots that another verify replica (or a dead one) handed out."""
 
 
 class VerifyServer:
@@ -38,13 +39,19 @@ class VerifyServer:
         self.metrics = LaneMetrics("verify", mode)
         self.batcher = LaneBatcher(self._forward, VERIFY_CALLS_MAX)
         self.pending_rows = 0  # rows waiting for or in a verify forward: the lane's queue depth
-        # This instance's name on every slot it hands out. After a restart Serve routes to a new
-        # instance whose pool holds none of the old slots: a call or a release that names another
-        # lease is refused or ignored, never read from or freed in the new pool.
-        self.lease = uuid.uuid4().hex
+        # This replica's name on every slot it hands out: its Serve replica id, by which every caller
+        # routes a call about those slots back here (deployments/lease_router.py). A call or a release
+        # that names another lease (a misrouted call, or a dead replica's slots) is refused or ignored,
+        # never read from or freed in this pool.
+        self.lease = replica_lease()
+        self.rows_verified = 0  # rows of this replica's slots verified here
+        self.stale_rows = 0  # rows refused: another replica's slots
+        self.stale_releases = 0  # slots of another replica whose release was ignored
         self.owners = SlotOwners(self._free_slots)
 
-    async def placement(self) -> Placement:
+    async def placement(self, lease: str | None = None) -> Placement:
+        """Where this replica runs (`lease`: the replica asked about, for the router)."""
+        self._check_lease(lease)
         return self.placement_
 
     def check_health(self) -> None:
@@ -60,8 +67,9 @@ class VerifyServer:
         """This lane's state for the ingress's /health: "ok" or why not."""
         return self.worker.problem() or "ok"
 
-    async def pool_handle(self) -> PoolHandle:
-        """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once)."""
+    async def pool_handle(self, lease: str | None = None) -> PoolHandle:
+        """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once per replica)."""
+        self._check_lease(lease)
         return PoolHandle.export(f"verify-{self.lease}", self.lane.pool)
 
     async def allocate_many(self, n: int) -> tuple[str, list[int]]:
@@ -81,9 +89,12 @@ class VerifyServer:
             raise
         return self.lease, slots
 
-    async def commit_many(self, slots: list[int], lengths: list[int], owners: list | None = None) -> None:
+    async def commit_many(self, slots: list[int], lengths: list[int], owners: list | None = None,
+                          lease: str | None = None) -> None:
         """A prefill lane wrote these prompts' KV into `slots` in place (and waited for the copies);
-        `owners`: the decode replica (actor handle) each slot's request decodes on."""
+        `owners`: the decode replica (actor handle) each slot's request decodes on; `lease`: the one
+        `allocate_many` returned."""
+        self._check_lease(lease)
         for slot, length in zip(slots, lengths):
             self.lane.pool.lengths[slot] = length  # host-side; the slot is in no batch yet (see allocate_many)
         for slot, owner in zip(slots, owners or []):
@@ -102,8 +113,10 @@ class VerifyServer:
         return self.lease, slot
 
     async def release(self, slots: list[int], lease: str | None = None) -> None:
+        """Free slots that this replica handed out under `lease`."""
         if lease is not None and lease != self.lease:
-            log.info("ignored the release of %d slots handed out by an earlier verify replica", len(slots))
+            log.info("ignored the release of %d slots handed out by another verify replica", len(slots))
+            self.stale_releases += len(slots)
             return
         await self._free_slots(slots)
 
@@ -116,15 +129,20 @@ class VerifyServer:
                 self.lane.pool.free(slot)
         await self.worker.run(free)
 
-    async def verify(self, batch: VerifyBatch) -> VerifyResult:
-        """One decode replica's drafts; calls waiting together are merged into ONE target forward."""
+    async def verify(self, batch: VerifyBatch, lease: str | None = None) -> VerifyResult:
+        """One decode replica's drafts of this replica's slots (`lease`: this replica, for the router);
+        calls waiting together are merged into ONE target forward."""
         rows = len(batch.target_slots)
-        stale = sum(lease != self.lease for lease in batch.target_leases or [])
+        stale = sum(row_lease != self.lease for row_lease in batch.target_leases or [])
         if stale:
-            raise StaleTargetSlots(f"{stale} of {rows} rows hold KV slots of a verify replica that is gone")
+            self.stale_rows += stale
+            raise StaleTargetSlots(f"{stale} of {rows} rows hold KV slots of another verify replica, or of one "
+                                   "that is gone")
         self._set_queue_depth(rows)
         try:
-            return await self.batcher.submit(batch)
+            result = await self.batcher.submit(batch)
+            self.rows_verified += rows
+            return result
         finally:
             self._set_queue_depth(-rows)
 
@@ -138,6 +156,10 @@ class VerifyServer:
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
         return split_result(result, [len(b.target_slots) for b in batches])
 
+    def _check_lease(self, lease: str | None) -> None:
+        if lease is not None and lease != self.lease:
+            raise StaleTargetSlots(f"a call for verify replica {lease} reached {self.lease}")
+
     def _set_queue_depth(self, change_rows: int) -> None:
         self.pending_rows += change_rows  # rows waiting for or in a verify forward
         self.metrics.set_queue_depth(self.pending_rows)
@@ -145,7 +167,8 @@ class VerifyServer:
     async def stats(self) -> dict:
         return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,
                 "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
-                "replica_pid": os.getpid()}
+                "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
+                "stale_rows": self.stale_rows, "stale_releases": self.stale_releases}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
@@ -191,4 +214,6 @@ def split_result(result: VerifyResult, rows: list[int]) -> list[VerifyResult]:
     return out
 
 
-VerifyDeployment = serve.deployment(VerifyServer, name="VerifyLane")
+# Every handle to this deployment routes a call that names a lease to the replica that owns it.
+VerifyDeployment = serve.deployment(VerifyServer, name="VerifyLane",
+                                    request_router_config=RequestRouterConfig(request_router_class=LeaseRouter))

@@ -233,8 +233,13 @@ class EngineCore:
             rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
         outputs = []
         logprobs = result.logprobs or [None] * len(running)
-        for seq, num_draft, tokens, num_accepted, lp in zip(running, proposal.num_draft, result.tokens,
-                                                            result.num_accepted, logprobs):
+        errors = result.errors or [None] * len(running)
+        for seq, num_draft, tokens, num_accepted, lp, error in zip(running, proposal.num_draft, result.tokens,
+                                                                   result.num_accepted, logprobs, errors):
+            if error is not None:  # its verifier failed (a remote one that died): this request only
+                self._finish(seq, "error")
+                outputs.append(self._output(seq, [], "", error=error))
+                continue
             seq.stats.observe(num_draft, num_accepted)
             self.total_stats.observe(num_draft, num_accepted)
             outputs.append(self._append(seq, tokens, lp))

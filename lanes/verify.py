@@ -39,6 +39,16 @@ class VerifyBatch:
             self.target_leases,
         )
 
+    def select(self, rows: list[int]) -> "VerifyBatch":
+        """The sub-batch of these rows, in this order (a remote verifier splits a batch by owner)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.draft_tokens.device)
+        pick = lambda values: None if values is None else [values[r] for r in rows]  # noqa: E731
+        return VerifyBatch(
+            pick(self.target_slots), pick(self.num_tokens), pick(self.last_tokens), self.draft_tokens[index],
+            None if self.draft_probs is None else self.draft_probs[index], pick(self.num_draft), pick(self.params),
+            pick(self.seeds), pick(self.target_leases),
+        )
+
 
 @dataclass
 class VerifyResult:
@@ -46,6 +56,9 @@ class VerifyResult:
     num_accepted: list[int]
     # Per row, the logprobs of its tokens (None for a row that did not ask); None when no row asked.
     logprobs: list[TokenLogprobs | None] | None = None
+    # Per row, why it was not verified (its remote verifier failed: it has no tokens, and its request
+    # fails alone); None when every row was.
+    errors: list[str | None] | None = None
 
 
 class VerifyLane:
