@@ -1,7 +1,9 @@
-"""Verify calls from several decode replicas merge into one batch and split back per caller."""
+"""Verify calls from several decode replicas merge into one batch and split back per caller; a decode
+replica's batch splits by verify replica (lease) and its results merge back in row order."""
 
 import torch
 
+from deployments.remote import merge_rows
 from deployments.verify_replica import merge_batches, split_result
 from lanes.params import SamplingParams
 from lanes.verify import VerifyBatch, VerifyResult
@@ -31,3 +33,27 @@ def test_split_returns_each_caller_its_rows():
     result = VerifyResult([[1], [2, 3], [4], [5, 6, 7]], [0, 1, 0, 2])
     first, second = split_result(result, [1, 3])
     assert first.tokens == [[1]] and second.tokens == [[2, 3], [4], [5, 6, 7]] and second.num_accepted == [1, 0, 2]
+
+
+def test_select_takes_rows_in_the_order_asked():
+    batch = _batch(4, 3, False)
+    batch.target_leases = ["a", "b", "a", "c"]
+    part = batch.select([2, 0])
+    assert part.target_slots == [2, 0] and part.target_leases == ["a", "a"] and part.num_draft == [3, 3]
+    assert torch.equal(part.draft_tokens, batch.draft_tokens[[2, 0]])
+    assert torch.equal(part.draft_probs, batch.draft_probs[[2, 0]])
+
+
+def test_results_by_lease_merge_back_in_row_order_and_a_failed_lease_fails_its_rows_only():
+    parts = [([0, 2], VerifyResult([[1], [3, 4]], [0, 1])), ([1, 4], TimeoutError("gone")),
+             ([3], VerifyResult([[7]], [0]))]
+    merged = merge_rows(5, parts)
+    assert merged.tokens == [[1], [], [3, 4], [7], []] and merged.num_accepted == [0, 0, 1, 0, 0]
+    assert merged.errors[0] is merged.errors[2] is merged.errors[3] is None
+    assert "TimeoutError: gone" in merged.errors[1] and merged.errors[1] == merged.errors[4]
+    assert merged.logprobs is None
+
+
+def test_merged_rows_without_a_failure_carry_no_errors():
+    merged = merge_rows(2, [([1], VerifyResult([[5]], [0])), ([0], VerifyResult([[6, 2]], [1]))])
+    assert merged.tokens == [[6, 2], [5]] and merged.errors is None

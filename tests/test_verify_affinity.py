@@ -1,0 +1,160 @@
+"""pdv with three verify replicas (CPU, tiny pair, a real Serve instance; issue 18, item 1).
+
+Every verify call of a request reaches the verify replica that holds its target KV (its lease),
+through the VerifyLane's request router (deployments/lease_router.py). A verify replica refuses rows
+of another replica's slots (and ignores the release of them), and counts them: so 200 greedy
+requests that all complete with the target's greedy output, with no such row counted anywhere and
+rows verified by each of the three replicas, show that every call reached its owner. Killing one
+verify replica then fails its own requests only, quickly; the others finish, and every slot is freed.
+"""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from lanes.models import load_model
+from tests.engine_helpers import hf_greedy, random_prompts
+from tests.serve_helpers import app_config, base_url, deploy, lane_stats, start_ray, wait_until_idle
+from tests.tiny_pair import save_tiny_pair
+
+APP = "affinity"
+MODEL = "vpd-python"
+VERIFY_REPLICAS = 3
+REQUESTS = 200
+MAX_TOKENS = 8
+STREAMS = 12
+
+
+@pytest.fixture(scope="module")
+def pair_paths(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def app(pair_paths):
+    target, draft = pair_paths
+    start_ray()
+    lane = {"num_cpus": 0.05, "health_check_period_s": 1.0}
+    config = app_config("pdv", target, draft, prefill_lane=lane, decode_lane={**lane, "num_replicas": 2},
+                        verify_lane={**lane, "num_replicas": VERIFY_REPLICAS})
+    config["engine"].update(max_model_len=1024)  # streams long enough to be cut by the kill
+    deploy({APP: config})
+    _wait_for_verify_replicas(120)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(pair_paths) -> list[tuple[list[int], list[int]]]:
+    target = load_model(pair_paths[0])
+    prompts = random_prompts(REQUESTS, len(target.tokenizer), 1, 40, seed=18)
+    return [(p, hf_greedy(target, p, MAX_TOKENS)) for p in prompts]
+
+
+def _wait_for_verify_replicas(timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while len(stats := lane_stats(APP, "VerifyLane")) != VERIFY_REPLICAS:
+        assert time.monotonic() < deadline, f"{len(stats)} verify replicas, not {VERIFY_REPLICAS}"
+        time.sleep(1)
+    return stats
+
+
+async def _completions(prompts: list[list[int]]) -> list[list[int]]:
+    limit = asyncio.Semaphore(32)
+
+    async def one(http: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        async with limit:
+            r = await http.post(f"{base_url(APP)}/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    async with httpx.AsyncClient(timeout=300) as http:
+        return await asyncio.gather(*(one(http, p) for p in prompts))
+
+
+def test_200_requests_over_3_verify_replicas_each_verified_by_its_owner(greedy_refs):
+    before = {s["lease"]: s for s in _wait_for_verify_replicas(60)}
+    outputs = asyncio.run(_completions([p for p, _ in greedy_refs]))
+    assert outputs == [ref for _, ref in greedy_refs]
+    after = wait_until_idle(APP, "pdv")
+    verify = [s for s in after if "lease" in s]
+    assert {s["lease"] for s in verify} == set(before), "a verify replica was replaced during the run"
+    rows = {s["lease"]: s["rows_verified"] - before[s["lease"]]["rows_verified"] for s in verify}
+    print("rows verified per verify replica:", rows)
+    assert all(n > 0 for n in rows.values()), rows  # every replica held requests and verified them
+    # Each request makes at least one verify call (MAX_TOKENS - 1 tokens after the prefill's first).
+    assert sum(rows.values()) >= REQUESTS
+    assert all(s["stale_rows"] == s["stale_releases"] == 0 for s in verify), verify
+
+
+def _stream(results: list, index: int, started: threading.Semaphore) -> None:
+    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": 600, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events, status = [], None
+    try:
+        with httpx.stream("POST", f"{base_url(APP)}/completions", json=body, timeout=120) as response:
+            status = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        started.release()
+    except httpx.HTTPError as exc:
+        events.append(f"transport error {exc!r}")
+    if status != 200 or len(events) < 2:
+        started.release()
+    results[index] = (time.monotonic(), status, events)
+
+
+def test_killed_verify_replica_fails_only_its_own_requests_and_slots_are_freed(greedy_refs):
+    _wait_for_verify_replicas(120)
+    wait_until_idle(APP, "pdv")
+    results: list = [None] * STREAMS
+    started = threading.Semaphore(0)
+    threads = [threading.Thread(target=_stream, args=(results, i, started)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every stream has its first token: its prompt's KV is in a verify replica
+        assert started.acquire(timeout=120)
+    held = {s["lease"]: s for s in lane_stats(APP, "VerifyLane")}
+    assert sum(s["kv_slots_used"] for s in held.values()) == STREAMS, held
+    victim = max(held.values(), key=lambda s: s["kv_slots_used"])
+    killed_s = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+
+    completed = failed = 0
+    for ended_s, status, events in results:
+        assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
+        if '"error"' not in events[-2]:
+            completed += 1
+            continue
+        failed += 1
+        assert ended_s - killed_s < 10.0, f"ended {ended_s - killed_s:.1f} s after the kill"
+    print(f"killed a verify replica holding {victim['kv_slots_used']} of {STREAMS} streams: "
+          f"{failed} failed, {completed} completed")
+    # Exactly the victim's requests failed: no stream ended before the kill (600 tokens each), and
+    # the others' verify calls never went to the victim or came back from it.
+    assert failed == victim["kv_slots_used"] and completed == STREAMS - failed
+
+    survivors = [s for s in lane_stats(APP, "VerifyLane") if s["lease"] in held]
+    assert len(survivors) == VERIFY_REPLICAS - 1 or victim["lease"] not in {s["lease"] for s in survivors}
+    assert all(s["stale_rows"] == 0 for s in survivors), survivors
+    wait_until_idle(APP, "pdv")  # the decode replicas freed the failed requests' slots; survivors hold none
+    replaced = _wait_for_verify_replicas(120)  # Serve replaced the dead replica: a new lease
+    assert victim["lease"] not in {s["lease"] for s in replaced}
+    prompts = greedy_refs[:24]
+    assert asyncio.run(_completions([p for p, _ in prompts])) == [ref for _, ref in prompts]
+    wait_until_idle(APP, "pdv")
