@@ -168,7 +168,9 @@ class PrefillServer:
         """pdv: `n` slots of a verify replica whose pool this replica can write into, with its lease and
         pool; None where the KV goes through Ray instead."""
         if self.verify is None or (self._verify_pools and not any(self._verify_pools.values())):
-            return None  # no verify lane, or none of its replicas is in reach: no slots to ask for
+            # No verify lane, or none of the replicas asked so far is in reach (across nodes, or without
+            # peer access): no slots to ask for. On one node with peer access every one is in reach.
+            return None
         # The least loaded verify replica gives the slots; the batch's KV, its commit and every later
         # call about these slots go to that replica (its lease).
         lease, slots = await asyncio.wait_for(self.verify.allocate_many.remote(n), PEER_CALL_TIMEOUT_S)
