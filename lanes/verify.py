@@ -42,7 +42,10 @@ class VerifyBatch:
     def select(self, rows: list[int]) -> "VerifyBatch":
         """The sub-batch of these rows, in this order (a remote verifier splits a batch by owner)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.draft_tokens.device)
-        pick = lambda values: None if values is None else [values[r] for r in rows]  # noqa: E731
+
+        def pick(values: list | None) -> list | None:
+            return None if values is None else [values[r] for r in rows]
+
         return VerifyBatch(
             pick(self.target_slots), pick(self.num_tokens), pick(self.last_tokens), self.draft_tokens[index],
             None if self.draft_probs is None else self.draft_probs[index], pick(self.num_draft), pick(self.params),
