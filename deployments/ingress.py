@@ -82,7 +82,7 @@ def lane_load(lane: str, stats: dict) -> dict:
                 "target_slots_used": stats.get("target_slots_used"),
                 "prefills_in_flight": stats.get("prefills_in_flight", 0)}
     if lane == "verify":
-        return {**pid, "kv_slots_used": stats["kv_slots_used"], "kv_slots_total": stats["kv_slots_total"],
+        return {**pid, "lease": stats.get("lease"), "kv_slots_used": stats["kv_slots_used"], "kv_slots_total": stats["kv_slots_total"],
                 "queue_depth": stats["pending_rows"], "slots_reclaimed": stats.get("slots_reclaimed", 0)}
     return {**pid, "queue_depth": stats["pending"], "handed_over": stats.get("handed_over")}
 

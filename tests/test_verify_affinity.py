@@ -134,7 +134,7 @@ def test_killed_verify_replica_fails_only_its_own_requests_and_slots_are_freed(g
     handle = serve.get_deployment_handle("VerifyLane", app_name=APP)
     handle.release.remote([], lease=victim["lease"]).result(timeout_s=30)  # this router has seen the victim
     killed_s = time.monotonic()
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(victim["replica_pid"], signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a stream hung"
