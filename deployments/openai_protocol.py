@@ -35,6 +35,10 @@ class StreamOptions(_Open):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+# Choices per prompt. Each is a request of its own and holds a KV slot in every lane while it runs;
+# vLLM's bound (VLLM_MAX_N_SEQUENCES, 16384) is far past any lane's slots, so this server keeps
+# one request's share small.
+MAX_N = 16
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; used for chat too
 # vLLM raises a temperature in (0, 0.01) to 0.01: below it, logits / temperature overflow to inf and
 # the probabilities become NaN. 0 stays greedy.
@@ -98,7 +102,7 @@ class _SamplingFields(_Open):
     n: int = 1
     response_format: dict | None = None
     return_token_ids: bool = Field(default=False, description="Also return the generated token ids "
-                                   "(`choices[0].token_ids`), as vLLM's extension of the same name does.")
+                                   "(`choices[].token_ids`), as vLLM's extension of the same name does.")
     # Accepted: they change nothing about the output.
     user: str | None = None
     request_id: str | None = None
@@ -117,8 +121,8 @@ class _SamplingFields(_Open):
             value = (self.model_extra or {}).get(name)
             if value is not None and value != off and not (off is None and value in ([], {}, 0, False)):
                 raise ParamError(name, f"{why} (got {value!r}); leave it unset")
-        if self.n != 1:
-            raise ParamError("n", f"one choice a request is served (got n={self.n}); send n requests instead")
+        if not 1 <= self.n <= MAX_N:
+            raise ParamError("n", f"must be in [1, {MAX_N}], got {self.n}")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise ParamError("response_format", f"structured output ({kind!r}) is not served yet")
@@ -160,14 +164,13 @@ class CompletionRequest(_SamplingFields):
                        "logprobs too (the first null). With max_tokens 0 this scores the prompt")
     refused_fields: ClassVar[dict[str, tuple[Any, str]]] = {**_REFUSED_COMMON, **_REFUSED_COMPLETION}
 
-    def single_prompt(self) -> str | list[int]:
-        """The request's one prompt: a list of one prompt is that prompt; more are refused by name."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order: a string or a list of token ids is one prompt; a list of
+        either is a batch (each gets `n` choices)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ParamError("prompt", f"a list of {len(prompt)} prompts; one prompt a request is served")
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         prompt_k = self.logprobs if self.echo else None
@@ -282,35 +285,25 @@ def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None, chunk: bool,
-                    first: bool = False) -> dict:
-    body = {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+def completion_choice(index: int, text: str, finish_reason: str | None, chunk: bool = False,
+                      first: bool = False) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
-def chat_body(rid: str, model: str, text: str | None, finish_reason: str | None, usage_: dict | None, chunk: bool,
-              first: bool = False) -> dict:
+def chat_choice(index: int, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False) -> dict:
     if chunk:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def response_body(rid: str, model: str, obj: str, choices: list[dict], usage_: dict | None) -> dict:
+    """A response, or one chunk of a stream (`obj` says which: text_completion, chat.completion[.chunk])."""
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_
     return body
-
-
-def usage_chunk(rid: str, model: str, obj: str, usage_: dict) -> dict:
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": usage_}
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:

@@ -142,7 +142,7 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "stop": [3]}, None, 422, "stop"),
     # Fields OpenAI or vLLM define that this engine cannot honour yet: refused by name, never ignored.
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, None, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, None, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, None, 400, "n"),
     ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, None, 400, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, None, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
