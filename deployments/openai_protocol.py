@@ -56,7 +56,6 @@ _REFUSED_COMMON: dict[str, tuple[Any, str]] = {
     "repetition_penalty": (1.0, "penalties are not served yet"),
     "logit_bias": (None, "logit_bias is not served yet"),
     "min_tokens": (0, "min_tokens is not served yet"),
-    "min_p": (0.0, "min_p sampling is not served yet"),
     "allowed_token_ids": (None, "allowed_token_ids is not served yet"),
     "bad_words": (None, "bad_words is not served yet"),
     "include_stop_str_in_output": (False, "stop strings are always cut from the output"),
@@ -93,6 +92,7 @@ class _SamplingFields(_Open):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -135,7 +135,7 @@ class _SamplingFields(_Open):
         temperature = max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else self.temperature
         top_k = 0 if self.top_k == -1 else self.top_k  # vLLM takes -1 for "off", as 0
         return SamplingParams(
-            max_tokens=self.output_limit(), temperature=temperature, top_p=self.top_p, top_k=top_k,
+            max_tokens=self.output_limit(), temperature=temperature, top_p=self.top_p, top_k=top_k, min_p=self.min_p,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
