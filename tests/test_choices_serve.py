@@ -151,6 +151,19 @@ def test_cancelled_n4_stream_frees_every_lanes_slots(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_client_gone_before_the_first_chunk_frees_every_lanes_slots(mode):
+    """Gone while the prompts are prefilled (in pdv, in the prefill lane, which writes them into verify
+    slots): the replies of the aborted requests must still be taken in and their slots freed."""
+    body = {"model": MODEL, "prompt": "x = 1\n" * 30, "n": 4, "max_tokens": 50, "stream": True, "ignore_eos": True}
+    for wait_s in (0.05, 0.2, 0.5):  # the client waits this long for headers (or a chunk), then leaves
+        try:
+            httpx.post(f"{base_url(mode)}/completions", json=body, timeout=wait_s)
+        except httpx.TimeoutException:
+            pass
+    assert wait_until_idle(mode, mode, timeout_s=20)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_refused_prompt_in_a_batch_refuses_the_request_and_aborts_the_rest(mode):
     body = {"model": MODEL, "prompt": ["class Point:", "x = 1\n" * 400], "n": 2, "max_tokens": 50,
             "ignore_eos": True}
