@@ -99,7 +99,8 @@ class _SamplingFields(_Open):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, description="Choices per prompt (1 to 16), each sampled as a request of its own; "
+                   "with a seed, choice i draws with seed + i")
     response_format: dict | None = None
     return_token_ids: bool = Field(default=False, description="Also return the generated token ids "
                                    "(`choices[].token_ids`), as vLLM's extension of the same name does.")
@@ -157,7 +158,8 @@ class _SamplingFields(_Open):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(description="A prompt (text or token ids), or a "
+                                                                   "list of them: n choices each, in order")
     logprobs: int | None = Field(default=None, description="Per token, its logprob and the `logprobs` most "
                                  "likely tokens' (0 to 20): the target's raw log_softmax")
     echo: bool = Field(default=False, description="Prepend the prompt to the text; with `logprobs`, its tokens' "
