@@ -148,7 +148,7 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, None, 400, "response_format"),
     ({"model": MODEL, "prompt": "x", "guided_regex": "a+"}, None, 400, "guided_regex"),
-    ({"model": MODEL, "prompt": ["x", "y"]}, None, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["x", ""]}, None, 400, "prompt"),  # a batch with an empty prompt
 ]
 
 
