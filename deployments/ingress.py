@@ -17,13 +17,14 @@ from pydantic import ValidationError
 from ray import serve
 from transformers import AutoTokenizer
 
+from deployments.choices import Choice, interleave, sample_params, total_usage
 from deployments.config import AppConfig
 from deployments.engine_replica import GenerateError
 from deployments.metrics import IngressMetrics
 from deployments.openai_logprobs import ChoiceExtras
 from deployments.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_body, completion_body,
-    error_body, new_id, running_usage, usage, usage_chunk,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_choice, completion_choice,
+    error_body, new_id, response_body, running_usage,
 )
 from lanes.outputs import RequestOutput, merge_outputs
 from lanes.params import ParamError
@@ -248,23 +249,35 @@ class Ingress:
         if body.model != self.cfg.model_name:
             return _error(404, f"model {body.model!r} does not exist; this server serves {self.cfg.model_name!r}",
                           "not_found_error", "model")
-        if self.in_flight >= self.cfg.max_queued_requests:
-            return _error(429, "too many requests in flight; retry shortly", "rate_limit_error",
-                          headers={"Retry-After": "1"})
         try:
             params = body.sampling_params()
-            prompt = self._chat_prompt(body) if chat else body.single_prompt()
-            echo = not chat and body.echo
-            if echo and isinstance(prompt, list) and not all(0 <= t < len(self.tokenizer) for t in prompt):
-                # Checked here, not only in the engine: echo decodes the ids before the engine sees them.
-                raise ParamError("prompt", f"token ids must be in [0, {len(self.tokenizer)})")
+            prompts = [self._chat_prompt(body)] if chat else body.prompts()
+            choices = [c for j, p in enumerate(prompts) for c in self._choices(body, j, p, params, chat)]
+            if len(choices) > (limit := self.cfg.max_queued_requests):  # could never be admitted
+                raise ParamError("n" if len(prompts) == 1 else "prompt",
+                                 f"{len(prompts)} prompt(s) x n={body.n} is {len(choices)} choices; "
+                                 f"at most {limit} run at once")
         except ParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.field)
+        # Each choice is a request in the lanes, and counts as one here.
+        if self.in_flight + len(choices) > self.cfg.max_queued_requests:
+            return _error(429, "too many requests in flight; retry shortly", "rate_limit_error",
+                          headers={"Retry-After": "1"})
+        return await self._respond(body, choices, chat)
+
+    def _choices(self, body, prompt_index: int, prompt, params, chat: bool) -> list[Choice]:
+        """Prompt `prompt_index`'s n choices. Raises ParamError on echoed ids outside the vocabulary."""
+        echo = not chat and body.echo
+        if echo and isinstance(prompt, list) and not all(0 <= t < len(self.tokenizer) for t in prompt):
+            # Checked here, not only in the engine: echo decodes the ids before the engine sees them.
+            raise ParamError("prompt", f"token ids must be in [0, {len(self.tokenizer)})")
         echo_text = prompt if echo and isinstance(prompt, str) else None
         if echo_text is not None:
             prompt = self.tokenizer.encode(prompt)  # as the engine would: echo scores exactly these tokens
-        extras = ChoiceExtras(self.tokenizer, chat, params.logprobs is not None, prompt if echo else None, echo_text)
-        return await self._respond(body, prompt, params, chat, extras)
+        return [Choice(prompt_index * body.n + i, prompt, sample,
+                       ChoiceExtras(self.tokenizer, chat, params.logprobs is not None, prompt if echo else None,
+                                    echo_text))
+                for i, sample in enumerate(sample_params(params, body.n))]
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         ids = self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
@@ -286,27 +299,33 @@ class Ingress:
             raise ParamError("messages", f"the chat template refused them: {exc}") from exc
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    async def _respond(self, body, prompt, params, chat: bool, extras: ChoiceExtras):
+    async def _respond(self, body, choices: list[Choice], chat: bool):
         rid = new_id("chatcmpl" if chat else "cmpl")
-        self.in_flight += 1
-        stream = self._stream(prompt, params, rid)
+        self.in_flight += len(choices)
+        # One choice keeps the response's id in the lanes; several are told apart by their index.
+        ids = [rid] if len(choices) == 1 else [f"{rid}-{c.index}" for c in choices]
+        merged = interleave([self._stream(c.prompt, c.params, i) for c, i in zip(choices, ids)])
         try:
-            first = await anext(stream)
+            head = await _heads(merged, len(choices))
         except BaseException:
-            self.in_flight -= 1
+            self.in_flight -= len(choices)
+            await merged.aclose()
             raise
-        if isinstance(first, GenerateError):
-            self.in_flight -= 1
-            kind = "invalid_request_error" if first.status < 500 else "service_unavailable"
-            return _error(first.status, first.message, kind, first.param)
+        refused = next((out for _, out in head if isinstance(out, GenerateError)), None)
+        if refused is not None:  # the engine refused a prompt (or a lane failed): nothing was streamed yet
+            self.in_flight -= len(choices)
+            await merged.aclose()
+            kind = "invalid_request_error" if refused.status < 500 else "service_unavailable"
+            return _error(refused.status, refused.message, kind, refused.param)
         if body.stream:
-            sse = self._sse(body, rid, chat, first, stream, extras)
+            sse = self._sse(body, rid, chat, choices, _chain(head, merged))
             return StreamingResponse(sse, media_type="text/event-stream")
         try:
-            outs = [first] + [out async for out in stream]
+            items = head + await _until_error(merged)
         finally:
-            self.in_flight -= 1
-        return self._final(body, rid, chat, outs, extras)
+            self.in_flight -= len(choices)
+            await merged.aclose()
+        return self._final(body, rid, chat, choices, items)
 
     async def _stream(self, prompt, params, rid: str) -> AsyncIterator[RequestOutput | GenerateError]:
         """The engine's chunks, with the request timeout; leaving early cancels it in every lane."""
@@ -349,52 +368,91 @@ class Ingress:
                    if first_token_at and last.num_output_tokens > 1 else None)
         self.metrics.observe_request(status, ttft_ms, tpot_ms, (end - start) * 1e3, last.num_output_tokens)
 
-    async def _sse(self, body, rid: str, chat: bool, first: RequestOutput, rest, extras: ChoiceExtras
-                   ) -> AsyncIterator[str]:
-        make = chat_body if chat else completion_body
+    async def _sse(self, body, rid: str, chat: bool, choices: list[Choice], items) -> AsyncIterator[str]:
+        make = chat_choice if chat else completion_choice
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        finals: dict[int, RequestOutput] = {}
+        started: set[int] = set()
         try:
-            out, is_first = first, True
-            while True:
+            async for index, out in items:
                 if isinstance(out, GenerateError) or out.error:
                     # A final error event, then [DONE]: a client's SSE loop ends as it would normally.
+                    # Leaving the loop aborts every other choice.
                     yield _event(error_body(out.message, "service_unavailable", out.status)
                                  if isinstance(out, GenerateError) else error_body(out.error, "server_error", 500))
                     yield "data: [DONE]\n\n"
                     return
-                event = make(rid, self.cfg.model_name, out.text, out.finish_reason, None, True, first=is_first)
-                extras.decorate(event["choices"][0], out, is_first)
-                if body.continuous_usage:
-                    event["usage"] = running_usage(out.num_prompt_tokens, out.num_output_tokens)
+                first = index not in started
+                started.add(index)
+                choice = make(index, out.text, out.finish_reason, True, first=first)
+                choices[index].extras.decorate(choice, out, first)
                 if body.return_token_ids:
-                    event["choices"][0]["token_ids"] = out.token_ids
+                    choice["token_ids"] = out.token_ids
+                event = response_body(rid, self.cfg.model_name, obj, [choice], None)
+                if body.continuous_usage:  # vLLM's: the prompt and this choice's output so far
+                    event["usage"] = running_usage(out.num_prompt_tokens, out.num_output_tokens)
                 yield _event(event)
-                is_first = False
                 if out.finished:
-                    break
-                out = await anext(rest)
+                    finals[index] = out
             if body.include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                yield _event(usage_chunk(rid, self.cfg.model_name, obj,
-                                         usage(out.num_prompt_tokens, out.num_output_tokens, out.stats)))
+                finals_in_order = [finals[c.index] for c in choices]
+                yield _event(response_body(rid, self.cfg.model_name, obj, [],
+                                           total_usage(finals_in_order, body.n)))
             yield "data: [DONE]\n\n"
         finally:
-            self.in_flight -= 1
-            await rest.aclose()
+            self.in_flight -= len(choices)
+            await items.aclose()
 
-    def _final(self, body, rid: str, chat: bool, outs: list[RequestOutput | GenerateError], extras: ChoiceExtras):
-        last = outs[-1]
-        if isinstance(last, GenerateError):
-            return _error(last.status, last.message, "service_unavailable")
-        if last.error:
-            return _error(500, last.error, "server_error")
-        text = "".join(o.text for o in outs)
-        usage_ = usage(last.num_prompt_tokens, last.num_output_tokens, last.stats)
-        make = chat_body if chat else completion_body
-        response = make(rid, self.cfg.model_name, text, last.finish_reason, usage_, False)
-        extras.decorate(response["choices"][0], merge_outputs(outs), True)
-        if body.return_token_ids:
-            response["choices"][0]["token_ids"] = [t for o in outs for t in o.token_ids]
-        return JSONResponse(response)
+    def _final(self, body, rid: str, chat: bool, choices: list[Choice],
+               items: list[tuple[int, RequestOutput | GenerateError]]):
+        failed = next((out for _, out in items if isinstance(out, GenerateError) or out.error), None)
+        if isinstance(failed, GenerateError):
+            return _error(failed.status, failed.message, "service_unavailable")
+        if failed is not None:
+            return _error(500, failed.error, "server_error")
+        merged = [merge_outputs([out for i, out in items if i == c.index]) for c in choices]
+        make = chat_choice if chat else completion_choice
+        answers = []
+        for c, out in zip(choices, merged):
+            answer = make(c.index, out.text, out.finish_reason, False)
+            c.extras.decorate(answer, out, True)
+            if body.return_token_ids:
+                answer["token_ids"] = out.token_ids
+            answers.append(answer)
+        obj = "chat.completion" if chat else "text_completion"
+        return JSONResponse(response_body(rid, self.cfg.model_name, obj, answers, total_usage(merged, body.n)))
+
+
+async def _heads(items: AsyncIterator, num_choices: int) -> list:
+    """The items up to the first of every choice (or up to a refusal): a request the engine refuses
+    is answered with its status before any stream starts."""
+    head, seen = [], set()
+    async for index, out in items:  # leaving the loop early does not close `items`: the rest follows
+        head.append((index, out))
+        seen.add(index)
+        if isinstance(out, GenerateError) or len(seen) == num_choices:
+            break
+    return head
+
+
+async def _until_error(items: AsyncIterator) -> list:
+    """The remaining items, stopping at the first failed choice (leaving aborts the others)."""
+    rest = []
+    async for index, out in items:
+        rest.append((index, out))
+        if isinstance(out, GenerateError) or out.error:
+            break
+    return rest
+
+
+async def _chain(head: list, items: AsyncIterator) -> AsyncIterator:
+    try:
+        for item in head:
+            yield item
+        async for item in items:
+            yield item
+    finally:
+        await items.aclose()
 
 
 def _event(payload: dict) -> str:

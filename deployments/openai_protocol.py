@@ -35,6 +35,10 @@ class StreamOptions(_Open):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+# Choices per prompt. Each is a request of its own and holds a KV slot in every lane while it runs;
+# vLLM's bound (VLLM_MAX_N_SEQUENCES, 16384) is far past any lane's slots, so this server keeps
+# one request's share small.
+MAX_N = 16
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; used for chat too
 # vLLM raises a temperature in (0, 0.01) to 0.01: below it, logits / temperature overflow to inf and
 # the probabilities become NaN. 0 stays greedy.
@@ -52,7 +56,6 @@ _REFUSED_COMMON: dict[str, tuple[Any, str]] = {
     "repetition_penalty": (1.0, "penalties are not served yet"),
     "logit_bias": (None, "logit_bias is not served yet"),
     "min_tokens": (0, "min_tokens is not served yet"),
-    "min_p": (0.0, "min_p sampling is not served yet"),
     "allowed_token_ids": (None, "allowed_token_ids is not served yet"),
     "bad_words": (None, "bad_words is not served yet"),
     "include_stop_str_in_output": (False, "stop strings are always cut from the output"),
@@ -89,16 +92,18 @@ class _SamplingFields(_Open):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, description="Choices per prompt (1 to 16), each sampled as a request of its own; "
+                   "with a seed, choice i draws with seed + i")
     response_format: dict | None = None
     return_token_ids: bool = Field(default=False, description="Also return the generated token ids "
-                                   "(`choices[0].token_ids`), as vLLM's extension of the same name does.")
+                                   "(`choices[].token_ids`), as vLLM's extension of the same name does.")
     # Accepted: they change nothing about the output.
     user: str | None = None
     request_id: str | None = None
@@ -117,8 +122,8 @@ class _SamplingFields(_Open):
             value = (self.model_extra or {}).get(name)
             if value is not None and value != off and not (off is None and value in ([], {}, 0, False)):
                 raise ParamError(name, f"{why} (got {value!r}); leave it unset")
-        if self.n != 1:
-            raise ParamError("n", f"one choice a request is served (got n={self.n}); send n requests instead")
+        if not 1 <= self.n <= MAX_N:
+            raise ParamError("n", f"must be in [1, {MAX_N}], got {self.n}")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise ParamError("response_format", f"structured output ({kind!r}) is not served yet")
@@ -131,7 +136,7 @@ class _SamplingFields(_Open):
         temperature = max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else self.temperature
         top_k = 0 if self.top_k == -1 else self.top_k  # vLLM takes -1 for "off", as 0
         return SamplingParams(
-            max_tokens=self.output_limit(), temperature=temperature, top_p=self.top_p, top_k=top_k,
+            max_tokens=self.output_limit(), temperature=temperature, top_p=self.top_p, top_k=top_k, min_p=self.min_p,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
@@ -153,21 +158,21 @@ class _SamplingFields(_Open):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(description="A prompt (text or token ids), or a "
+                                                                   "list of them: n choices each, in order")
     logprobs: int | None = Field(default=None, description="Per token, its logprob and the `logprobs` most "
                                  "likely tokens' (0 to 20): the target's raw log_softmax")
     echo: bool = Field(default=False, description="Prepend the prompt to the text; with `logprobs`, its tokens' "
                        "logprobs too (the first null). With max_tokens 0 this scores the prompt")
     refused_fields: ClassVar[dict[str, tuple[Any, str]]] = {**_REFUSED_COMMON, **_REFUSED_COMPLETION}
 
-    def single_prompt(self) -> str | list[int]:
-        """The request's one prompt: a list of one prompt is that prompt; more are refused by name."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order: a string or a list of token ids is one prompt; a list of
+        either is a batch (each gets `n` choices)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ParamError("prompt", f"a list of {len(prompt)} prompts; one prompt a request is served")
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         prompt_k = self.logprobs if self.echo else None
@@ -282,35 +287,25 @@ def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None, chunk: bool,
-                    first: bool = False) -> dict:
-    body = {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+def completion_choice(index: int, text: str, finish_reason: str | None, chunk: bool = False,
+                      first: bool = False) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
-def chat_body(rid: str, model: str, text: str | None, finish_reason: str | None, usage_: dict | None, chunk: bool,
-              first: bool = False) -> dict:
+def chat_choice(index: int, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False) -> dict:
     if chunk:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def response_body(rid: str, model: str, obj: str, choices: list[dict], usage_: dict | None) -> dict:
+    """A response, or one chunk of a stream (`obj` says which: text_completion, chat.completion[.chunk])."""
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_
     return body
-
-
-def usage_chunk(rid: str, model: str, obj: str, usage_: dict) -> dict:
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": usage_}
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:

@@ -24,7 +24,7 @@ class SamplingParams:
     """How one request samples.
 
     temperature == 0 means greedy (argmax), which speculative decoding reproduces token for token.
-    top_k == 0 and top_p == 1.0 disable those filters. A seed makes the sampled output reproducible
+    top_k == 0, top_p == 1.0 and min_p == 0.0 disable those filters. A seed makes the sampled output reproducible
     and independent of which other requests share the batch.
     """
 
@@ -32,6 +32,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -55,6 +56,8 @@ class SamplingParams:
             raise ParamError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ParamError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         _check_int("top_k", self.top_k)
         if not 0 <= self.top_k <= INT64_MAX:
             raise ParamError("top_k", f"must be in [0, 2**63) (0 disables it), got {self.top_k}")

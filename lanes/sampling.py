@@ -32,6 +32,7 @@ class SamplingTensors:
     seeds: torch.Tensor | None  # int64
     needs_filter: bool  # host-side: skip the vocab sort when no row uses top-k or top-p
     all_greedy: bool  # host-side: every row is greedy, so no probabilities or noise are needed
+    log_min_p: torch.Tensor | None = None  # float32 log(min_p), -inf disables; None when no row uses min-p
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingTensors":
@@ -42,7 +43,10 @@ class SamplingTensors:
                                        device)
         top_k, seeds_t = to_device([[p.top_k for p in params], seeds], torch.long, device)
         needs_filter = any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
-        return cls(temperature, top_k, top_p, seeds_t, needs_filter, all_greedy=False)
+        log_min_p = None
+        if any(p.min_p > 0 for p in params if not p.greedy):
+            log_min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).log().to(device)
+        return cls(temperature, top_k, top_p, seeds_t, needs_filter, all_greedy=False, log_min_p=log_min_p)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +72,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int, voc
 
 
 def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """[B, K, V] logits -> [B, K, V] probabilities after temperature, top-k and top-p.
+    """[B, K, V] logits -> [B, K, V] probabilities after temperature, min-p, top-k and top-p (vLLM's order).
 
     Greedy rows become one-hot at the argmax, so the rejection rule reduces to "accept iff the draft
     token is the target's argmax" with no special case.
@@ -80,10 +84,19 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     greedy = (st.temperature == 0)[:, None, None]  # [B, 1, 1]
     temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     scaled = logits / temp[:, None, None]
+    if st.log_min_p is not None:
+        scaled = _filter_min_p(scaled, st.log_min_p)
     if st.needs_filter:
         scaled = _filter_top_k_top_p(scaled, st.top_k, st.top_p)
     probs = torch.softmax(scaled, dim=-1)
     return torch.where(greedy, one_hot, probs)
+
+
+def _filter_min_p(scaled: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the largest: p_i / p_max = exp(s_i - s_max),
+    so in logit space no softmax or sort is needed."""
+    floor = scaled.amax(dim=-1, keepdim=True) + log_min_p[:, None, None]  # [B, K, 1]
+    return scaled.masked_fill(scaled < floor, float("-inf"))
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,25 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llama_pair):
     assert run(7) != run(8)
 
 
+def test_min_p_one_samples_the_targets_argmax_through_speculation(llama_pair):
+    """min_p = 1 keeps only the most likely token, so sampling at temperature 1 must give the target's
+    greedy output token for token: in prefill, in the draft, and at every verified position
+    (accepted, rejected and bonus), whatever the noise."""
+    target, draft = llama_pair
+    prompts = random_prompts(4, VOCAB, 5, 60, seed=13)
+    engine = small_engine(target, draft, num_speculative_tokens=3)
+    requests = {str(i): (p, SamplingParams(max_tokens=20, temperature=1.0, min_p=1.0, seed=i, ignore_eos=True))
+                for i, p in enumerate(prompts)}
+    outputs = run_to_completion(engine, requests)
+    for i, p in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(target, p, 20), f"prompt {i}"
+    assert 0 < engine.total_stats.acceptance_rate < 1  # drafts were both accepted and rejected
+    # Without min-p the same seeds sample something else.
+    free = {k: (p, SamplingParams(max_tokens=20, temperature=1.0, seed=int(k), ignore_eos=True))
+            for k, (p, _) in requests.items()}
+    assert run_to_completion(small_engine(target, draft, num_speculative_tokens=3), free) != outputs
+
+
 def _reference_kv(model, tokens: list[int]) -> torch.Tensor:
     cache = DynamicCache(config=model.config)
     model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)

@@ -2,8 +2,11 @@
 
 import torch
 
+from lanes.params import SamplingParams
 from lanes.rejection import greedy_verify, point_mass, rejection_sample
-from lanes.sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, sample_from, uniform_noise
+from lanes.sampling import (
+    STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, SamplingTensors, logits_to_probs, sample_from, uniform_noise,
+)
 
 V = 6
 
@@ -147,3 +150,28 @@ def test_greedy_fast_path_equals_the_general_rule_on_one_hot_inputs():
     assert torch.equal(fast.num_accepted, general.num_accepted)
     assert torch.equal(fast.tokens, general.tokens)
     assert 0 < fast.num_accepted.float().mean() < max_draft  # both hits and misses happened
+
+
+def test_sampled_tokens_follow_a_min_p_filtered_target():
+    """min-p filters the target's distribution before the accept test (lanes/sampling.py): the emitted
+    tokens follow the filtered target, and a token min-p removed is never emitted, even where the
+    draft (filtered by its own logits) proposes it often."""
+    seeds, positions, _, _ = _draws()
+    params = [SamplingParams(temperature=1.0, min_p=0.5)]
+    target_st = SamplingTensors.build(params * N, [0] * N, "cpu")
+    p_filtered = logits_to_probs(P.log()[None].float(), SamplingTensors.build(params, [0], "cpu"))[0].double()
+    assert (p_filtered == 0).sum() >= 6 and (p_filtered[P < 0.5 * P.amax(-1, keepdim=True)] == 0).all()
+    q = Q[None].expand(N, -1, -1)  # the draft proposes filtered-out tokens too
+    drafts = sample_from(q, uniform_noise(seeds, positions[:, :L], STREAM_DRAFT, V))
+    p = logits_to_probs(P.log()[None].expand(N, -1, -1).float(), target_st).double()
+    out = rejection_sample(drafts, q, p, torch.full((N,), L), uniform_noise(seeds, positions[:, :L], STREAM_ACCEPT),
+                           uniform_noise(seeds, positions, STREAM_TARGET, V))
+    for c in range(L + 1):
+        tokens = out.tokens[:, c][out.tokens[:, c] >= 0]
+        assert (p_filtered[c, tokens] > 0).all()  # no filtered-out token, ever
+        kept = p_filtered[c] > 0
+        counts = torch.bincount(tokens, minlength=V).double()[kept]
+        expected = p_filtered[c, kept] * len(tokens)
+        assert float(((counts - expected) ** 2 / expected).sum()) < CHI2_BOUND
+    # The unfiltered target fails the same statistic: the filter changed the distribution.
+    assert _chi2(out.tokens[:, 0], P[0]) > 10 * CHI2_BOUND

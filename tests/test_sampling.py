@@ -1,4 +1,4 @@
-"""Temperature, top-k and top-p filtering, and the counter-based sampler."""
+"""Temperature, min-p, top-k and top-p filtering, and the counter-based sampler."""
 
 import pytest
 import torch
@@ -40,6 +40,21 @@ def test_top_p_one_keeps_every_token():
     assert (_probs(logits, temperature=1, top_p=1.0) > 0).all()
 
 
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_after_temperature():
+    full = torch.softmax(torch.tensor(LOGITS), -1)
+    # p_i / p_max = exp(l_i - 2): 1, 0.37, 0.22, 0.14, 0.05.
+    kept = _probs(LOGITS, temperature=1, min_p=0.3)
+    torch.testing.assert_close(kept, torch.cat([full[:2] / full[:2].sum(), torch.zeros(3)]))
+    # At temperature 0.5 the ratios square (0.14 for the second token): min-p reads the scaled logits.
+    assert _probs(LOGITS, temperature=0.5, min_p=0.3).tolist() == [1, 0, 0, 0, 0]
+    assert (_probs(LOGITS, temperature=1, min_p=0.0) > 0).all()
+    # With top-k and top-p: min-p first, then the others over what remains (vLLM's order).
+    torch.testing.assert_close(_probs(LOGITS, temperature=1, min_p=0.1, top_k=3),
+                               torch.cat([full[:3] / full[:3].sum(), torch.zeros(2)]))
+    torch.testing.assert_close(_probs(LOGITS, temperature=1, min_p=0.2, top_p=0.5),
+                               torch.tensor([1.0, 0, 0, 0, 0]))
+
+
 def test_rows_use_their_own_parameters():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1, top_k=1), SamplingParams(temperature=1)]
     st = SamplingTensors.build(params, [0, 1, 2], "cpu")
@@ -66,7 +81,8 @@ def test_sampler_frequencies_match_probabilities():
     assert torch.allclose(freq, probs.double(), atol=0.01), freq
 
 
-@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"top_k": 1.5}, {"seed": "x"}, {"max_tokens": True}])
+@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"top_k": 1.5}, {"seed": "x"}, {"max_tokens": True},
+                                 {"min_p": -0.1}, {"min_p": 1.5}, {"min_p": float("nan")}, {"min_p": True}])
 def test_params_reject_wrong_types(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -142,13 +142,13 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "stop": [3]}, None, 422, "stop"),
     # Fields OpenAI or vLLM define that this engine cannot honour yet: refused by name, never ignored.
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, None, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, None, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, None, 400, "n"),
     ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, None, 400, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, None, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, None, 400, "response_format"),
     ({"model": MODEL, "prompt": "x", "guided_regex": "a+"}, None, 400, "guided_regex"),
-    ({"model": MODEL, "prompt": ["x", "y"]}, None, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["x", ""]}, None, 400, "prompt"),  # a batch with an empty prompt
 ]
 
 
