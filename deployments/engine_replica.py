@@ -47,6 +47,14 @@ class GenerateError:
     param: str | None = None
 
 
+def _lane_state(replies: list[str]) -> str:
+    """"ok" when every replica of a lane says so; else what the others say, and how many."""
+    problems = [r for r in replies if r != "ok"]
+    if not replies:
+        return "no replica running"
+    return "ok" if not problems else f"{len(problems)} of {len(replies)} replicas: {problems[0]}"
+
+
 class EngineServer:
     def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0,
                  max_stream_messages_per_s: float | None = None, engine_process: bool = False):
@@ -105,7 +113,9 @@ class EngineServer:
         for lane, handle in self.peers.items():
             if handle is not None:
                 try:
-                    states[lane] = await asyncio.wait_for(handle.health.remote(), PEER_HEALTH_TIMEOUT_S)
+                    # Every replica of the lane (several verify replicas each hold their own requests' KV).
+                    replies = await handle.broadcast("health").results_async(timeout_s=PEER_HEALTH_TIMEOUT_S)
+                    states[lane] = _lane_state(replies)
                 except Exception as exc:
                     states[lane] = f"unreachable ({type(exc).__name__})"
         return states
