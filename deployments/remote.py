@@ -6,6 +6,7 @@ the answer (verification), never for prefill, whose results are collected betwee
 """
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -63,15 +64,16 @@ class RemoteVerifier:
         self.loop = loop
         self.timeout_s = min(timeout_s, PEER_CALL_TIMEOUT_S)
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
+    def launch(self, batch: VerifyBatch) -> concurrent.futures.Future:
+        """Send the batch to the verify lane; the engine collects the result (`.result()`, bounded by
+        timeout_s per replica call) after it has launched its prefill work."""
         # Only ids and probabilities cross the process boundary.
         on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
         start_s = time.time()
-        try:
-            call = asyncio.run_coroutine_threadsafe(self._verify_by_lease(on_host), self.loop)
-            return call.result()  # each replica's call is bounded by timeout_s
-        finally:
-            TIMELINE.record("verify_wait", start_s, time.time(), rows=len(batch.target_slots))
+        call = asyncio.run_coroutine_threadsafe(self._verify_by_lease(on_host), self.loop)
+        rows = len(batch.target_slots)
+        call.add_done_callback(lambda _: TIMELINE.record("verify_wait", start_s, time.time(), rows=rows))
+        return call
 
     async def _verify_by_lease(self, batch: VerifyBatch) -> VerifyResult:
         by_lease: dict[str | None, list[int]] = {}

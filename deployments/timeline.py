@@ -10,7 +10,7 @@ Kinds recorded (one interval per event, extra fields as noted):
     prefill_wait decode lane (pd, pdv): one request from its submission to the prefill     reply_s,
                  lane until it joins the decode batch (reply_s: the prefill lane's reply   arrival_s,
                  came; arrival_s: the request reached this replica)                      tokens
-    verify_wait  decode lane (pdv): waiting on the verify lane for one batch           rows
+    verify_wait  decode lane (pdv): one batch's verify call, from sending to its reply rows
     verify       verify lane: one target forward over merged batches                   rows, calls
     load_kv      verify lane: taking in a prompt's KV copied from elsewhere            tokens, bytes
     prefill      prefill lane: one batched prefill forward                             rows, tokens

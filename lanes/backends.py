@@ -10,17 +10,25 @@ from typing import Protocol
 
 import torch
 
+from lanes.batching import HostCopy, to_host_async
 from lanes.kv_pool import KVPool
 from lanes.logprobs import TokenLogprobs, concat
 from lanes.prefill import PrefillChunk, PrefillLane, PrefillLogprobs
 from lanes.scheduler import Scheduler
 from lanes.sequence import SeqStatus, Sequence
 from lanes.streams import on
-from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
+from lanes.verify import PendingVerify, VerifyBatch, VerifyLane, VerifyResult
+
+
+class PendingResult(Protocol):
+    def result(self) -> VerifyResult:
+        """Wait for the verify step (its device work or its remote call) and read what it accepted."""
 
 
 class Verifier(Protocol):
-    def verify(self, batch: VerifyBatch) -> VerifyResult: ...
+    def launch(self, batch: VerifyBatch) -> PendingResult:
+        """Start verifying `batch` and return without waiting, so that the engine can launch its
+        prefill work meanwhile."""
 
     def allocate(self) -> int | None:
         """A target KV slot for a new request, or None when the slot is assigned by the prefill lane."""
@@ -48,8 +56,8 @@ class LocalVerifier:
     def __init__(self, lane: VerifyLane):
         self.lane = lane
 
-    def verify(self, batch: VerifyBatch) -> VerifyResult:
-        return self.lane.verify(batch)
+    def launch(self, batch: VerifyBatch) -> PendingVerify:
+        return self.lane.launch(batch)
 
     def allocate(self) -> int | None:
         return self.lane.pool.allocate()
@@ -65,8 +73,7 @@ class LocalVerifier:
 @dataclass
 class _Launched:
     chunks: list[PrefillChunk]
-    first_tokens: torch.Tensor  # [B, 1 + packed logprobs] on the host (filled asynchronously on CUDA)
-    done: torch.cuda.Event | None
+    first_tokens: HostCopy  # [B, 1 + packed logprobs]
 
 
 class LocalPrefiller:
@@ -99,26 +106,16 @@ class LocalPrefiller:
         if not chunks:
             return
         with on(self.stream):
-            first = self.lane.run(chunks)
-            if self.stream is None:
-                self._launched = _Launched(chunks, first, None)
-                return
-            host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
-            host.copy_(first, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._launched = _Launched(chunks, host, event)
+            self._launched = _Launched(chunks, to_host_async(self.lane.run(chunks)))
 
     def _collect(self, scheduler: Scheduler, wait: bool) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
         launched = self._launched
-        if launched is None or (launched.done is not None and not wait and not launched.done.query()):
+        if launched is None or not (wait or launched.first_tokens.ready):
             return []
-        if launched.done is not None:
-            launched.done.synchronize()
         self._launched = None
         done = []
         layout = PrefillLogprobs.of(launched.chunks)
-        for chunk, row in zip(launched.chunks, launched.first_tokens):
+        for chunk, row in zip(launched.chunks, launched.first_tokens.wait()):
             seq = chunk.seq
             if seq.status is not SeqStatus.PREFILLING:
                 continue  # aborted meanwhile; its slots were freed (later prefills queue behind this one)

@@ -1,4 +1,6 @@
-"""Moving host lists to the device without stalling it, and packing ragged token lists."""
+"""Moving host lists to the device and results back without stalling it, and packing ragged token lists."""
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +18,34 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class HostCopy:
+    """A device-to-host copy in flight: `wait()` returns the host tensor once it has landed."""
+
+    tensor: torch.Tensor  # pinned host memory on CUDA (filled asynchronously), the result itself on the CPU
+    done: torch.cuda.Event | None
+
+    @property
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tensor
+
+
+def to_host_async(values: torch.Tensor) -> HostCopy:
+    """Queue the copy of `values` to the host on the current stream; nothing waits for it here."""
+    if values.device.type != "cuda":
+        return HostCopy(values.cpu(), None)
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostCopy(host, done)
 
 
 def pad_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:

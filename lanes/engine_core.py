@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from lanes.backends import LocalPrefiller, LocalVerifier, Prefiller, Verifier
+from lanes.backends import LocalPrefiller, LocalVerifier, PendingResult, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
 from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer
@@ -184,40 +184,51 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         self.scheduler.admit()
-        outputs = []
+        outputs, launched = [], None
         running = list(self.scheduler.running)
         if running:
-            outputs += self._guarded(running, lambda: self._decode(running))
+            try:
+                launched = self._launch_decode(running)
+            except Exception as exc:
+                outputs = self._fail(running, exc)
+        # Prefill work is launched while the GPU (or the verify lane) verifies: its host-side launch
+        # cost overlaps the verify step instead of adding to it.
         budget = self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens
         prefilling = list(self.scheduler.prefilling)
+        prefill_outputs = []
         if prefilling or self.prefiller.has_replies:  # replies of aborted requests give their slots back
-            outputs += self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)))
-        return outputs
+            prefill_outputs = self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)))
+        if launched is not None:
+            outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
+        return outputs + prefill_outputs
 
     def _guarded(self, seqs: list[Sequence], run) -> list[RequestOutput]:
-        # A failing batch fails its own requests and frees their slots; the engine keeps serving.
         try:
             return run()
         except Exception as exc:
-            log.exception("engine step failed for %d requests", len(seqs))
-            self.device_fault = self.device_fault or device_fault(self.streams.device)
-            outputs = []
-            for seq in seqs:
-                if seq.finish_reason is None:
-                    self._finish(seq, "error")
-                    outputs.append(self._output(seq, [], "", error=f"{type(exc).__name__}: {exc}"))
-            return outputs
+            return self._fail(seqs, exc)
 
-    def _decode(self, running: list[Sequence]) -> list[RequestOutput]:
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        # A failing batch fails its own requests and frees their slots; the engine keeps serving.
+        log.exception("engine step failed for %d requests", len(seqs))
+        self.device_fault = self.device_fault or device_fault(self.streams.device)
+        outputs = []
+        for seq in seqs:
+            if seq.finish_reason is None:
+                self._finish(seq, "error")
+                outputs.append(self._output(seq, [], "", error=f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _launch_decode(self, running: list[Sequence]) -> tuple[DraftProposal, PendingResult]:
+        """Draft, and launch the verify step without waiting for it."""
         max_draft = self.config.max_draft_len
         draft_lens = [s.step_draft_len(max_draft) for s in running] if self.proposer else [0] * len(running)
-        num_tokens = [len(s.token_ids) for s in running]
         self.streams.decode_after_current()  # verify follows decode, so it is ordered after them too
         with on(self.streams.decode):
             proposal = self._propose(running, draft_lens)
         batch = VerifyBatch(
             target_slots=[s.target_slot for s in running],
-            num_tokens=num_tokens,
+            num_tokens=[len(s.token_ids) for s in running],
             last_tokens=[s.token_ids[-1] for s in running],
             draft_tokens=proposal.tokens,
             draft_probs=proposal.probs,
@@ -228,7 +239,13 @@ class EngineCore:
         )
         self.streams.verify_after_decode()
         with on(self.streams.verify):
-            result = self.verifier.verify(batch)
+            return proposal, self.verifier.launch(batch)
+
+    def _finish_decode(self, running: list[Sequence], proposal: DraftProposal, pending: PendingResult
+                       ) -> list[RequestOutput]:
+        """Read the verify step's result, roll the draft cache back, and append what was accepted."""
+        num_tokens = [len(s.token_ids) for s in running]
+        result = pending.result()
         if self.draft is not None:
             rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
         outputs = []

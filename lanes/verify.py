@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lanes.batching import to_device
+from lanes.batching import HostCopy, to_device, to_host_async
 from lanes.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.model_runner import ModelRunner, Rows
 from lanes.params import SamplingParams
@@ -64,6 +64,21 @@ class VerifyResult:
     errors: list[str | None] | None = None
 
 
+@dataclass
+class PendingVerify:
+    """A verify step launched on the device, its result not read yet (`VerifyLane.launch`)."""
+
+    lane: "VerifyLane"
+    batch: VerifyBatch
+    k: int | None  # top logprobs packed per column, None when no row asked
+    width: int  # L + 1 columns
+    copy: HostCopy
+
+    def result(self) -> VerifyResult:
+        """Wait for the copy, then set the pool's lengths and roll rejected drafts back."""
+        return self.lane._finish(self, self.copy.wait())
+
+
 class VerifyLane:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -76,6 +91,12 @@ class VerifyLane:
         """Score [last token, drafts...] of every row in one forward, accept by the rejection rule,
         and roll the target cache back to the committed tokens. With no drafts this is one
         ordinary decode step of the target."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: VerifyBatch) -> "PendingVerify":
+        """`verify` up to its one device-to-host copy, queued without waiting for it, so that the
+        engine can launch other work (a prefill chunk) while the GPU verifies. Nothing reads the
+        result or touches the pool's lengths until `PendingVerify.result()`."""
         device = self.runner.device
         slots, num_tokens = batch.target_slots, batch.num_tokens
         kv_lens = np.subtract(num_tokens, 1)
@@ -96,8 +117,11 @@ class VerifyLane:
         columns = [out.tokens, out.num_accepted[:, None]]
         if k is not None:
             columns.append(pack(logits, out.tokens, k))  # [B, (L + 1) * (1 + 2k)]
-        host = torch.cat(columns, dim=1).cpu()
-        width = ids.shape[1]
+        return PendingVerify(self, batch, k, ids.shape[1], to_host_async(torch.cat(columns, dim=1)))
+
+    def _finish(self, pending: "PendingVerify", host: torch.Tensor) -> VerifyResult:
+        batch, k, width = pending.batch, pending.k, pending.width
+        slots, num_tokens = batch.target_slots, batch.num_tokens
         accepted = host[:, width].numpy()
         self.pool.lengths[slots] = np.add(num_tokens, batch.num_draft)  # what this forward wrote for the real drafts
         rollback_after_verify(self.pool, slots, num_tokens, accepted)
