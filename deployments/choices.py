@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from deployments.openai_logprobs import ChoiceExtras
 from deployments.openai_protocol import usage
 from lanes.outputs import RequestOutput
-from lanes.params import INT64_MAX, INT64_MIN, SamplingParams
+from lanes.params import INT64_MIN, SamplingParams
 from lanes.spec_stats import SpecDecodeStats
 
 

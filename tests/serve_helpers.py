@@ -1,6 +1,7 @@
 """Starting Ray once per test module and deploying apps of every mode on the tiny pair."""
 
 import socket
+import threading
 import time
 
 import httpx
@@ -18,6 +19,7 @@ def _free_port() -> int:
 
 # A port of our own, so that test modules (or other Serve instances) on this machine never collide.
 HTTP_PORT = _free_port()
+MODEL = "vpd-python"  # the served model name of app_config's apps
 ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
 LANE = {"num_cpus": 0.05}
 
@@ -79,3 +81,38 @@ def wait_until_idle(app: str, mode: str, timeout_s: float = 30) -> list[dict]:
             return stats
         assert time.monotonic() < deadline, f"slots still held: {stats}"
         time.sleep(0.2)
+
+
+def greedy_choice(app: str, prompt: str, max_tokens: int = 16, **extra) -> dict:
+    """The one choice of a greedy, non-streamed completion (ignore_eos: always max_tokens long)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **extra}
+    response = httpx.post(f"{base_url(app)}/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def record_stream(app: str, index: int, max_tokens: int, results: list, started: threading.Semaphore,
+                  timeout_s: float = 60) -> None:
+    """Stream a greedy completion of `def f{index}(x):` and store (ended monotonic s, HTTP status, SSE
+    data events) in results[index]. `started` is released once: at the first event, or at the end
+    of a stream that had none (refused, or cut before its first token). For a thread per stream."""
+    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events, status = [], None
+    try:
+        with httpx.stream("POST", f"{base_url(app)}/completions", json=body, timeout=timeout_s) as response:
+            status = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        started.release()
+    except httpx.HTTPError as exc:
+        if not events:
+            started.release()
+        events.append(f"transport error {exc!r}")
+    else:
+        if not events:
+            started.release()
+    results[index] = (time.monotonic(), status, events)

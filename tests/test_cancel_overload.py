@@ -29,10 +29,10 @@ import pytest
 import ray
 from ray import serve
 
-from tests.serve_helpers import HTTP_PORT, app_config, base_url, deploy, start_ray, wait_until_idle
+from tests.serve_helpers import (
+    HTTP_PORT, MODEL, app_config, base_url, deploy, greedy_choice, start_ray, wait_until_idle)
 from tests.tiny_pair import save_tiny_pair
 
-MODEL = "vpd-python"
 MODES = ("pdv", "unified")
 CANCEL_COUNT = int(os.environ.get("VPD_CANCEL_COUNT", "200"))  # per mode
 CANCEL_IN_FLIGHT = 12  # below MAX_QUEUED: a client gone must give its admission back at once
@@ -59,12 +59,6 @@ def apps(tmp_path_factory):
     ray.shutdown()
 
 
-def _greedy(mode: str) -> list[int]:
-    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    r = httpx.post(f"{base_url(mode)}/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
 
 
 def _lanes(mode: str) -> dict:
@@ -166,7 +160,7 @@ def _long_prompt_ttft_s(mode: str) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_random_cancellations_free_every_slot_and_the_app_serves_the_same(mode):
-    greedy_before = _greedy(mode)
+    greedy_before = greedy_choice(mode, "def add(a, b):", 24, return_token_ids=True)["token_ids"]
     long_ttft_s = _long_prompt_ttft_s(mode)
     wait_until_idle(mode, mode)
     handed_over_before = _handed_over(mode)
@@ -199,7 +193,7 @@ def test_random_cancellations_free_every_slot_and_the_app_serves_the_same(mode):
     if mode == "pdv":
         answered = CANCEL_COUNT - unanswered + counts.get("prefilling (too late: answered)", 0)
         assert handed_over > answered, (handed_over, counts)
-    assert stats and _greedy(mode) == greedy_before
+    assert stats and greedy_choice(mode, "def add(a, b):", 24, return_token_ids=True)["token_ids"] == greedy_before
     wait_until_idle(mode, mode)
 
 
@@ -264,7 +258,7 @@ def _queue_depths(sample: dict) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
-    _greedy(mode)  # warm: first requests allocate buffers that stay
+    greedy_choice(mode, "def add(a, b):", 24, return_token_ids=True)["token_ids"]  # warm: first requests allocate buffers that stay
     wait_until_idle(mode, mode)
     pids = _replica_pids(mode)
     rss_before = _rss_mb(pids)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deployments.lane_worker import LaneWorker
-from lanes.async_engine import AsyncEngine, EngineDeviceFault
+from lanes.async_engine import AsyncEngine
 from lanes.engine_process import ProcessEngine
 from lanes.params import SamplingParams
 from tests.conftest import VOCAB

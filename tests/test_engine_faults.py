@@ -11,11 +11,10 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.serve_helpers import HTTP_PORT, app_config, base_url, deploy, lane_stats, start_ray
+from tests.serve_helpers import HTTP_PORT, app_config, deploy, greedy_choice, lane_stats, record_stream, start_ray
 from tests.tiny_pair import save_tiny_pair
 
 APP = "faults"
-MODEL = "vpd-python"
 HEALTH_PERIOD_S = 1.0
 
 
@@ -33,27 +32,8 @@ def app(tmp_path_factory):
     ray.shutdown()
 
 
-def _greedy(prompt: str) -> str:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(f"{base_url(APP)}/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["text"]
 
 
-def _stream_events(results: list, index: int, started: threading.Semaphore) -> None:
-    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": 2000, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    events = []
-    try:
-        with httpx.stream("POST", f"{base_url(APP)}/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 1:
-                        started.release()
-    except httpx.HTTPError as exc:
-        events.append(f"transport error {exc!r}")
-    results[index] = (time.monotonic(), events)
 
 
 def _health() -> httpx.Response:
@@ -62,13 +42,13 @@ def _health() -> httpx.Response:
 
 def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
     assert _health().json() == {"status": "ok", "lanes": {"engine": "ok"}}
-    before = _greedy("def add(a, b):")
+    before = greedy_choice(APP, "def add(a, b):")["text"]
     [stats] = lane_stats(APP, "DecodeLane")
     engine_pid = stats["pid"]
 
     results: list = [None] * 6
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream_events, args=(results, i, started)) for i in range(len(results))]
+    threads = [threading.Thread(target=record_stream, args=(APP, i, 2000, results, started)) for i in range(len(results))]
     for t in threads:
         t.start()
     for _ in threads:  # every stream has its first chunk
@@ -78,7 +58,7 @@ def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a stream hung"
-    for ended_s, events in results:
+    for ended_s, _, events in results:
         assert ended_s - killed_s < 10.0
         # Each stream ends with an error event, then [DONE].
         assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
@@ -92,7 +72,7 @@ def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
         assert time.monotonic() < deadline, "the app did not recover"
         time.sleep(1)
     recovered_s = time.monotonic() - killed_s
-    assert _greedy("def add(a, b):") == before
+    assert greedy_choice(APP, "def add(a, b):")["text"] == before
     [stats] = lane_stats(APP, "DecodeLane")
     assert stats["pid"] != engine_pid
     print(f"recovered {recovered_s:.1f} s after the kill")

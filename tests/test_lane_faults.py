@@ -18,11 +18,12 @@ import pytest
 import ray
 from ray import serve
 
-from tests.serve_helpers import HTTP_PORT, app_config, base_url, deploy, lane_stats, start_ray, wait_until_idle
+from tests.serve_helpers import (
+    HTTP_PORT, app_config, base_url, deploy, greedy_choice, lane_stats, record_stream, start_ray,
+    wait_until_idle)
 from tests.tiny_pair import save_tiny_pair
 
 APP = "lanefaults"
-MODEL = "vpd-python"
 STREAMS = 12
 HEALTH_PERIOD_S = 1.0
 RECOVERY_LOG: dict[str, float] = {}
@@ -42,30 +43,8 @@ def app(tmp_path_factory):
     ray.shutdown()
 
 
-def _greedy(prompt: str) -> str:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(f"{base_url(APP)}/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["text"]
 
 
-def _stream(results: list, index: int, started: threading.Semaphore) -> None:
-    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": 600, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    events, status = [], None
-    try:
-        with httpx.stream("POST", f"{base_url(APP)}/completions", json=body, timeout=60) as response:
-            status = response.status_code
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 1:
-                        started.release()
-    except httpx.HTTPError as exc:
-        events.append(f"transport error {exc!r}")
-    if status != 200 or not events:
-        started.release()  # refused before its first event: counted as started, ended
-    results[index] = (time.monotonic(), status, events)
 
 
 def _replica_pid(deployment: str) -> int:
@@ -85,7 +64,7 @@ def _wait_healthy(timeout_s: float) -> None:
 
 @pytest.fixture(scope="module")
 def greedy_before() -> str:
-    return _greedy("def add(a, b):")
+    return greedy_choice(APP, "def add(a, b):")["text"]
 
 
 @pytest.mark.parametrize("deployment", ["PrefillLane", "VerifyLane", "DecodeLane"])
@@ -95,7 +74,7 @@ def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(deployme
     pid = _replica_pid(deployment)
     results: list = [None] * STREAMS
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream, args=(results, i, started)) for i in range(STREAMS)]
+    threads = [threading.Thread(target=record_stream, args=(APP, i, 600, results, started)) for i in range(STREAMS)]
     for t in threads:
         t.start()
     for _ in threads:  # every stream is under way (or was refused)
@@ -129,7 +108,7 @@ def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(deployme
     assert _replica_pid(deployment) != pid
     wait_until_idle(APP, "pdv")  # no slot held in the decode or the verify lane (the dead decode
     # replica's verify slots are freed by the verify lane: deployments/slot_owners.py)
-    assert _greedy("def add(a, b):") == greedy_before
+    assert greedy_choice(APP, "def add(a, b):")["text"] == greedy_before
     wait_until_idle(APP, "pdv")
 
 
@@ -144,7 +123,7 @@ def test_both_decode_replicas_serve_after_the_kills():
 def test_lanes_endpoint_reports_every_replicas_slots_and_queue():
     results: list = [None] * 4
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream, args=(results, i, started)) for i in range(len(results))]
+    threads = [threading.Thread(target=record_stream, args=(APP, i, 600, results, started)) for i in range(len(results))]
     for t in threads:
         t.start()
     for _ in threads:

@@ -23,11 +23,11 @@ from ray import serve
 from deployments.lease_router import UNKNOWN_LEASE_WAIT_S, LeaseGone
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.serve_helpers import app_config, base_url, deploy, lane_stats, start_ray, wait_until_idle
+from tests.serve_helpers import (
+    MODEL, app_config, base_url, deploy, lane_stats, record_stream, start_ray, wait_until_idle)
 from tests.tiny_pair import save_tiny_pair
 
 APP = "affinity"
-MODEL = "vpd-python"
 VERIFY_REPLICAS = 3
 REQUESTS = 200
 MAX_TOKENS = 8
@@ -99,23 +99,6 @@ def test_200_requests_over_3_verify_replicas_each_verified_by_its_owner(greedy_r
     assert all(s["stale_rows"] == s["stale_releases"] == 0 for s in verify), verify
 
 
-def _stream(results: list, index: int, started: threading.Semaphore) -> None:
-    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": 600, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    events, status = [], None
-    try:
-        with httpx.stream("POST", f"{base_url(APP)}/completions", json=body, timeout=120) as response:
-            status = response.status_code
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 1:
-                        started.release()
-    except httpx.HTTPError as exc:
-        events.append(f"transport error {exc!r}")
-    if status != 200 or len(events) < 2:
-        started.release()
-    results[index] = (time.monotonic(), status, events)
 
 
 def test_killed_verify_replica_fails_only_its_own_requests_and_slots_are_freed(greedy_refs):
@@ -123,7 +106,7 @@ def test_killed_verify_replica_fails_only_its_own_requests_and_slots_are_freed(g
     wait_until_idle(APP, "pdv")
     results: list = [None] * STREAMS
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream, args=(results, i, started)) for i in range(STREAMS)]
+    threads = [threading.Thread(target=record_stream, args=(APP, i, 600, results, started, 120)) for i in range(STREAMS)]
     for t in threads:
         t.start()
     for _ in threads:  # every stream has its first token: its prompt's KV is in a verify replica
