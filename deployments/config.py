@@ -78,13 +78,20 @@ class NgramSpec(_Strict):
         return self
 
 
+class DraftModelSpec(ModelSpec):
+    allow_tokenizer_mismatch: bool = Field(
+        default=False, description="Pair a draft whose tokenizer is not the target's (other merges, special "
+        "tokens or normalizer) as long as every token id names the same token string in both; off, any "
+        "difference is refused at load.")
+
+
 def _draft_kind(value) -> str:
     # A `method` key means a draft-free method (its Literal names the allowed ones); else a model.
     has_method = "method" in value if isinstance(value, dict) else isinstance(value, NgramSpec)
     return "ngram" if has_method else "model"
 
 
-DraftSpec = Annotated[Annotated[ModelSpec, Tag("model")] | Annotated[NgramSpec, Tag("ngram")],
+DraftSpec = Annotated[Annotated[DraftModelSpec, Tag("model")] | Annotated[NgramSpec, Tag("ngram")],
                       Discriminator(_draft_kind)]
 
 
@@ -144,7 +151,7 @@ class AppConfig(_Strict):
     mode: Mode = "unified"
     model_name: str = Field(default="vpd-python", description="The id clients pass as `model`.")
     target: ModelSpec = Field(default_factory=lambda: ModelSpec(path=DEFAULT_TARGET))
-    draft: DraftSpec | None = Field(default_factory=lambda: ModelSpec(path=DEFAULT_DRAFT), description=
+    draft: DraftSpec | None = Field(default_factory=lambda: DraftModelSpec(path=DEFAULT_DRAFT), description=
                                     "The draft model, or {method: ngram, ...} to draft by prompt lookup.")
     engine: EngineArgs = Field(default_factory=EngineArgs)
     ingress: LaneConfig = Field(default_factory=lambda: LaneConfig(num_cpus=0.1))
@@ -197,7 +204,7 @@ class AppConfig(_Strict):
         return MODE_LANES[self.mode]
 
     @property
-    def draft_model(self) -> ModelSpec | None:
+    def draft_model(self) -> DraftModelSpec | None:
         """The draft model that this mode loads (None: no speculation, or prompt lookup)."""
         return self.draft if isinstance(self.draft, ModelSpec) and self.mode != "nospec" else None
 

@@ -31,6 +31,11 @@ def _draft(cfg: AppConfig, device: str) -> LoadedModel | None:
     return load_model(spec.path, spec.dtype, device, _slot_capacity(cfg)) if spec is not None else None
 
 
+def _check_pair(cfg: AppConfig, draft: LoadedModel | None, target: LoadedModel) -> None:
+    if draft is not None:
+        check_compatible(draft, target, cfg.draft_model.allow_tokenizer_mismatch)
+
+
 def _slot_capacity(cfg: AppConfig) -> int:
     return cfg.engine.engine_config(cfg.mode).slot_capacity_tokens
 
@@ -46,16 +51,16 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     device = cfg.decode_lane.bind_device()
     config = cfg.engine.engine_config(cfg.mode)
     if cfg.mode in ("unified", "spec", "nospec"):
+        lenient = cfg.draft_model is not None and cfg.draft_model.allow_tokenizer_mismatch
         return EngineCore.colocated(_target(cfg, device), _draft(cfg, device), config,
-                                    proposer=build_proposer(cfg, device))
+                                    proposer=build_proposer(cfg, device), allow_tokenizer_mismatch=lenient)
     draft = _draft(cfg, device)
     draft_runner = build_runner(draft.model, config) if draft is not None else None
     placement = Placement.here(device)
     owner = f"decode-{uuid.uuid4().hex[:8]}"
     if cfg.mode == "pd":
         target = _target(cfg, device)
-        if draft is not None:
-            check_compatible(draft, target)
+        _check_pair(cfg, draft, target)
         target_runner = build_runner(target.model, config)
         verifier, target_pool = LocalVerifier(VerifyLane(target_runner)), target_runner.pool
         vocab = Vocabulary(target_runner.vocab_size, target.tokenizer, target.model.generation_config)
@@ -76,8 +81,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
 def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
     device = cfg.prefill_lane.bind_device()
     target, draft = _target(cfg, device), _draft(cfg, device)  # no draft to prefill with prompt lookup
-    if draft is not None:
-        check_compatible(draft, target)
+    _check_pair(cfg, draft, target)
     # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8).
     config = replace(cfg.engine.engine_config(cfg.mode), max_num_seqs=PREFILL_BATCH_MAX)
     return PromptPrefiller(build_runner(target.model, config),

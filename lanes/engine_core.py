@@ -101,12 +101,14 @@ class EngineCore:
         config: EngineConfig,
         tokenizer: PreTrainedTokenizerBase | None = None,
         proposer: Proposer | None = None,
+        allow_tokenizer_mismatch: bool = False,
     ) -> "EngineCore":
         """All three lanes in this process over its own pools (modes unified, spec, nospec).
-        `proposer` drafts instead of a draft model (pass `draft=None` with it)."""
+        `proposer` drafts instead of a draft model (pass `draft=None` with it);
+        `allow_tokenizer_mismatch`: see `check_compatible`."""
         assert draft is None or proposer is None, "a draft model or a proposer, not both"
         if draft is not None:
-            check_compatible(draft, target)
+            check_compatible(draft, target, allow_tokenizer_mismatch)
         tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         target_runner = build_runner(target.model, config)
         draft_runner = build_runner(draft.model, config) if draft is not None else None

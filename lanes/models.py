@@ -1,5 +1,6 @@
 """Loading the draft and target models, and checking that they can speculate together."""
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +80,15 @@ def _prepare(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return model.to(device).eval().requires_grad_(False)
 
 
-def check_compatible(draft: LoadedModel, target: LoadedModel) -> None:
-    """Refuse a pair whose token ids do not mean the same thing."""
+def check_compatible(draft: LoadedModel, target: LoadedModel, allow_tokenizer_mismatch: bool = False) -> None:
+    """Refuse a pair whose token ids do not mean the same thing.
+
+    By default the two tokenizers must be the same tokenizer: vocabulary, merges, special and added
+    tokens, normalizer and pre-tokenizer. A draft trained with other merges still proposes valid ids,
+    but they are ids of text split differently from the target's, and acceptance collapses; a
+    different special token makes an id mean another thing. `allow_tokenizer_mismatch` relaxes this
+    to what speculation needs: every id that both tokenizers define names the same token string.
+    """
     draft_vocab = draft.model.get_output_embeddings().weight.shape[0]
     target_vocab = target.model.get_output_embeddings().weight.shape[0]
     if draft_vocab != target_vocab:
@@ -89,7 +97,58 @@ def check_compatible(draft: LoadedModel, target: LoadedModel) -> None:
         )
     if draft.tokenizer is None or target.tokenizer is None:
         return  # random models built from configs share ids by construction
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-        raise IncompatibleModelsError(f"tokenizers of draft {draft.name!r} and target {target.name!r} differ")
+    if allow_tokenizer_mismatch:
+        _check_token_strings(draft, target)
+    else:
+        differences = tokenizer_differences(draft.tokenizer, target.tokenizer)
+        if differences:
+            raise IncompatibleModelsError(
+                f"tokenizers of draft {draft.name!r} and target {target.name!r} differ in {', '.join(differences)} "
+                "(set the draft's allow_tokenizer_mismatch: true to pair them where every id names the same "
+                "token string)")
     if draft.tokenizer.eos_token_id != target.tokenizer.eos_token_id:
         raise IncompatibleModelsError("draft and target tokenizers disagree on the EOS token")
+
+
+# Parts of a fast tokenizer's definition (its tokenizer.json) that decide how text becomes ids.
+_TOKENIZER_PARTS = ("normalizer", "pre_tokenizer", "model")
+
+
+def tokenizer_differences(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> list[str]:
+    """What differs between two tokenizers, by name (empty: the same tokenizer)."""
+    differences = []
+    if a.get_vocab() != b.get_vocab():
+        differences.append("vocabulary")
+    if _added_tokens(a) != _added_tokens(b) or a.all_special_tokens != b.all_special_tokens:
+        differences.append("special tokens")
+    spec_a, spec_b = _definition(a), _definition(b)
+    for part in _TOKENIZER_PARTS:
+        if spec_a.get(part) == spec_b.get(part):
+            continue
+        if part != "model":
+            differences.append(part)
+        elif "vocabulary" not in differences:  # the model holds the vocabulary too; else its merges differ
+            differences.append("merges")
+    return differences
+
+
+def _added_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, tuple[str, bool]]:
+    return {i: (t.content, t.special) for i, t in tokenizer.added_tokens_decoder.items()}
+
+
+def _definition(tokenizer: PreTrainedTokenizerBase) -> dict:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return json.loads(backend.to_str()) if backend is not None else {}
+
+
+def _check_token_strings(draft: LoadedModel, target: LoadedModel) -> None:
+    """Every id that both tokenizers define names the same token string."""
+    ids = list(range(min(len(draft.tokenizer), len(target.tokenizer))))
+    draft_tokens = draft.tokenizer.convert_ids_to_tokens(ids)
+    target_tokens = target.tokenizer.convert_ids_to_tokens(ids)
+    differ = [i for i, d, t in zip(ids, draft_tokens, target_tokens) if d != t]
+    if differ:
+        shown = ", ".join(f"{i}: {draft_tokens[i]!r} vs {target_tokens[i]!r}" for i in differ[:5])
+        raise IncompatibleModelsError(
+            f"{len(differ)} token ids name different strings in draft {draft.name!r} and target "
+            f"{target.name!r} (e.g. {shown}): they cannot speculate together")
