@@ -1,11 +1,13 @@
 """Starting Ray once per test module and deploying apps of every mode on the tiny pair."""
 
+import contextlib
 import socket
 import threading
 import time
 
 import httpx
 import ray
+from openai import OpenAI
 from ray import serve
 
 from deployments.builder import build_app
@@ -59,6 +61,24 @@ def deploy(apps: dict[str, dict]) -> None:
                 pass
         time.sleep(1)
     assert not pending, f"apps never became ready: {pending}"
+
+
+@contextlib.contextmanager
+def serving(apps: dict[str, dict]):
+    """Ray started (once per test module, from its fixture), these apps deployed and answering;
+    everything shut down on exit."""
+    start_ray()
+    try:
+        deploy(apps)
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def openai_client(app: str, api_key: str = "unused") -> OpenAI:
+    """The `openai` SDK pointed at one app, without retries (a test sees every failure)."""
+    return OpenAI(base_url=base_url(app), api_key=api_key, max_retries=0)
 
 
 def base_url(name: str) -> str:

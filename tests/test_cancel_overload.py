@@ -26,11 +26,8 @@ import time
 import httpx
 import psutil
 import pytest
-import ray
-from ray import serve
 
-from tests.serve_helpers import (
-    HTTP_PORT, MODEL, app_config, base_url, deploy, greedy_choice, start_ray, wait_until_idle)
+from tests.serve_helpers import HTTP_PORT, MODEL, app_config, base_url, greedy_choice, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
 MODES = ("pdv", "unified")
@@ -48,17 +45,12 @@ LONG_PROMPT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n
 @pytest.fixture(scope="module", autouse=True)
 def apps(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    start_ray()
     configs = {}
     for mode in MODES:
         configs[mode] = app_config(mode, target, draft, max_queued_requests=MAX_QUEUED)
         configs[mode]["engine"].update(max_model_len=1024, max_num_seqs=MAX_NUM_SEQS)
-    deploy(configs)
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
+    with serving(configs):
+        yield
 
 
 def _lanes(mode: str) -> dict:

@@ -6,16 +6,12 @@ import json
 
 import httpx
 import pytest
-import ray
-from openai import OpenAI
-from ray import serve
 
 from deployments.openai_protocol import MAX_N
 from lanes.models import load_model
-from tests.serve_helpers import app_config, base_url, deploy, start_ray, wait_until_idle
+from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
-MODEL = "vpd-python"
 MODES = ("unified", "pdv")
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):"]
 GREEDY = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
@@ -29,11 +25,8 @@ def pair_paths(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    start_ray()
-    deploy({mode: app_config(mode, target, draft) for mode in MODES})
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    with serving({mode: app_config(mode, target, draft) for mode in MODES}):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +34,9 @@ def tokenizer(pair_paths):
     return load_model(pair_paths[0]).tokenizer
 
 
-def client(mode: str) -> OpenAI:
-    return OpenAI(base_url=base_url(mode), api_key="unused", max_retries=0)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_n3_completions_and_chat_have_indexed_choices_and_summed_usage(mode):
-    c = client(mode)
+    c = openai_client(mode)
     one = c.completions.create(prompt=PROMPTS[0], **GREEDY)
     three = c.completions.create(prompt=PROMPTS[0], n=3, **GREEDY)
     assert [ch.index for ch in three.choices] == [0, 1, 2]
@@ -67,7 +56,7 @@ def test_n3_completions_and_chat_have_indexed_choices_and_summed_usage(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_n3_streamed_tags_each_chunk_with_its_choice_and_ends_once(mode):
-    c = client(mode)
+    c = openai_client(mode)
     done = c.completions.create(prompt=PROMPTS[1], n=3, **GREEDY)
     chunks = list(c.completions.create(prompt=PROMPTS[1], n=3, stream=True,
                                        stream_options={"include_usage": True}, **GREEDY))
@@ -95,7 +84,7 @@ def test_n3_streamed_tags_each_chunk_with_its_choice_and_ends_once(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_seeded_samples_differ_and_reproduce(mode):
-    c = client(mode)
+    c = openai_client(mode)
     args = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.0, seed=1234, n=4,
                 extra_body={"ignore_eos": True})
     first = [ch.text for ch in c.completions.create(**args).choices]
@@ -109,7 +98,7 @@ def test_seeded_samples_differ_and_reproduce(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_batched_prompts_answer_in_order_as_single_requests_do(mode, tokenizer):
-    c = client(mode)
+    c = openai_client(mode)
     singles = [c.completions.create(prompt=p, **GREEDY) for p in PROMPTS]
     batch = c.completions.create(prompt=PROMPTS, n=2, **GREEDY)
     assert [ch.index for ch in batch.choices] == list(range(6))
@@ -126,7 +115,7 @@ def test_batched_prompts_answer_in_order_as_single_requests_do(mode, tokenizer):
 
 def test_batched_prompts_keep_echo_logprobs_per_choice(tokenizer):
     """Logprobs are served in unified (pdv refuses them by name): each choice has its own prompt's."""
-    c = client("unified")
+    c = openai_client("unified")
     out = c.completions.create(prompt=PROMPTS, n=2, echo=True, logprobs=2, **GREEDY)
     for ch in out.choices:
         prompt = PROMPTS[ch.index // 2]

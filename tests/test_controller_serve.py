@@ -15,16 +15,13 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
 from deployments.builder import ConfigError, build_app
 from lanes.models import load_model
 from tests.conftest import perturbed_copy
-from tests.serve_helpers import app_config, base_url, deploy, lane_stats, start_ray
+from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, serving
 from tests.tiny_pair import save_tiny_pair
 
-MODEL = "vpd-python"
 INTERVAL_S = 0.5
 MOVE_BOUND_S = 20.0
 MAX_DRAFT_LEN = 8
@@ -52,8 +49,7 @@ def pair_paths(tmp_path_factory) -> tuple[str, str, str]:
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, same, unrelated = pair_paths
-    start_ray()
-    deploy({
+    with serving({
         # Without the step-cost model in "good" and "bad": with the target as its own drafter every draft
         # token costs a target forward, and with an unrelated drafter no draft is accepted, so in both no
         # L > 0 beats L = 0 on wall time and the model (rightly) turns speculation off; these two tests are
@@ -72,10 +68,8 @@ def apps(pair_paths):
                                                        "num_speculative_tokens": 4, "prefill_chunk_tokens": 32},
                            controller={**CONTROLLER, "initial_draft_len": 4, "verify_queue_high": 6,
                                        "verify_queue_low": 2}),
-    })
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    }):
+        yield
 
 
 class Load:

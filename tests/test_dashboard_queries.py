@@ -32,14 +32,13 @@ import httpx
 import pytest
 import ray
 import yaml
-from ray import serve
 
 from deployments.metrics import _registry, read_gpu_stats
 from loadtest.arrivals import ClosedLoop
 from loadtest.runner import RunResult, run_load
 from loadtest.workload import LogNormal, load_tokenizer, synthetic
 from tests import serve_helpers
-from tests.serve_helpers import app_config, deploy, start_ray
+from tests.serve_helpers import app_config, serving
 from tests.tiny_pair import save_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,11 +74,8 @@ def app_url(tmp_path_factory, gpu_present):
         patch.setenv("RAY_metrics_report_interval_ms", REPORT_INTERVAL_MS)
         # Other Serve instances may share this machine; 8000 is `serve run`'s default port.
         patch.setattr(serve_helpers, "HTTP_PORT", _free_port())
-        start_ray()
-        deploy({"pdv": config})
-        yield serve_helpers.base_url("pdv").removesuffix("/v1"), target
-        serve.shutdown()
-        ray.shutdown()
+        with serving({"pdv": config}):
+            yield serve_helpers.base_url("pdv").removesuffix("/v1"), target
 
 
 class BackgroundLoad:

@@ -9,9 +9,8 @@ import time
 
 import httpx
 import pytest
-from ray import serve
 
-from tests.serve_helpers import HTTP_PORT, app_config, deploy, greedy_choice, lane_stats, record_stream, start_ray
+from tests.serve_helpers import HTTP_PORT, app_config, greedy_choice, lane_stats, record_stream, serving
 from tests.tiny_pair import save_tiny_pair
 
 APP = "faults"
@@ -21,19 +20,11 @@ HEALTH_PERIOD_S = 1.0
 @pytest.fixture(scope="module", autouse=True)
 def app(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    start_ray()
     lane = {"num_cpus": 0.05, "health_check_period_s": HEALTH_PERIOD_S}
     config = app_config("unified", target, draft, decode_lane=lane)
     config["engine"]["max_model_len"] = 2048  # streams long enough to be cut by the kill
-    deploy({APP: config})
-    yield
-    serve.shutdown()
-    import ray
-    ray.shutdown()
-
-
-
-
+    with serving({APP: config}):
+        yield
 
 
 def _health() -> httpx.Response:
@@ -48,7 +39,8 @@ def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
 
     results: list = [None] * 6
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=record_stream, args=(APP, i, 2000, results, started)) for i in range(len(results))]
+    threads = [threading.Thread(target=record_stream, args=(APP, i, 2000, results, started))
+               for i in range(len(results))]
     for t in threads:
         t.start()
     for _ in threads:  # every stream has its first chunk

@@ -7,16 +7,13 @@ import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from openai import OpenAI
-from ray import serve
 
 from deployments.ingress import API_KEY_ENV, authorized, resolve_api_key
 from schemathesis import GenerationMode
 
-from tests.serve_helpers import app_config, base_url, deploy, start_ray, wait_until_idle
+from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
-MODEL = "vpd-python"
 KEY = "sk-test-0123456789"
 MAX_MODEL_LEN = 256
 
@@ -24,13 +21,9 @@ MAX_MODEL_LEN = 256
 @pytest.fixture(scope="module", autouse=True)
 def apps(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    start_ray()
-    deploy({"keyed": app_config("unified", target, draft, api_key=KEY),
-            "pdv": app_config("pdv", target, draft)})
-    yield
-    serve.shutdown()
-    import ray
-    ray.shutdown()
+    with serving({"keyed": app_config("unified", target, draft, api_key=KEY),
+            "pdv": app_config("pdv", target, draft)}):
+        yield
 
 
 def root(app: str) -> str:
@@ -91,14 +84,14 @@ def test_the_right_key_opens_every_route_and_health_needs_none():
 
 
 def test_openai_sdk_passes_its_api_key():
-    ok = OpenAI(base_url=base_url("keyed"), api_key=KEY, max_retries=0)
+    ok = openai_client("keyed", KEY)
     done = ok.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=5, temperature=0)
     assert done.usage.completion_tokens == 5
     chat = list(ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=4, stream=True))
     assert chat[-1].choices[0].finish_reason is not None
     with pytest.raises(openai.AuthenticationError) as exc:
-        OpenAI(base_url=base_url("keyed"), api_key="wrong", max_retries=0).models.list()
+        openai_client("keyed", "wrong").models.list()
     assert exc.value.status_code == 401 and exc.value.body["type"] == "authentication_error"
 
 

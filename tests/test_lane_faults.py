@@ -1,7 +1,8 @@
-"""A lane replica killed under load in pdv (CPU, tiny pair, a real Serve instance; issue 15, item 2).
+"""A lane replica killed under load in pdv and pd (CPU, tiny pair, a real Serve instance; issue 15,
+item 2).
 
-For each lane in turn (prefill, verify, decode) its replica process gets SIGKILL while streams are
-in flight. Every stream ends within 10 s: completed, or with a final error event and [DONE]; none
+For each lane in turn (prefill, verify, decode in pdv; prefill, decode in pd, whose decode replicas
+verify themselves) its replica process gets SIGKILL while streams are in flight. Every stream ends within 10 s: completed, or with a final error event and [DONE]; none
 hangs. The surviving lanes free every slot that the dead replica's requests held, Serve replaces
 the dead replica by its health check, and the app serves the same greedy output again without a
 redeploy: the decode replica finds the new prefill or verify replica by itself, and never reads or
@@ -15,15 +16,15 @@ import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from tests.serve_helpers import (
-    HTTP_PORT, app_config, base_url, deploy, greedy_choice, lane_stats, record_stream, start_ray,
-    wait_until_idle)
+    HTTP_PORT, app_config, base_url, greedy_choice, lane_stats, record_stream, serving, wait_until_idle)
 from tests.tiny_pair import save_tiny_pair
 
-APP = "lanefaults"
+MODES = ("pdv", "pd")  # each mode's app is named after it
+KILLS = [("pdv", "PrefillLane"), ("pdv", "VerifyLane"), ("pdv", "DecodeLane"), ("pd", "PrefillLane"),
+         ("pd", "DecodeLane")]
 STREAMS = 12
 HEALTH_PERIOD_S = 1.0
 RECOVERY_LOG: dict[str, float] = {}
@@ -32,49 +33,43 @@ RECOVERY_LOG: dict[str, float] = {}
 @pytest.fixture(scope="module", autouse=True)
 def app(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    start_ray()
     lane = {"num_cpus": 0.05, "health_check_period_s": HEALTH_PERIOD_S}
-    config = app_config("pdv", target, draft, decode_lane={**lane, "num_replicas": 2}, prefill_lane=lane,
-                        verify_lane=lane)
-    config["engine"].update(max_model_len=1024, max_num_seqs=16)  # streams long enough to be cut
-    deploy({APP: config})
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    configs = {mode: app_config(mode, target, draft, decode_lane={**lane, "num_replicas": 2}, prefill_lane=lane,
+                                verify_lane=lane) for mode in MODES}
+    for config in configs.values():
+        config["engine"].update(max_model_len=1024, max_num_seqs=16)  # streams long enough to be cut
+    with serving(configs):
+        yield
 
 
+def _replica_pid(app: str, deployment: str) -> int:
+    return serve.get_deployment_handle(deployment, app_name=app).pid.remote().result(timeout_s=30)
 
 
+def _health(app: str) -> httpx.Response:
+    return httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{app}/health", timeout=10)
 
 
-def _replica_pid(deployment: str) -> int:
-    return serve.get_deployment_handle(deployment, app_name=APP).pid.remote().result(timeout_s=30)
-
-
-def _health() -> httpx.Response:
-    return httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{APP}/health", timeout=10)
-
-
-def _wait_healthy(timeout_s: float) -> None:
+def _wait_healthy(app: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while _health().status_code != 200:
-        assert time.monotonic() < deadline, f"the app did not recover: {_health().text}"
+    while _health(app).status_code != 200:
+        assert time.monotonic() < deadline, f"the app did not recover: {_health(app).text}"
         time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
-def greedy_before() -> str:
-    return greedy_choice(APP, "def add(a, b):")["text"]
+def greedy_before() -> dict[str, str]:
+    return {mode: greedy_choice(mode, "def add(a, b):")["text"] for mode in MODES}
 
 
-@pytest.mark.parametrize("deployment", ["PrefillLane", "VerifyLane", "DecodeLane"])
-def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(deployment, greedy_before):
-    _wait_healthy(120)
-    wait_until_idle(APP, "pdv")
-    pid = _replica_pid(deployment)
+@pytest.mark.parametrize(("mode", "deployment"), KILLS)
+def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(mode, deployment, greedy_before):
+    _wait_healthy(mode, 120)
+    wait_until_idle(mode, mode)
+    pid = _replica_pid(mode, deployment)
     results: list = [None] * STREAMS
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=record_stream, args=(APP, i, 600, results, started)) for i in range(STREAMS)]
+    threads = [threading.Thread(target=record_stream, args=(mode, i, 600, results, started)) for i in range(STREAMS)]
     for t in threads:
         t.start()
     for _ in threads:  # every stream is under way (or was refused)
@@ -100,21 +95,22 @@ def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(deployme
     if deployment == "DecodeLane":  # one of the two decode replicas: its streams fail, the other's finish
         assert failed >= 1 and completed >= 1, (completed, failed)
 
-    _wait_healthy(120)
+    _wait_healthy(mode, 120)
     recovered_s = time.monotonic() - killed_s
-    RECOVERY_LOG[deployment] = recovered_s
-    print(f"{deployment}: killed; {completed} streams completed, {failed} failed; "
+    RECOVERY_LOG[f"{mode} {deployment}"] = recovered_s
+    print(f"{mode} {deployment}: killed; {completed} streams completed, {failed} failed; "
           f"recovered {recovered_s:.1f} s after the kill")
-    assert _replica_pid(deployment) != pid
-    wait_until_idle(APP, "pdv")  # no slot held in the decode or the verify lane (the dead decode
+    assert _replica_pid(mode, deployment) != pid
+    wait_until_idle(mode, mode)  # no slot held in the decode or the verify lane (the dead decode
     # replica's verify slots are freed by the verify lane: deployments/slot_owners.py)
-    assert greedy_choice(APP, "def add(a, b):")["text"] == greedy_before
-    wait_until_idle(APP, "pdv")
+    assert greedy_choice(mode, "def add(a, b):")["text"] == greedy_before[mode]
+    wait_until_idle(mode, mode)
 
 
-def test_both_decode_replicas_serve_after_the_kills():
+@pytest.mark.parametrize("mode", MODES)
+def test_both_decode_replicas_serve_after_the_kills(mode):
     deadline = time.monotonic() + 120  # /health answers from either replica: Serve may still be starting one
-    while len(lane_stats(APP, "DecodeLane")) != 2:
+    while len(lane_stats(mode, "DecodeLane")) != 2:
         assert time.monotonic() < deadline, "the killed decode replica was not replaced"
         time.sleep(1)
     print("recovery after the kill, s:", {k: round(v, 1) for k, v in RECOVERY_LOG.items()})
@@ -123,12 +119,13 @@ def test_both_decode_replicas_serve_after_the_kills():
 def test_lanes_endpoint_reports_every_replicas_slots_and_queue():
     results: list = [None] * 4
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=record_stream, args=(APP, i, 600, results, started)) for i in range(len(results))]
+    threads = [threading.Thread(target=record_stream, args=("pdv", i, 600, results, started))
+               for i in range(len(results))]
     for t in threads:
         t.start()
     for _ in threads:
         assert started.acquire(timeout=120)
-    busy = httpx.get(f"{base_url(APP)}/lanes", timeout=30).json()
+    busy = httpx.get(f"{base_url('pdv')}/lanes", timeout=30).json()
     for t in threads:
         t.join(timeout=120)
     assert busy["mode"] == "pdv" and set(busy["lanes"]) == {"decode", "prefill", "verify"}
@@ -136,7 +133,7 @@ def test_lanes_endpoint_reports_every_replicas_slots_and_queue():
     assert len(decode) == 2 and len(verify) == 1 and len(busy["lanes"]["prefill"]["replicas"]) == 1
     held = sum(r["running"] + r["queue_depth"] for r in decode)
     assert 0 < held <= 4 and 0 < verify[0]["kv_slots_used"] <= 4, busy
-    wait_until_idle(APP, "pdv")
-    idle = httpx.get(f"{base_url(APP)}/lanes", timeout=30).json()["lanes"]
+    wait_until_idle("pdv", "pdv")
+    idle = httpx.get(f"{base_url('pdv')}/lanes", timeout=30).json()["lanes"]
     assert all(r["running"] == r["queue_depth"] == 0 for r in idle["decode"]["replicas"]), idle
     assert idle["verify"]["replicas"][0]["kv_slots_used"] == 0 and idle["prefill"]["replicas"][0]["queue_depth"] == 0

@@ -22,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import ray
-from ray import serve
 
 from loadtest.arrivals import OpenLoop
 from loadtest.report import Point, write_point
@@ -32,7 +30,7 @@ from loadtest.summary import LATENCY_METRICS
 from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_tokenizer,
                                random_prompt, synthetic, usable_token_ids)
 from tests import serve_helpers
-from tests.serve_helpers import app_config, deploy, start_ray
+from tests.serve_helpers import app_config, serving
 from tests.tiny_pair import save_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,11 +61,8 @@ def urls(pair_paths) -> dict[str, str]:
     with pytest.MonkeyPatch.context() as patch:
         # Other Serve instances may share this machine; 8000 is `serve run`'s default port.
         patch.setattr(serve_helpers, "HTTP_PORT", _free_port())
-        start_ray()
-        deploy({mode: app_config(mode, target, draft, engine=engine) for mode in ("pdv", "nospec")})
-        yield {mode: serve_helpers.base_url(mode).removesuffix("/v1") for mode in ("pdv", "nospec")}
-        serve.shutdown()
-        ray.shutdown()
+        with serving({mode: app_config(mode, target, draft, engine=engine) for mode in ("pdv", "nospec")}):
+            yield {mode: serve_helpers.base_url(mode).removesuffix("/v1") for mode in ("pdv", "nospec")}
 
 
 def mixed_workload(tokenizer_dir: str, seed: int = 0) -> list[WorkloadRequest]:

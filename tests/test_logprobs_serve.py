@@ -3,16 +3,12 @@ not, echo scoring equal to HF's log_softmax, and a 400 by name where prefill run
 
 import httpx
 import pytest
-import ray
 import torch
-from openai import OpenAI
-from ray import serve
 
 from lanes.models import load_model
-from tests.serve_helpers import app_config, base_url, deploy, start_ray
+from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving
 from tests.tiny_pair import save_tiny_pair
 
-MODEL = "vpd-python"
 PROMPT = "def add(a, b):"
 
 
@@ -24,19 +20,12 @@ def pair_paths(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    start_ray()
-    deploy({mode: app_config(mode, target, draft) for mode in ("unified", "pd")})
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
-def client(mode: str = "unified") -> OpenAI:
-    return OpenAI(base_url=base_url(mode), api_key="unused", max_retries=0)
+    with serving({mode: app_config(mode, target, draft) for mode in ("unified", "pd")}):
+        yield
 
 
 def test_completions_logprobs_legacy_shape_streamed_and_not():
-    c = client()
+    c = openai_client("unified")
     args = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3,
                 extra_body={"ignore_eos": True})
     done = c.completions.create(**args)
@@ -58,7 +47,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_hf_does(pair_paths):
     """The log-likelihood request of evaluation harnesses: echo + logprobs + max_tokens 0."""
     target = load_model(pair_paths[0])
     ids = target.tokenizer.encode(PROMPT + "\n    return a + b\n")
-    out = client().completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    out = openai_client("unified").completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
     choice = out.choices[0]
     assert choice.text == target.tokenizer.decode(ids) and out.usage.completion_tokens == 0
     lp = choice.logprobs
@@ -68,14 +57,14 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_hf_does(pair_paths):
     expected = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert torch.allclose(torch.tensor(lp.token_logprobs[1:], dtype=torch.float64), expected, atol=1e-4)
     # echo with generation: the prompt's tokens, then the generated ones, in one list.
-    both = client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+    both = openai_client("unified").completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
                                        logprobs=2, extra_body={"ignore_eos": True}).choices[0]
     assert both.text.startswith(PROMPT) and both.logprobs.token_logprobs[0] is None
     assert len(both.logprobs.tokens) == len(target.tokenizer.encode(PROMPT)) + 4
 
 
 def test_chat_logprobs_content_shape_streamed_and_not():
-    c = client()
+    c = openai_client("unified")
     args = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
                 logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     done = c.chat.completions.create(**args)

@@ -6,18 +6,14 @@ import time
 
 import httpx
 import pytest
-import ray
-from openai import OpenAI
 from ray import serve
 
 from deployments.builder import ConfigError, build_app
 from deployments.timeline import event_rows
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.serve_helpers import ALL_MODES, app_config, base_url, deploy, start_ray, wait_until_idle
+from tests.serve_helpers import ALL_MODES, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
-
-MODEL = "vpd-python"
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +24,15 @@ def pair_paths(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    start_ray()
     configs = {mode: app_config(mode, target, draft) for mode in ALL_MODES}
     configs["limited"] = app_config("unified", target, draft, max_queued_requests=2)
-    deploy(configs)
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
-def client(mode: str) -> OpenAI:
-    return OpenAI(base_url=base_url(mode), api_key="unused", max_retries=0)
+    with serving(configs):
+        yield
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_openai_client_gets_completions_chat_and_streams(mode):
-    c = client(mode)
+    c = openai_client(mode)
     assert [m.id for m in c.models.list().data] == [MODEL]
     done = c.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0)
     assert done.usage.completion_tokens == 12 and done.choices[0].finish_reason == "length"
@@ -69,7 +58,7 @@ def greedy_refs(pair_paths):
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_greedy_output_over_http_equals_target_greedy(mode, greedy_refs):
-    c = client(mode)
+    c = openai_client(mode)
     for prompt, ref in greedy_refs:
         out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                    extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -240,7 +229,7 @@ def test_unknown_fields_are_ignored_and_vllm_client_fields_are_served():
 
 
 def test_chat_takes_content_parts_and_max_completion_tokens_through_the_openai_sdk():
-    c = client("unified")
+    c = openai_client("unified")
     parts = c.chat.completions.create(
         model=MODEL, temperature=0, max_completion_tokens=7,
         messages=[{"role": "system", "content": "be brief"},

@@ -2,16 +2,12 @@
 decode lane holds no model, the prefill lane prefills no draft, and greedy output is the target's."""
 
 import pytest
-import ray
-from openai import OpenAI
-from ray import serve
 
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy
-from tests.serve_helpers import app_config, base_url, deploy, lane_stats, start_ray, wait_until_idle
+from tests.serve_helpers import MODEL, app_config, lane_stats, openai_client, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
-MODEL = "vpd-python"
 APP = "pdv_ngram"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
@@ -19,20 +15,17 @@ NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 @pytest.fixture(scope="module")
 def target_path(tmp_path_factory) -> str:
     target, _ = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    start_ray()
     config = app_config("pdv", target, "unused", decode_lane={"num_cpus": 0.05})
     config["draft"] = NGRAM
-    deploy({APP: config})
-    yield target
-    serve.shutdown()
-    ray.shutdown()
+    with serving({APP: config}):
+        yield target
 
 
 def test_pdv_with_prompt_lookup_serves_the_targets_greedy_output(target_path):
     target = load_model(target_path)
     chunk = target.tokenizer.encode("for i in range(10):\n    print(i)\n")
     prompts = [chunk * 3, target.tokenizer.encode("def add(a, b):\n    return a + b\n") * 2 + chunk]
-    c = OpenAI(base_url=base_url(APP), api_key="unused", max_retries=0)
+    c = openai_client(APP)
     drafted = 0
     for prompt in prompts:
         out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,

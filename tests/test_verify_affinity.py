@@ -17,14 +17,12 @@ import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from deployments.lease_router import UNKNOWN_LEASE_WAIT_S, LeaseGone
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.serve_helpers import (
-    MODEL, app_config, base_url, deploy, lane_stats, record_stream, start_ray, wait_until_idle)
+from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, record_stream, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
 APP = "affinity"
@@ -42,16 +40,13 @@ def pair_paths(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def app(pair_paths):
     target, draft = pair_paths
-    start_ray()
     lane = {"num_cpus": 0.05, "health_check_period_s": 1.0}
     config = app_config("pdv", target, draft, prefill_lane=lane, decode_lane={**lane, "num_replicas": 2},
                         verify_lane={**lane, "num_replicas": VERIFY_REPLICAS})
     config["engine"].update(max_model_len=1024)  # streams long enough to be cut by the kill
-    deploy({APP: config})
-    _wait_for_verify_replicas(120)
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    with serving({APP: config}):
+        _wait_for_verify_replicas(120)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +92,6 @@ def test_200_requests_over_3_verify_replicas_each_verified_by_its_owner(greedy_r
     # Each request makes at least one verify call (MAX_TOKENS - 1 tokens after the prefill's first).
     assert sum(rows.values()) >= REQUESTS
     assert all(s["stale_rows"] == s["stale_releases"] == 0 for s in verify), verify
-
-
 
 
 def test_killed_verify_replica_fails_only_its_own_requests_and_slots_are_freed(greedy_refs):
