@@ -17,6 +17,7 @@ from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
 from lanes.kv_pool import PoolFullError
+from lanes.penalties import PenaltyHistory
 from lanes.rejection import point_mass
 from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
 
@@ -202,6 +203,7 @@ def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
         num_draft=sum((b.num_draft for b in batches), []),
         params=sum((b.params for b in batches), []),
         seeds=sum((b.seeds for b in batches), []),
+        history=PenaltyHistory.merge([b.history for b in batches], [len(b.target_slots) for b in batches]),
     )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from lanes.batching import pad_rows, pad_tokens, to_device
 from lanes.model_runner import ModelRunner, Rows
+from lanes.penalties import Penalties, PenaltyHistory
 from lanes.sampling import STREAM_DRAFT, SamplingTensors, draw
 from lanes.sequence import Sequence
 
@@ -77,9 +78,12 @@ class DraftLane:
         slot_ids, starts, keep, base = host[:4]  # base: absolute position of draft 0, len(token_ids)
         logits = self.runner.forward(Rows(slot_ids, starts, max(kv_lens)), host[4:].T, keep=keep)  # [B, V]
         rows = Rows(slot_ids, base, max(num_tokens))  # every row now holds its committed tokens
+        # The target's penalties on the draft's own proposals, for acceptance (correctness never needs them).
+        penalties = Penalties.build([s.params for s in seqs], PenaltyHistory.of(seqs), logits.shape[-1], logits.device)
         tokens, probs = [], []
         for j in range(max_len):
-            token, q = draw(logits[:, None], st, base[:, None] + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
+            scores = logits[:, None] if penalties is None else penalties.apply(logits[:, None], _cat(tokens), first=j)
+            token, q = draw(scores, st, base[:, None] + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
             tokens.append(token)
             if q is not None:
                 probs.append(q)
@@ -104,3 +108,7 @@ class DraftLane:
             ids, last = pad_tokens(chunks, self.runner.device)
             self.runner.forward(self.runner.rows(behind_slots, starts), ids, keep=last, prefill=True)
             pool.lengths[behind_slots] = np.add(starts, [len(chunk) for chunk in chunks])
+
+
+def _cat(tokens: list[torch.Tensor]) -> torch.Tensor | None:
+    return torch.cat(tokens, dim=1) if tokens else None

@@ -23,6 +23,7 @@ from lanes.model_runner import ModelRunner
 from lanes.models import LoadedModel, check_compatible
 from lanes.outputs import RequestOutput
 from lanes.params import ParamError, SamplingParams
+from lanes.penalties import PenaltyHistory, check_request
 from lanes.prefill import PrefillLane
 from lanes.rollback import rollback_after_verify
 from lanes.scheduler import Scheduler
@@ -143,6 +144,7 @@ class EngineCore:
             )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        check_request(params, self.vocab_size, self.eos_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len)
         if arrival_s is not None:
@@ -238,6 +240,7 @@ class EngineCore:
             params=[s.params for s in running],
             seeds=[s.seed for s in running],
             target_leases=[s.target_lease for s in running],
+            history=PenaltyHistory.of(running),
         )
         self.streams.verify_after_decode()
         with on(self.streams.verify):

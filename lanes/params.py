@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API and vLLM's default max_logprobs allow
+MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value; larger ones are clamped to it, as vLLM does
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k become int64 tensors
 
 
@@ -39,10 +41,21 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # per output token: its logprob and the top-k alternatives (0 <= k <= 20)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Penalties and constraints on the raw logits (vLLM's definitions; lanes/penalties.py applies them).
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided, negative multiplied
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens
+    # Set by the engine (add_request): the ids min_tokens holds back, stop_token_ids plus EOS unless
+    # ignore_eos (vLLM's all_stop_token_ids). They travel with the params to every lane.
+    min_tokens_stop_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {t: _clamp_bias(b) for t, b in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -77,10 +90,47 @@ class SamplingParams:
                 _check_int(name, k)
                 if not 0 <= k <= MAX_LOGPROBS:
                     raise ParamError(name, f"must be in [0, {MAX_LOGPROBS}], got {k}")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ParamError(name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ParamError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b)
+                for t, b in self.logit_bias.items()
+            ):
+                raise ParamError("logit_bias", "must map token ids (>= 0) to finite numbers")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ParamError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether lanes/penalties.py changes this request's logits at all."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether a penalty reads the output's tokens (not just how many there are)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _clamp_bias(bias):
+    return max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, bias)) if _is_number(bias) else bias
 
 
 def _check_int(name: str, value) -> None:

@@ -7,6 +7,7 @@ import torch
 from lanes.batching import pad_rows, pad_tokens, to_device
 from lanes.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.model_runner import ModelRunner
+from lanes.penalties import Penalties, PenaltyHistory
 from lanes.sampling import STREAM_TARGET, SamplingTensors, draw
 from lanes.sequence import Sequence
 
@@ -99,7 +100,10 @@ class PrefillLane:
         last_logits = logits[torch.arange(len(chunks), device=logits.device), last] if keep is None else logits  # [B, V]
         # The first output token sits at absolute position len(prompt).
         positions = to_device([[c.seq.num_prompt_tokens] for c in chunks], torch.long, logits.device)
-        first = draw(last_logits[:, None], st, positions, STREAM_TARGET)[0]  # [B, 1]
+        penalties = Penalties.build([c.seq.params for c in chunks], PenaltyHistory.of([c.seq for c in chunks]),
+                                    logits.shape[-1], logits.device)
+        scores = last_logits[:, None] if penalties is None else penalties.apply(last_logits[:, None])  # logprobs stay raw
+        first = draw(scores, st, positions, STREAM_TARGET)[0]  # [B, 1]
         if layout.k is None:
             return first
         if not layout.every_position:

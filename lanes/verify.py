@@ -15,6 +15,7 @@ from lanes.batching import HostCopy, to_device, to_host_async
 from lanes.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.model_runner import ModelRunner, Rows
 from lanes.params import SamplingParams
+from lanes.penalties import Penalties, PenaltyHistory
 from lanes.rejection import greedy_verify, point_mass, rejection_sample
 from lanes.rollback import rollback_after_verify
 from lanes.sampling import STREAM_ACCEPT, STREAM_TARGET, SamplingTensors, logits_to_probs, uniform_noise
@@ -31,12 +32,13 @@ class VerifyBatch:
     params: list[SamplingParams]
     seeds: list[int]
     target_leases: list[str | None] | None = None  # per row: the remote pool instance that holds the slot
+    history: PenaltyHistory | None = None  # the tokens of the rows that use penalties; None when none does
 
     def to(self, device) -> "VerifyBatch":
         return VerifyBatch(
             self.target_slots, self.num_tokens, self.last_tokens, self.draft_tokens.to(device),
             None if self.draft_probs is None else self.draft_probs.to(device), self.num_draft, self.params, self.seeds,
-            self.target_leases,
+            self.target_leases, self.history,
         )
 
     def select(self, rows: list[int]) -> "VerifyBatch":
@@ -49,7 +51,7 @@ class VerifyBatch:
         return VerifyBatch(
             pick(self.target_slots), pick(self.num_tokens), pick(self.last_tokens), self.draft_tokens[index],
             None if self.draft_probs is None else self.draft_probs[index], pick(self.num_draft), pick(self.params),
-            pick(self.seeds), pick(self.target_leases),
+            pick(self.seeds), pick(self.target_leases), self.history and self.history.select(rows),
         )
 
 
@@ -107,10 +109,13 @@ class VerifyLane:
         drafts = batch.draft_tokens.to(device)
         ids = torch.cat([last[:, None], drafts], dim=1)  # [B, L + 1]
         logits = self.runner.forward(Rows(slot_ids, starts, int(kv_lens.max())), ids)  # [B, L + 1, V]
+        # Penalised target: column c counts the drafts before it (lanes/penalties.py). Logprobs stay raw.
+        penalties = Penalties.build(batch.params, batch.history, logits.shape[-1], device)
+        scores = logits if penalties is None else penalties.apply(logits, drafts)
         if st.all_greedy:
-            out = greedy_verify(drafts, logits, num_draft)
+            out = greedy_verify(drafts, scores, num_draft)
         else:
-            out = self._sample(logits, drafts, batch.draft_probs, num_draft, starts + 1, st)
+            out = self._sample(scores, drafts, batch.draft_probs, num_draft, starts + 1, st)
         # The step's single device-to-host transfer: accepted tokens, their count per row, and the
         # logprobs of every column (only when a row asked for them).
         k = batch_k([p.logprobs for p in batch.params])
