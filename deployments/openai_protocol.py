@@ -51,11 +51,6 @@ _REFUSED_COMMON: dict[str, tuple[Any, str]] = {
     "best_of": (None, "best_of is not served"),
     "use_beam_search": (False, "beam search is not served"),
     "length_penalty": (1.0, "beam search is not served"),
-    "frequency_penalty": (0.0, "penalties are not served yet"),
-    "presence_penalty": (0.0, "penalties are not served yet"),
-    "repetition_penalty": (1.0, "penalties are not served yet"),
-    "logit_bias": (None, "logit_bias is not served yet"),
-    "min_tokens": (0, "min_tokens is not served yet"),
     "allowed_token_ids": (None, "allowed_token_ids is not served yet"),
     "bad_words": (None, "bad_words is not served yet"),
     "include_stop_str_in_output": (False, "stop strings are always cut from the output"),
@@ -102,6 +97,17 @@ class _SamplingFields(_Open):
     n: int = Field(default=1, description="Choices per prompt (1 to 16), each sampled as a request of its own; "
                    "with a seed, choice i draws with seed + i")
     response_format: dict | None = None
+    # Penalties and constraints (lanes/penalties.py); null means off, as vLLM takes it.
+    presence_penalty: float | None = Field(default=None, description="In [-2, 2]: subtracted from the logit of "
+                                           "every token already in the output")
+    frequency_penalty: float | None = Field(default=None, description="In [-2, 2]: subtracted once per occurrence "
+                                            "of a token in the output")
+    repetition_penalty: float | None = Field(default=None, description="vLLM's, > 0: tokens in the prompt or the "
+                                             "output get positive logits divided by it, negative ones multiplied")
+    logit_bias: dict[str, float] | None = Field(default=None, description="Token id (as a string) -> bias added to "
+                                                "its logit, clamped to [-100, 100]")
+    min_tokens: int | None = Field(default=None, description="vLLM's: no EOS, stop token id or stop string before "
+                                   "this many output tokens")
     return_token_ids: bool = Field(default=False, description="Also return the generated token ids "
                                    "(`choices[].token_ids`), as vLLM's extension of the same name does.")
     # Accepted: they change nothing about the output.
@@ -138,8 +144,18 @@ class _SamplingFields(_Open):
         return SamplingParams(
             max_tokens=self.output_limit(), temperature=temperature, top_p=self.top_p, top_k=top_k, min_p=self.min_p,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **self.penalties(),
         )
+
+    def penalties(self) -> dict:
+        """The penalty fields as SamplingParams takes them (which checks their ranges)."""
+        out = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+               if (value := getattr(self, name)) is not None}
+        if self.logit_bias:
+            if not all(key.isdecimal() for key in self.logit_bias):
+                raise ParamError("logit_bias", "keys must be token ids written as strings, e.g. {\"50256\": -100}")
+            out["logit_bias"] = {int(key): bias for key, bias in self.logit_bias.items()}
+        return out
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(top-k per output token, top-k per prompt token); None where not asked."""

@@ -151,7 +151,7 @@ class EngineCore:
             seq.arrival_s = arrival_s
         self.scheduler.add(seq)
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
         return seq
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -310,6 +310,9 @@ class EngineCore:
             text, hit_stop = detok.append(visible)
             if hit_stop:
                 reason = "stop"
+                # Tokens after the one that completed the stop string (same step) are not output.
+                del seq.token_ids[len(seq.token_ids) - len(emitted) + detok.consumed :]
+                emitted = emitted[: detok.consumed]
             elif reason is not None:
                 text += detok.flush()
         if reason is not None:

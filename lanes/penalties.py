@@ -167,14 +167,14 @@ class Penalties:
     def _counts(self, drafts: torch.Tensor | None, first: int, width: int) -> torch.Tensor:
         """[P, K, V]: the committed output's counts plus, at column c, drafts[:, :first + c]."""
         num, vocab = self.output_counts.shape
-        counts = self.output_counts[:, None, :].expand(num, width, vocab)
         if drafts is None or drafts.shape[1] == 0 or first + width <= 1:
-            return counts
+            return self.output_counts[:, None, :].expand(num, width, vocab)
         mine = drafts.index_select(0, self.rows).clamp_min(0)  # [P, D]; padding past a row's drafts is
         # counted only at columns nothing reads (past num_draft)
         before = first + torch.arange(width, device=mine.device)[:, None] > torch.arange(mine.shape[1], device=mine.device)
-        return counts.contiguous().scatter_add_(2, mine[:, None, :].expand(-1, width, -1),
-                                               before.to(counts.dtype)[None].expand(num, -1, -1))
+        counts = self.output_counts[:, None, :].repeat(1, width, 1)  # a copy: the committed counts stay as built
+        return counts.scatter_add_(2, mine[:, None, :].expand(-1, width, -1),
+                                   before.to(counts.dtype)[None].expand(num, -1, -1))
 
 
 def _flat(ids: list[list[int]], vocab: int) -> np.ndarray:
