@@ -21,12 +21,41 @@ def run_to_completion(engine: EngineCore, requests: dict[str, tuple[list[int], S
     return outputs
 
 
-def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """HF's greedy `generate` (`generate_kwargs`: its logits processors, e.g. repetition_penalty)."""
     out = model.model.generate(
         torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        **generate_kwargs,
     )
     return out[0, len(prompt):].tolist()
+
+
+def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
+                        eos_ids: set[int]) -> torch.Tensor:
+    """vLLM's penalties of one position [V], written out token by token: a reference for lanes/penalties.py."""
+    x = logits.double().clone()
+    if len(output) < params.min_tokens:
+        for t in set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids):
+            x[t] = float("-inf")
+    for t, bias in (params.logit_bias or {}).items():
+        x[t] += bias
+    for t in set(prompt) | set(output):  # every other token keeps its logit
+        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty * (t in output)
+    return x
+
+
+def penalised_greedy(model: LoadedModel, prompt: list[int], params: SamplingParams, eos_ids: set[int]) -> list[int]:
+    """Greedy decoding of the target with `params`' penalties, one full forward per token (no cache)."""
+    output: list[int] = []
+    with torch.no_grad():
+        while len(output) < params.max_tokens:
+            logits = model.model(torch.tensor([prompt + output])).logits[0, -1]
+            output.append(int(reference_penalties(logits, prompt, output, params, eos_ids).argmax()))
+            if output[-1] in params.stop_token_ids or (output[-1] in eos_ids and not params.ignore_eos):
+                break
+    return output
 
 
 def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:

@@ -3,7 +3,7 @@
 import pytest
 
 from lanes.params import SamplingParams
-from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
+from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts, run_to_completion, small_engine
 from tests.conftest import VOCAB
 
 NUM_PROMPTS = 20
@@ -45,3 +45,52 @@ def test_nospec_engine_equals_target_greedy(llama_pair):
     outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=16, ignore_eos=True)) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
         assert outputs[str(i)] == hf_greedy(target, p, 16)
+
+
+# Penalties change the greedy output; speculation must not (lanes/penalties.py).
+PENALISED = {
+    "repetition": dict(repetition_penalty=1.3),
+    "presence_frequency": dict(presence_penalty=1.2, frequency_penalty=0.6),
+    "logit_bias": dict(logit_bias={7: 4.0, 11: -100.0, 40: 0.7}),
+    "min_tokens": dict(min_tokens=10),  # with a stop token id that the plain greedy output emits early
+    "all": dict(repetition_penalty=0.9, presence_penalty=-0.5, frequency_penalty=0.4, logit_bias={3: 2.0},
+                min_tokens=3),
+}
+
+
+def _penalised_params(name: str, plain: list[int]) -> SamplingParams:
+    stop = dict(stop_token_ids=[plain[2]]) if "min_tokens" in PENALISED[name] else {}
+    return SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **PENALISED[name], **stop)
+
+
+@pytest.fixture(scope="module")
+def penalised_refs(pair):
+    """Per prompt: (prompt, {name: (params, the target's greedy output under them)})."""
+    target, _ = pair
+    prompts = random_prompts(6, VOCAB, 1, 60, seed=11)
+    refs = []
+    for p in prompts:
+        plain = hf_greedy(target, p, MAX_NEW)
+        by_name = {}
+        for name in PENALISED:
+            params = _penalised_params(name, plain)
+            by_name[name] = (params, penalised_greedy(target, p, params, eos_ids=set()))
+        # The reference agrees with HF's own repetition penalty, and the penalties changed something.
+        assert by_name["repetition"][1] == hf_greedy(target, p, MAX_NEW, repetition_penalty=1.3)
+        assert len(by_name["min_tokens"][1]) > 10 and plain[2] not in by_name["min_tokens"][1][:10]
+        refs.append((p, by_name))
+    for name in PENALISED:
+        assert any(by_name[name][1] != hf_greedy(target, p, MAX_NEW)[: len(by_name[name][1])] for p, by_name in refs), name
+    return refs
+
+
+@pytest.mark.parametrize("draft_len", [None, 0, 2, 4])  # None: no draft model at all
+@pytest.mark.parametrize("name", list(PENALISED))
+def test_penalised_greedy_output_equals_the_penalised_target_greedy(pair, penalised_refs, name, draft_len):
+    target, draft = pair
+    engine = small_engine(target, draft if draft_len is not None else None, num_speculative_tokens=draft_len or 0)
+    outputs = run_to_completion(engine, {str(i): (p, by_name[name][0]) for i, (p, by_name) in enumerate(penalised_refs)})
+    for i, (p, by_name) in enumerate(penalised_refs):
+        assert outputs[str(i)] == by_name[name][1], f"prompt {i} (len {len(p)}) diverged"
+    if draft_len:
+        assert engine.total_stats.num_accepted_tokens > 0  # (a strong logit_bias may make every draft right)

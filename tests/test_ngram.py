@@ -16,7 +16,7 @@ from lanes.params import SamplingParams
 from lanes.prompt_prefiller import PrefillRequest
 from lanes.sequence import Sequence
 from tests.conftest import VOCAB
-from tests.engine_helpers import hf_greedy, run_to_completion
+from tests.engine_helpers import hf_greedy, penalised_greedy, run_to_completion
 from tests.tiny_pair import save_tiny_pair
 
 
@@ -121,6 +121,22 @@ def test_greedy_output_equals_target_greedy_with_prompt_lookup(pair, draft_len):
     assert stats.num_drafts > 0
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats.to_dict()
     assert engine.draft is None and engine.verifier.pool.num_used == 0
+
+
+def test_penalised_greedy_output_with_prompt_lookup_equals_the_penalised_target(llama_pair):
+    """A lookup's q is a point mass; the verifier compares it with the penalised p (counting the
+    lookup's earlier tokens): a repetition penalty makes the copies it proposes lose, and the output
+    is still the target's own under the penalties."""
+    target, _ = llama_pair
+    prompts = _repeating_prompts(12, seed=5)
+    config = EngineConfig(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, prefill_chunk_tokens=32,
+                          idle_prefill_tokens=64)
+    engine = EngineCore.colocated(target, None, config, proposer=NgramProposer(2, 5))
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.1)
+    outputs = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        assert outputs[str(i)] == penalised_greedy(target, p, params, eos_ids=set()), f"prompt {i} diverged"
+    assert 0 < engine.total_stats.num_accepted_tokens < engine.total_stats.num_draft_tokens
 
 
 def test_sampled_requests_run_and_are_reproducible_by_seed(llama_pair):

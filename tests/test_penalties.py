@@ -8,6 +8,7 @@ from lanes.params import ParamError, SamplingParams
 from lanes.penalties import Penalties, PenaltyHistory, check_request
 from lanes.rejection import greedy_verify
 from lanes.sequence import Sequence
+from tests.engine_helpers import reference_penalties
 
 V = 8
 
@@ -16,23 +17,6 @@ def _seq(prompt: list[int], output: list[int], **params) -> Sequence:
     seq = Sequence("r", prompt, SamplingParams(max_tokens=32, **params), seed=0, draft_len=0)
     seq.token_ids += output
     return seq
-
-
-def _reference(logits: torch.Tensor, seq: Sequence, drafted: list[int], eos: set[int]) -> torch.Tensor:
-    """vLLM's penalties for one row at one position, written out token by token (the output there is
-    the committed one plus `drafted`)."""
-    p, out = seq.params, seq.token_ids[seq.num_prompt_tokens:] + drafted
-    x = logits.double().clone()
-    if len(out) < p.min_tokens:
-        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else eos):
-            x[t] = float("-inf")
-    for t, b in (p.logit_bias or {}).items():
-        x[t] += b
-    for t in range(V):
-        if t in out or (t in seq.prompt_ids):
-            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-        x[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty * (t in out)
-    return x
 
 
 ROWS = [
@@ -63,7 +47,8 @@ def test_every_column_counts_the_committed_output_plus_the_drafts_before_it():
     assert out.dtype == torch.float64
     for b, seq in enumerate(seqs):
         for c in range(4):
-            expected = _reference(logits[b, c], seq, drafts[b, :c].tolist(), eos={7})
+            output = seq.token_ids[seq.num_prompt_tokens:] + drafts[b, :c].tolist()
+            expected = reference_penalties(logits[b, c], seq.prompt_ids, output, seq.params, eos_ids={7})
             assert torch.allclose(out[b, c], expected), (b, c, out[b, c], expected)
     assert torch.equal(out[3], logits[3])
 

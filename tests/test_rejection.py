@@ -3,6 +3,7 @@
 import torch
 
 from lanes.params import SamplingParams
+from lanes.penalties import Penalties, PenaltyHistory
 from lanes.rejection import greedy_verify, point_mass, rejection_sample
 from lanes.sampling import (
     STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, SamplingTensors, logits_to_probs, sample_from, uniform_noise,
@@ -175,3 +176,54 @@ def test_sampled_tokens_follow_a_min_p_filtered_target():
         assert float(((counts - expected) ** 2 / expected).sum()) < CHI2_BOUND
     # The unfiltered target fails the same statistic: the filter changed the distribution.
     assert _chi2(out.tokens[:, 0], P[0]) > 10 * CHI2_BOUND
+
+
+# Output so far (two 0s) and prompt ([5]) of the penalised request below.
+PENALISED = SamplingParams(temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
+
+
+def _penalised_target(column: int, prefix: list[int]) -> torch.Tensor:
+    """The penalised P[column] after `prefix` drafts, written out from vLLM's definitions."""
+    output = [0, 0] + prefix
+    logits = P[column].log().clone()
+    for t in range(V):
+        if t in output or t == 5:
+            logits[t] = logits[t] / 1.5 if logits[t] > 0 else logits[t] * 1.5
+        logits[t] -= 0.5 * output.count(t) + 1.0 * (t in output)
+    return torch.softmax(logits, dim=-1)
+
+
+def _sample_penalised(count_drafts: bool) -> torch.Tensor:
+    seeds, positions, q, drafts = _draws()
+    history = PenaltyHistory(list(range(N)), [[5]] * N, [[0, 0]] * N, [2] * N)
+    penalties = Penalties.build([PENALISED] * N, history, V, "cpu")
+    raw = P.log()[None].expand(N, -1, -1)
+    logits = penalties.apply(raw, drafts if count_drafts else None)
+    p = logits_to_probs(logits, SamplingTensors.build([PENALISED] * N, [0] * N, "cpu"))
+    return rejection_sample(drafts, q, p, torch.full((N,), L), uniform_noise(seeds, positions[:, :L], STREAM_ACCEPT),
+                            uniform_noise(seeds, positions, STREAM_TARGET, V)).tokens
+
+
+def _column_one_chi2s(tokens: torch.Tensor) -> list[float]:
+    # A token at column 1 exists only after draft 0 was accepted, so its prefix is that draft:
+    # given it, the token follows P[1] penalised with the draft counted.
+    stats = []
+    for first in range(V):
+        rows = (tokens[:, 0] == first) & (tokens[:, 1] >= 0)
+        if rows.sum() >= 2000:
+            stats.append(_chi2(tokens[rows, 1], _penalised_target(1, [first])))
+    return stats
+
+
+def test_sampled_tokens_follow_the_penalised_target_given_the_drafts_before_them():
+    """Penalties make p at column c depend on the drafts before it (lanes/penalties.py). The emitted
+    tokens follow the penalised target: column 0 the one of the committed output, column 1 the one
+    that also counts the accepted draft 0."""
+    tokens = _sample_penalised(count_drafts=True)
+    assert _chi2(tokens[:, 0], _penalised_target(0, [])) < CHI2_BOUND
+    assert _chi2(tokens[:, 0], P[0]) > 10 * CHI2_BOUND  # the penalties changed the distribution
+    stats = _column_one_chi2s(tokens)
+    assert len(stats) >= 3 and max(stats) < CHI2_BOUND, stats
+    # A verifier that penalised every column by the committed output only fails the same statistic.
+    stale = _column_one_chi2s(_sample_penalised(count_drafts=False))
+    assert max(stale) > 10 * CHI2_BOUND, stale
