@@ -130,3 +130,22 @@ def test_bad_logprobs_fields_are_named(kwargs, field):
     with pytest.raises(ParamError) as info:
         SamplingParams(**{"max_tokens": 4, **kwargs})
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("draft_len", [0, 3])
+def test_logprobs_stay_raw_under_penalties(llama_pair, prompts, draft_len):
+    """vLLM's default: logprobs are taken before penalties, logit_bias and min_tokens. A bias of 100 on
+    one token makes it every output token, and its logprob is still the target's own."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft, num_speculative_tokens=draft_len)
+    forced = 17
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=K, logit_bias={forced: 100.0},
+                            repetition_penalty=1.5, presence_penalty=2.0)
+    chunks = run_chunks(engine, {"r": (prompts[0], params)})["r"]
+    rows = per_token(chunks, draft_len, MAX_NEW)
+    assert [token for token, *_ in rows] == [forced] * MAX_NEW
+    raw = hf_logprobs(target, prompts[0] + [forced] * MAX_NEW)[len(prompts[0]) - 1 : -1]  # [MAX_NEW, V]
+    for j, (token, logprob, top_ids, top_logprobs, _) in enumerate(rows):
+        assert abs(logprob - raw[j, token].item()) < TOL
+        assert top_ids == raw[j].topk(K).indices.tolist()
+    assert max(logprob for _, logprob, *_ in rows) < -1  # far from the biased distribution's ~0

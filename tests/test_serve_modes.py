@@ -11,7 +11,8 @@ from ray import serve
 from deployments.builder import ConfigError, build_app
 from deployments.timeline import event_rows
 from lanes.models import load_model
-from tests.engine_helpers import hf_greedy, random_prompts
+from lanes.params import SamplingParams
+from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts
 from tests.serve_helpers import ALL_MODES, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
@@ -63,6 +64,51 @@ def test_greedy_output_over_http_equals_target_greedy(mode, greedy_refs):
         out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                    extra_body={"ignore_eos": True, "return_token_ids": True})
         assert out.choices[0].token_ids == ref
+
+
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, min_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def penalised_refs(pair_paths):
+    target = load_model(pair_paths[0])
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logit_bias={7: 3.0}, **PENALTIES)
+    return [(p, penalised_greedy(target, p, params, eos_ids=set()))
+            for p in random_prompts(3, len(target.tokenizer), 1, 40, seed=5)]
+
+
+@pytest.mark.parametrize("mode", ["pd", "pdv", "unified"])
+def test_penalised_requests_over_http_equal_the_penalised_target_greedy(mode, penalised_refs):
+    """The history reaches the verify lane (a replica of its own in pdv) and the prefill lane's first
+    token: the output is the target's own under the penalties. Through the openai SDK's typed arguments."""
+    c = openai_client(mode)
+    for prompt, ref in penalised_refs:
+        out = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=PENALTIES["presence_penalty"],
+            frequency_penalty=PENALTIES["frequency_penalty"], logit_bias={"7": 3.0},
+            extra_body={"repetition_penalty": PENALTIES["repetition_penalty"], "min_tokens": PENALTIES["min_tokens"],
+                        "ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].token_ids == ref
+    wait_until_idle(mode, mode)
+
+
+def test_chat_logit_bias_and_min_tokens_through_the_openai_sdk(pair_paths):
+    """A bias of 100 makes one token every output token; min_tokens holds EOS back (chat, streamed too)."""
+    tokenizer = load_model(pair_paths[0]).tokenizer
+    forced = tokenizer.convert_tokens_to_ids("x")
+    c = openai_client("pdv")
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0.7, seed=1,
+                  logit_bias={str(forced): 100}, presence_penalty=-2, frequency_penalty=-2)
+    chat = c.chat.completions.create(**kwargs)
+    assert chat.choices[0].message.content == "x" * 6 and chat.usage.completion_tokens == 6
+    streamed = list(c.chat.completions.create(**kwargs, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == "x" * 6
+    eos = tokenizer.eos_token_id
+    held = c.completions.create(model=MODEL, prompt="def", max_tokens=8, temperature=0,
+                                logit_bias={str(eos): 100}, extra_body={"min_tokens": 5, "return_token_ids": True})
+    # EOS is favoured by 100 but held for 5 tokens, then it ends the output.
+    assert eos not in held.choices[0].token_ids[:5] and held.choices[0].token_ids[5] == eos
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 6
 
 
 async def _complete(http: httpx.AsyncClient, mode: str, i: int) -> dict:
@@ -133,8 +179,12 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, None, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "n": 17}, None, 400, "n"),
     ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, None, 400, "prompt_logprobs"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, None, 400, "presence_penalty"),
-    ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, None, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, None, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"100000": 1}}, None, 400, "logit_bias"),  # past the vocabulary
+    ({"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, 400, "min_tokens"),
+    ({"model": MODEL, "prompt": "x", "bad_words": ["a"]}, None, 400, "bad_words"),
     ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, None, 400, "response_format"),
     ({"model": MODEL, "prompt": "x", "guided_regex": "a+"}, None, 400, "guided_regex"),
     ({"model": MODEL, "prompt": ["x", ""]}, None, 400, "prompt"),  # a batch with an empty prompt
