@@ -150,7 +150,7 @@ class Penalties:
         sub = logits.index_select(0, self.rows).to(dtype)  # [P, K, V]
         width = sub.shape[1]
         if self.stop_mask is not None:
-            column = first + torch.arange(width, device=sub.device)  # output tokens before each column's, beyond the committed
+            column = first + torch.arange(width, device=sub.device)  # drafted output before each column
             holding = (column[None, :] < self.owed[:, None])[..., None] & self.stop_mask[:, None, :]  # [P, K, V]
             sub = sub.masked_fill(holding, float("-inf"))
         if self.bias is not None:
@@ -171,7 +171,8 @@ class Penalties:
             return self.output_counts[:, None, :].expand(num, width, vocab)
         mine = drafts.index_select(0, self.rows).clamp_min(0)  # [P, D]; padding past a row's drafts is
         # counted only at columns nothing reads (past num_draft)
-        before = first + torch.arange(width, device=mine.device)[:, None] > torch.arange(mine.shape[1], device=mine.device)
+        columns, drafted = torch.arange(width, device=mine.device), torch.arange(mine.shape[1], device=mine.device)
+        before = first + columns[:, None] > drafted  # [K, D]: draft j precedes column c
         counts = self.output_counts[:, None, :].repeat(1, width, 1)  # a copy: the committed counts stay as built
         return counts.scatter_add_(2, mine[:, None, :].expand(-1, width, -1),
                                    before.to(counts.dtype)[None].expand(num, -1, -1))

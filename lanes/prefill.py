@@ -102,7 +102,8 @@ class PrefillLane:
         positions = to_device([[c.seq.num_prompt_tokens] for c in chunks], torch.long, logits.device)
         penalties = Penalties.build([c.seq.params for c in chunks], PenaltyHistory.of([c.seq for c in chunks]),
                                     logits.shape[-1], logits.device)
-        scores = last_logits[:, None] if penalties is None else penalties.apply(last_logits[:, None])  # logprobs stay raw
+        # Logprobs (below) stay raw: penalties only change what is sampled.
+        scores = last_logits[:, None] if penalties is None else penalties.apply(last_logits[:, None])
         first = draw(scores, st, positions, STREAM_TARGET)[0]  # [B, 1]
         if layout.k is None:
             return first

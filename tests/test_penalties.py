@@ -8,7 +8,8 @@ from lanes.params import ParamError, SamplingParams
 from lanes.penalties import Penalties, PenaltyHistory, check_request
 from lanes.rejection import greedy_verify
 from lanes.sequence import Sequence
-from tests.engine_helpers import reference_penalties
+from tests.conftest import VOCAB
+from tests.engine_helpers import random_prompts, reference_penalties, run_to_completion, small_engine
 
 V = 8
 
@@ -68,7 +69,8 @@ def test_min_tokens_holds_eos_and_stop_ids_until_enough_output_exists():
     check_request(seq.params, V, eos_ids={7})
     assert seq.params.min_tokens_stop_ids == [5, 7]
     logits = torch.zeros(1, 4, V)
-    out = Penalties.build([seq.params], PenaltyHistory.of([seq]), V, "cpu").apply(logits, torch.zeros(1, 3, dtype=torch.long))
+    penalties = Penalties.build([seq.params], PenaltyHistory.of([seq]), V, "cpu")
+    out = penalties.apply(logits, torch.zeros(1, 3, dtype=torch.long))
     # One output token committed: columns 0 and 1 (outputs 2 and 3) are held, then free.
     held = torch.isinf(out[0, :, [5, 7]]).all(dim=-1)
     assert held.tolist() == [True, True, False, False]
@@ -137,3 +139,25 @@ def test_logit_bias_is_clamped_and_its_ids_checked_against_the_vocabulary():
     with pytest.raises(ParamError) as err:
         check_request(SamplingParams(logit_bias={V: 1.0}), V, set())
     assert err.value.field == "logit_bias"
+
+
+@pytest.mark.parametrize("draft_len", [0, 3])
+def test_sampled_penalised_requests_beside_plain_ones_reproduce_by_seed(llama_pair, draft_len):
+    """Sampled rows with penalties, and rows without in the same batches: every request finishes, a
+    seeded one gives the same tokens again, and min_tokens holds a stop id it would otherwise emit."""
+    target, draft = llama_pair
+    prompts = random_prompts(6, VOCAB, 2, 40, seed=4)
+
+    def run() -> dict[str, list[int]]:
+        engine = small_engine(target, draft, num_speculative_tokens=draft_len)
+        requests = {}
+        for i, p in enumerate(prompts):
+            kwargs = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={9: 2.0},
+                          min_tokens=12, stop_token_ids=[9]) if i % 2 else {}
+            requests[str(i)] = (p, SamplingParams(max_tokens=16, temperature=0.9, seed=i, ignore_eos=True, **kwargs))
+        return run_to_completion(engine, requests)
+
+    first = run()
+    assert first == run()
+    for i in range(1, len(prompts), 2):
+        assert 9 not in first[str(i)][:12] and len(first[str(i)]) >= 12
