@@ -95,4 +95,7 @@ def test_penalised_greedy_output_equals_the_penalised_target_greedy(pair, penali
     for i, (p, by_name) in enumerate(penalised_refs):
         assert outputs[str(i)] == by_name[name][1], f"prompt {i} (len {len(p)}) diverged"
     if draft_len:
-        assert engine.total_stats.num_accepted_tokens > 0  # (a strong logit_bias may make every draft right)
+        assert engine.total_stats.num_accepted_tokens > 0
+    if draft_len and name == "logit_bias":
+        # The draft biases its own proposals as the target does (a draft that did not: ~0 accepted).
+        assert engine.total_stats.acceptance_rate > 0.9
