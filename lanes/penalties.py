@@ -34,7 +34,7 @@ class PenaltyHistory:
     """The committed tokens the penalties of a batch read, for its rows that use them (P of B)."""
 
     rows: list[int]  # [P] the batch rows that use penalties, ascending
-    prompt_ids: list[list[int]]  # per row: its prompt (with a repetition penalty; else [])
+    prompt_ids: list[np.ndarray]  # per row: its prompt's distinct tokens (with a repetition penalty; else empty)
     output_ids: list[list[int]]  # per row: its output so far (with a penalty that counts it; else [])
     num_output: list[int]  # per row: how many output tokens it has (min_tokens)
 
@@ -48,7 +48,9 @@ class PenaltyHistory:
         for i in rows:
             seq, params = seqs[i], seqs[i].params
             n = seq.num_prompt_tokens
-            prompt_ids.append(seq.prompt_ids if params.repetition_penalty != 1 else [])
+            if params.repetition_penalty != 1 and seq.distinct_prompt_ids is None:
+                seq.distinct_prompt_ids = np.unique(np.asarray(seq.prompt_ids, dtype=np.int32))  # once a request
+            prompt_ids.append(seq.distinct_prompt_ids if params.repetition_penalty != 1 else _NONE)
             output_ids.append(seq.token_ids[n:] if params.counts_output else [])
             num_output.append(len(seq.token_ids) - n)
         return cls(rows, prompt_ids, output_ids, num_output)
@@ -178,7 +180,10 @@ class Penalties:
                                    before.to(counts.dtype)[None].expand(num, -1, -1))
 
 
-def _flat(ids: list[list[int]], vocab: int) -> np.ndarray:
+_NONE = np.zeros(0, dtype=np.int32)
+
+
+def _flat(ids: list[list[int]] | list[np.ndarray], vocab: int) -> np.ndarray:
     """Row i's ids as indices into a flattened [rows, vocab] tensor, all rows concatenated."""
     parts = [np.asarray(row, dtype=np.int64) + i * vocab for i, row in enumerate(ids) if len(row)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

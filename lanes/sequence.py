@@ -4,6 +4,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from lanes.logprobs import TokenLogprobs
 from lanes.params import SamplingParams
 from lanes.spec_stats import SpecDecodeStats
@@ -35,6 +37,7 @@ class Sequence:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     arrival_s: float = field(default_factory=time.time)  # wall clock, for timelines of where it waited
     prompt_logprobs: TokenLogprobs | None = None  # gathered chunk by chunk during prefill, when asked
+    distinct_prompt_ids: np.ndarray | None = None  # the prompt's tokens once each, kept for a repetition penalty
 
     def __post_init__(self):
         if not self.token_ids:

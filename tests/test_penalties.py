@@ -108,7 +108,8 @@ def test_history_travels_for_penalised_rows_only_and_follows_select_and_merge():
     seqs = [_seq([1], [2]), _seq([3, 3], [4], repetition_penalty=1.2), _seq([5], [6, 6], min_tokens=9)]
     history = PenaltyHistory.of(seqs)
     assert history.rows == [1, 2]
-    assert history.prompt_ids == [[3, 3], []] and history.output_ids == [[4], []]  # min_tokens: a count only
+    assert [ids.tolist() for ids in history.prompt_ids] == [[3], []]  # distinct prompt ids, once a request
+    assert history.output_ids == [[4], []]  # min_tokens: a count only
     assert history.num_output == [1, 2]
     assert history.select([2, 0]).rows == [0] and history.select([0]) is None
     merged = PenaltyHistory.merge([None, history, history.select([2])], [2, 3, 1])
