@@ -8,6 +8,7 @@ from lanes.rejection import greedy_verify, point_mass, rejection_sample
 from lanes.sampling import (
     STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, SamplingTensors, logits_to_probs, sample_from, uniform_noise,
 )
+from tests.engine_helpers import reference_penalties, run_to_completion, small_engine
 
 V = 6
 
@@ -227,3 +228,65 @@ def test_sampled_tokens_follow_the_penalised_target_given_the_drafts_before_them
     # A verifier that penalised every column by the committed output only fails the same statistic.
     stale = _column_one_chi2s(_sample_penalised(count_drafts=False))
     assert max(stale) > 10 * CHI2_BOUND, stale
+
+
+# ---- the whole engine, sampled, under penalties ---------------------------------------------------
+
+ENGINE_SAMPLES = 6000
+ENGINE_PROMPT = [5, 17, 3, 17, 90]
+ENGINE_PARAMS = dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.5,
+                     max_tokens=3, ignore_eos=True)
+
+
+def _chi2_bound(df: int, z: float = 4.265) -> float:
+    """The chi-square quantile exceeded with probability ~1e-5 (Wilson-Hilferty; z is that tail's)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _binned_chi2(tokens: torch.Tensor, probs: torch.Tensor, min_expected: float = 10.0) -> tuple[float, int]:
+    """Chi-square of `tokens` against `probs` [V], the bins expecting fewer than `min_expected` pooled."""
+    counts, expected = torch.bincount(tokens, minlength=len(probs)).double(), probs.double() * len(tokens)
+    small = expected < min_expected
+    counts = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    return float(((counts - expected) ** 2 / expected.clamp_min(1e-12)).sum()), len(counts) - 1
+
+
+def _penalised_next(model, sequences: list[list[int]], params: SamplingParams) -> torch.Tensor:
+    """The penalised next-token distribution after each of `sequences` (prompt + output): [N, V]."""
+    with torch.no_grad():
+        logits = model.model(torch.tensor(sequences)).logits[:, -1].double()
+    n = len(ENGINE_PROMPT)
+    return torch.stack([torch.softmax(reference_penalties(row, s[:n], s[n:], params, set()), dim=-1)
+                        for row, s in zip(logits, sequences)])
+
+
+def test_the_spec_engine_samples_the_penalised_target(llama_pair):
+    """Sampled requests through the whole engine (prefill, draft, verify): the third output token is a
+    bonus at column 1 after the second was drafted and accepted, or comes from the next step. Either
+    way it follows the penalised target, which counts the second token: here computed exactly from
+    the model, marginalised over the first two tokens."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft, num_speculative_tokens=2, max_num_seqs=64, max_model_len=32,
+                          prefill_chunk_tokens=320, idle_prefill_tokens=640)
+    requests = {str(i): (ENGINE_PROMPT, SamplingParams(seed=i, **ENGINE_PARAMS)) for i in range(ENGINE_SAMPLES)}
+    done = run_to_completion(engine, requests)
+    outputs = torch.tensor([done[str(i)] for i in range(ENGINE_SAMPLES)])  # [N, 3]
+    assert engine.total_stats.num_accepted_tokens > 0.3 * ENGINE_SAMPLES  # many bonus tokens at column 1
+
+    params = SamplingParams(**ENGINE_PARAMS)
+    vocab = target.model.config.vocab_size
+    p1 = _penalised_next(target, [ENGINE_PROMPT], params)[0]  # [V]
+    p2 = _penalised_next(target, [ENGINE_PROMPT + [a] for a in range(vocab)], params)  # [V, V]: t2 | t1
+    pairs = [ENGINE_PROMPT + [a, b] for a in range(vocab) for b in range(vocab)]
+    p3 = _penalised_next(target, pairs, params).view(vocab, vocab, vocab)  # t3 | t1, t2
+    joint12 = p1[:, None] * p2  # [V, V]
+    marginal3 = (joint12[..., None] * p3).sum(dim=(0, 1))
+    for tokens, probs in ((outputs[:, 0], p1), (outputs[:, 1], joint12.sum(0)), (outputs[:, 2], marginal3)):
+        stat, df = _binned_chi2(tokens, probs)
+        assert stat < _chi2_bound(df), (stat, df)
+    # The presence penalty makes a repeat of the second token rare; a verifier that did not count the
+    # accepted draft would emit it far more often.
+    repeat = float((joint12 * p3.diagonal(dim1=1, dim2=2)).sum())  # P(t3 == t2)
+    observed = float((outputs[:, 2] == outputs[:, 1]).double().mean())
+    assert abs(observed - repeat) < 4.5 * (repeat * (1 - repeat) / ENGINE_SAMPLES) ** 0.5 + 1e-3, (observed, repeat)
