@@ -37,7 +37,8 @@ class Sequence:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     arrival_s: float = field(default_factory=time.time)  # wall clock, for timelines of where it waited
     prompt_logprobs: TokenLogprobs | None = None  # gathered chunk by chunk during prefill, when asked
-    distinct_prompt_ids: np.ndarray | None = None  # the prompt's tokens once each, kept for a repetition penalty
+    # The prompt's tokens once each, kept for a repetition penalty (lanes/penalties.py).
+    distinct_prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.token_ids:
