@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lanes.grammar import first_token_bitmask
 from lanes.kv_pool import KVPool
 from lanes.prefill import PrefillChunk
 from lanes.prompt_prefiller import PrefillRequest
@@ -193,7 +194,7 @@ class RemotePrefiller:
     def _job(self, seq: Sequence) -> PrefillJob:
         in_place = self._peer is not None and self._peer.can_write_into(self.placement)
         return PrefillJob(
-            request=PrefillRequest(seq.request_id, seq.prompt_ids, seq.params, seq.seed),
+            request=PrefillRequest(seq.request_id, seq.prompt_ids, seq.params, seq.seed, first_token_bitmask(seq)),
             draft_slot=seq.draft_slot,
             draft_pool=self._export("draft", self.draft_pool) if in_place and self.draft_pool else None,
             target_slot=seq.target_slot,

@@ -16,6 +16,7 @@ from deployments.slot_owners import SlotOwners
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
+from lanes.grammar import merge_bitmasks
 from lanes.kv_pool import PoolFullError
 from lanes.penalties import PenaltyHistory
 from lanes.rejection import point_mass
@@ -204,6 +205,8 @@ def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
         params=sum((b.params for b in batches), []),
         seeds=sum((b.seeds for b in batches), []),
         history=PenaltyHistory.merge([b.history for b in batches], [len(b.target_slots) for b in batches]),
+        token_bitmask=merge_bitmasks([b.token_bitmask for b in batches], [len(b.target_slots) for b in batches],
+                                     width + 1),
     )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from lanes.batching import pad_rows, pad_tokens, to_device
+from lanes.grammar import ColumnMasks
 from lanes.model_runner import ModelRunner, Rows
 from lanes.penalties import Penalties, PenaltyHistory
 from lanes.sampling import STREAM_DRAFT, SamplingTensors, draw
@@ -28,6 +29,7 @@ class DraftProposal:
     probs: torch.Tensor | None  # [B, L, V] the distribution q each token was drawn from; None when q
     # is one-hot at every token (greedy rows, or a lookup proposer): 4 bytes a token travel, not 4 V
     num_draft: list[int]  # tokens drafted per row (a lookup proposer may find fewer than asked)
+    masks: ColumnMasks | None = None  # rows with a grammar: the bitmasks the draft was sampled under
 
     @classmethod
     def empty(cls, batch: int, device) -> "DraftProposal":
@@ -53,22 +55,27 @@ class DraftLane:
             return DraftProposal.empty(batch, device)
         drafting = [i for i, n in enumerate(draft_lens) if n > 0]
         asked = draft_lens  # the model drafts every token asked for
+        masks = ColumnMasks.of(seqs, asked, max_len + 1)  # None unless a row has a grammar
         if len(drafting) < batch:
             seqs, draft_lens = [seqs[i] for i in drafting], [draft_lens[i] for i in drafting]
         slots = [s.draft_slot for s in seqs]
         num_tokens = [len(s.token_ids) for s in seqs]
         self._catch_up(seqs, slots, num_tokens)
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
-        tokens, probs = self._draft(seqs, slots, num_tokens, draft_lens, max_len, st)  # [B', L], [B', L, V] | None
+        tokens, probs = self._draft(seqs, slots, num_tokens, draft_lens, max_len, st,
+                                    masks, drafting)  # [B', L], [B', L, V] | None
         if len(drafting) == batch:
-            return DraftProposal(tokens, probs, asked)
+            return DraftProposal(tokens, probs, asked, masks)
         index = to_device(drafting, torch.long, device)
         full_tokens = tokens.new_zeros(batch, max_len).index_copy_(0, index, tokens)
         full_probs = None if probs is None else probs.new_zeros(batch, max_len, probs.shape[-1]).index_copy_(0, index, probs)
-        return DraftProposal(full_tokens, full_probs, asked)
+        return DraftProposal(full_tokens, full_probs, asked, masks)
 
     def _draft(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int], draft_lens: list[int],
-               max_len: int, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+               max_len: int, st: SamplingTensors, masks: ColumnMasks | None = None,
+               batch_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`masks`: the grammar's, by `batch_rows` (the batch rows of `seqs`); each position is drawn under
+        its mask, and the drawn token is read back to the host to give the next position's."""
         pool = self.runner.pool
         kv_lens = pool.lengths[slots].tolist()
         # 1 or 2 tokens after catch-up: the last committed one, and the one before it after a full accept.
@@ -82,8 +89,12 @@ class DraftLane:
         penalties = Penalties.build([s.params for s in seqs], PenaltyHistory.of(seqs), logits.shape[-1], logits.device)
         tokens, probs = [], []
         for j in range(max_len):
+            if masks is not None:
+                logits = masks.apply(logits, j, batch_rows)
             scores = logits[:, None] if penalties is None else penalties.apply(logits[:, None], _cat(tokens), first=j)
             token, q = draw(scores, st, base[:, None] + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
+            if masks is not None:
+                masks.advance(j, token[:, 0].tolist(), batch_rows)
             tokens.append(token)
             if q is not None:
                 probs.append(q)

@@ -17,6 +17,7 @@ from lanes.detokenizer import IncrementalDetokenizer
 from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer
 from lanes.families import check_supported
+from lanes.grammar import Grammars, verify_bitmask
 from lanes.kv_pool import KVPool, PoolShape
 from lanes.logprobs import TokenLogprobs
 from lanes.model_runner import ModelRunner
@@ -93,6 +94,7 @@ class EngineCore:
         # steps this engine stops, and the replica's health check fails.
         self.device_fault: str | None = None
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.grammars = Grammars(tokenizer, vocab_size, eos_ids)  # structured output; idle until a request asks
 
     @classmethod
     def colocated(
@@ -146,7 +148,8 @@ class EngineCore:
             raise ParamError("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
         check_request(params, self.vocab_size, self.eos_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len)
+        seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len,
+                       grammar=self.grammars.for_request(params))  # compiled here, at admission (cached)
         if arrival_s is not None:
             seq.arrival_s = arrival_s
         self.scheduler.add(seq)
@@ -230,6 +233,7 @@ class EngineCore:
         self.streams.decode_after_current()  # verify follows decode, so it is ordered after them too
         with on(self.streams.decode):
             proposal = self._propose(running, draft_lens)
+        token_bitmask = verify_bitmask(running, proposal)  # None unless a row has a grammar
         batch = VerifyBatch(
             target_slots=[s.target_slot for s in running],
             num_tokens=[len(s.token_ids) for s in running],
@@ -241,6 +245,7 @@ class EngineCore:
             seeds=[s.seed for s in running],
             target_leases=[s.target_lease for s in running],
             history=PenaltyHistory.of(running),
+            token_bitmask=token_bitmask,
         )
         self.streams.verify_after_decode()
         with on(self.streams.verify):
@@ -304,6 +309,8 @@ class EngineCore:
             if seq.num_output_tokens >= params.max_tokens:
                 reason = "length"
                 break
+        if seq.grammar is not None and seq.grammar.commit(emitted):  # the matcher rolls back with the KV
+            reason = "stop"
         text = ""
         detok = self._detok.get(seq.request_id)
         if detok is not None:

@@ -2,6 +2,10 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lanes.grammar import StructuredOutput
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API and vLLM's default max_logprobs allow
 MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
@@ -50,6 +54,7 @@ class SamplingParams:
     # Set by the engine (add_request): the ids min_tokens holds back, stop_token_ids plus EOS unless
     # ignore_eos (vLLM's all_stop_token_ids). They travel with the params to every lane.
     min_tokens_stop_ids: list[int] = field(default_factory=list, repr=False)
+    structured: "StructuredOutput | None" = None  # a grammar every output token must follow (lanes/grammar.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -119,6 +124,11 @@ class SamplingParams:
     def counts_output(self) -> bool:
         """Whether a penalty reads the output's tokens (not just how many there are)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        if self.structured is not None:
+            from lanes.grammar import StructuredOutput  # lanes.grammar imports this module
+
+            if not isinstance(self.structured, StructuredOutput):
+                raise ParamError("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

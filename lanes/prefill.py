@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from lanes.batching import pad_rows, pad_tokens, to_device
+from lanes.grammar import mask_first_tokens
 from lanes.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.model_runner import ModelRunner
 from lanes.penalties import Penalties, PenaltyHistory
@@ -98,6 +99,7 @@ class PrefillLane:
         keep = None if layout.every_position else last
         logits = self._write(self.target, [c.seq.target_slot for c in chunks], ids, starts, chunks, keep)
         last_logits = logits[torch.arange(len(chunks), device=logits.device), last] if keep is None else logits  # [B, V]
+        last_logits = mask_first_tokens(last_logits, [c.seq for c in chunks])  # rows with a grammar, else as is
         # The first output token sits at absolute position len(prompt).
         positions = to_device([[c.seq.num_prompt_tokens] for c in chunks], torch.long, logits.device)
         penalties = Penalties.build([c.seq.params for c in chunks], PenaltyHistory.of([c.seq for c in chunks]),

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from lanes.grammar import FirstTokenMask
 from lanes.model_runner import ModelRunner
 from lanes.params import SamplingParams
 from lanes.prefill import PrefillLane, plan_whole_prompts
@@ -23,6 +24,7 @@ class PrefillRequest:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    token_bitmask: torch.Tensor | None = None  # structured output: the first token's [ceil(V / 32)] int32
 
 
 @dataclass
@@ -71,7 +73,8 @@ class PromptPrefiller:
                 for tok, t, d in zip(first, t_slots, d_slots)], release
 
     def _run(self, requests, target: ModelRunner, draft: ModelRunner | None, t_slots, d_slots) -> list[int]:
-        seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d)
+        seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d,
+                         grammar=None if r.token_bitmask is None else FirstTokenMask(r.token_bitmask))
                 for r, t, d in zip(requests, t_slots, d_slots)]
         lane = PrefillLane(target, draft)
         first: dict[str, int] = {}

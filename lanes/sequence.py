@@ -3,12 +3,16 @@
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lanes.logprobs import TokenLogprobs
 from lanes.params import SamplingParams
 from lanes.spec_stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from lanes.grammar import FirstTokenMask, RequestGrammar
 
 
 class SeqStatus(Enum):
@@ -39,6 +43,9 @@ class Sequence:
     prompt_logprobs: TokenLogprobs | None = None  # gathered chunk by chunk during prefill, when asked
     # The prompt's tokens once each, kept for a repetition penalty (lanes/penalties.py).
     distinct_prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # Structured output: the matcher of the committed tokens (a prefill lane of its own gets the
+    # first token's mask only); None for free text.
+    grammar: "RequestGrammar | FirstTokenMask | None" = None
 
     def __post_init__(self):
         if not self.token_ids:

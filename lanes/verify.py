@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from lanes.batching import HostCopy, to_device, to_host_async
+from lanes.grammar import apply_token_bitmask
 from lanes.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.model_runner import ModelRunner, Rows
 from lanes.params import SamplingParams
@@ -33,12 +34,15 @@ class VerifyBatch:
     seeds: list[int]
     target_leases: list[str | None] | None = None  # per row: the remote pool instance that holds the slot
     history: PenaltyHistory | None = None  # the tokens of the rows that use penalties; None when none does
+    # [B, L + 1, ceil(V / 32)] int32 on the host: column c's allowed tokens after drafts[:c], for rows
+    # with a grammar (all bits set for the others); None when no row has one (lanes/grammar.py).
+    token_bitmask: torch.Tensor | None = None
 
     def to(self, device) -> "VerifyBatch":
         return VerifyBatch(
             self.target_slots, self.num_tokens, self.last_tokens, self.draft_tokens.to(device),
             None if self.draft_probs is None else self.draft_probs.to(device), self.num_draft, self.params, self.seeds,
-            self.target_leases, self.history,
+            self.target_leases, self.history, self.token_bitmask,
         )
 
     def select(self, rows: list[int]) -> "VerifyBatch":
@@ -52,6 +56,7 @@ class VerifyBatch:
             pick(self.target_slots), pick(self.num_tokens), pick(self.last_tokens), self.draft_tokens[index],
             None if self.draft_probs is None else self.draft_probs[index], pick(self.num_draft), pick(self.params),
             pick(self.seeds), pick(self.target_leases), self.history and self.history.select(rows),
+            None if self.token_bitmask is None else self.token_bitmask[rows],
         )
 
 
@@ -109,6 +114,8 @@ class VerifyLane:
         drafts = batch.draft_tokens.to(device)
         ids = torch.cat([last[:, None], drafts], dim=1)  # [B, L + 1]
         logits = self.runner.forward(Rows(slot_ids, starts, int(kv_lens.max())), ids)  # [B, L + 1, V]
+        if batch.token_bitmask is not None:  # structured output: p is the masked target
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         # Penalised target: column c counts the drafts before it (lanes/penalties.py). Logprobs stay raw.
         penalties = Penalties.build(batch.params, batch.history, logits.shape[-1], device)
         scores = logits if penalties is None else penalties.apply(logits, drafts)

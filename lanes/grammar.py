@@ -1,0 +1,321 @@
+"""Structured output: a grammar (JSON schema, regex, choice, EBNF) masks every token a request samples.
+
+xgrammar compiles the grammar against the tokenizer once (cached by its text) and gives each request
+a matcher that says, after the tokens it has accepted, which tokens may come next: a bitmask of
+ceil(V / 32) int32 words (token t allowed iff bit t % 32 of word t // 32 is set).
+
+Speculation stays lossless under the mask. One decode step masks
+- the draft at draft position j with the matcher after drafts[:j] (the draft samples only valid
+  tokens, and q is the masked draft distribution);
+- the target at verify column c with the matcher after drafts[:c], c = 0..n (the last is the bonus).
+The rejection rule then compares q with the masked target p, so the output has the masked target's
+distribution, and greedy output is the masked target's greedy output.
+
+The matcher lives with the request in the decode loop (EngineCore), next to the committed tokens.
+`ColumnMasks` advances it through the step's drafts while it fills the columns' bitmasks; after
+verification `RequestGrammar.commit` rolls it back to the committed tokens (rejected drafts undone)
+and accepts the tokens the step emitted, as `rollback_after_verify` does for the KV. In pd/pdv only
+the bitmasks travel, with the verify batch ([B, L + 1, ceil(V / 32)] int32, 1/32 of the draft
+probabilities' size) and with a prefill request (the first token's, [ceil(V / 32)]).
+
+Cost: nothing for a batch without a grammar row (no bitmask is built, sent or applied). A batch with
+one pays host work per grammar row and column (xgrammar's fill, microseconds at V = 4k, more for
+large vocabularies) and, on the GPU, one device-to-host read of the drafted tokens per draft
+position, because the next position's mask depends on the token just drawn.
+"""
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from lanes.params import ParamError
+
+if TYPE_CHECKING:
+    from lanes.draft import DraftProposal
+    from lanes.params import SamplingParams
+    from lanes.sequence import Sequence
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per engine, least recently used dropped
+_ALL_ALLOWED = -1  # an int32 word with every bit set
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match; plain text, so it pickles to an engine process."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str  # the JSON schema's text, the regex, the EBNF grammar, or a JSON list of choices ("" for json_object)
+    field: str  # the request field it came from, named in errors (response_format, guided_json, ...)
+    any_whitespace: bool = True  # JSON: any whitespace between tokens (vLLM's default), else compact
+
+    def __post_init__(self):
+        if self.kind not in ("json", "json_object", "regex", "choice", "grammar"):
+            raise ParamError(self.field, f"unknown structured output kind {self.kind!r}")
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise ParamError(self.field, "must not be empty")
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] with the tokens `bitmask` [..., W] (int32, host or device) forbids set to -inf
+    (a copy). Tokens past 32 W (a model's padded vocabulary) are forbidden."""
+    vocab = logits.shape[-1]
+    if bitmask.device != logits.device:
+        bitmask = _to(bitmask, logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[..., None] >> shifts) & 1).flatten(-2).bool()  # [..., 32 W]
+    if allowed.shape[-1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+    return logits.masked_fill(~allowed[..., :vocab], float("-inf"))
+
+
+def _to(host: torch.Tensor, device) -> torch.Tensor:
+    # Pinned, so that the copy does not make the host wait for the GPU (lanes/batching.py).
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class RequestGrammar:
+    """One request's matcher. Between steps it has accepted exactly the request's committed output
+    tokens; during a step, also the drafts `ColumnMasks` walked (`speculative`)."""
+
+    def __init__(self, matcher, words: int):
+        self.matcher = matcher
+        self.words = words  # bitmask width, ceil(V / 32)
+        self.speculative: list[int] = []
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, out: torch.Tensor, index: int) -> None:
+        """The next token's bitmask into row `index` of the host int32 tensor `out` [K, W]."""
+        self.matcher.fill_next_token_bitmask(out, index)
+
+    def advance(self, token: int) -> bool:
+        """Accept a draft token for this step only (undone by `commit`); False if the grammar refuses it."""
+        if not self.matcher.accept_token(token):
+            return False
+        self.speculative.append(token)
+        return True
+
+    def commit(self, tokens: list[int]) -> bool:
+        """The step emitted `tokens`: roll back the drafts it did not keep, accept the rest. Returns
+        whether the grammar has ended (it accepted a stop token): the request stops there."""
+        kept = 0
+        for token, draft in zip(tokens, self.speculative):
+            if token != draft:
+                break
+            kept += 1
+        self.matcher.rollback(len(self.speculative) - kept)
+        self.speculative = []
+        for token in tokens[kept:]:
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refused emitted token {token}: the mask was not applied")
+        return self.matcher.is_terminated()
+
+
+class FirstTokenMask:
+    """Where a prefill lane of its own samples a request's first token: that token's bitmask only,
+    computed by the decode replica that holds the matcher, in place of the matcher."""
+
+    def __init__(self, bitmask: torch.Tensor):
+        self.bitmask = bitmask  # [W] int32
+        self.words = bitmask.shape[0]
+
+    def fill(self, out: torch.Tensor, index: int) -> None:
+        out[index] = self.bitmask
+
+
+def first_token_bitmask(seq: "Sequence") -> torch.Tensor | None:
+    """[W] the bitmask of a request's first output token (what travels to a remote prefill lane)."""
+    if seq.grammar is None:
+        return None
+    out = torch.empty(1, seq.grammar.words, dtype=torch.int32)
+    seq.grammar.fill(out, 0)
+    return out[0]
+
+
+def mask_first_tokens(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
+    """Prefill's last-position logits [B, V], masked for the rows with a grammar (their first output
+    token); unchanged, with no host work, when no row has one."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return logits
+    host = torch.full((len(seqs), seqs[rows[0]].grammar.words), _ALL_ALLOWED, dtype=torch.int32)
+    for i in rows:
+        seqs[i].grammar.fill(host, i)
+    return apply_token_bitmask(logits, host)
+
+
+class ColumnMasks:
+    """The bitmasks of one decode step's columns, for rows with a grammar: column c of row i is what
+    row i's matcher allows after its drafts[:c]. Filled column by column as drafts are known (while
+    the draft model samples, or afterwards for drafts made without a mask, such as prompt lookup).
+
+    A draft the grammar refuses (prompt lookup) ends the row's drafts there; so does a draft that
+    ends the grammar (a stop token): nothing after it can be emitted. Columns past a row's last
+    filled one stay all-allowed; verification never emits from them."""
+
+    def __init__(self, seqs: list["Sequence"], num_draft: list[int], columns: int):
+        assert columns > max(num_draft, default=0), (columns, num_draft)
+        self.grammars = [s.grammar for s in seqs]
+        self.rows = [i for i, g in enumerate(self.grammars) if g is not None]
+        self.num_draft = list(num_draft)  # per row, cut where the grammar refuses or ends
+        words = self.grammars[self.rows[0]].words  # the target's vocabulary, whichever model drafts
+        self.host = torch.full((len(seqs), columns, words), _ALL_ALLOWED, dtype=torch.int32)  # [B, L + 1, W]
+        self.filled = [0] * len(seqs)  # columns filled per row
+        for i in self.rows:
+            self._fill_next(i)
+
+    @classmethod
+    def of(cls, seqs: list["Sequence"], num_draft: list[int], columns: int) -> "ColumnMasks | None":
+        """`columns`: L + 1 of the verify batch. None, at no cost, when no row has a grammar."""
+        if all(s.grammar is None for s in seqs):
+            return None
+        return cls(seqs, num_draft, columns)
+
+    def apply(self, logits: torch.Tensor, column: int, rows: list[int] | None = None) -> torch.Tensor:
+        """Mask `logits` [B', V] (rows `rows` of the batch, default all) with their bitmasks of `column`."""
+        return apply_token_bitmask(logits, self.host[:, column] if rows is None else self.host[rows, column])
+
+    def advance(self, column: int, tokens: list[int], rows: list[int] | None = None) -> None:
+        """Drafts `tokens` were drawn at `column` (for rows `rows`, default all): fill the next column."""
+        for i, token in zip(range(len(tokens)) if rows is None else rows, tokens):
+            if self.grammars[i] is not None and self.filled[i] == column + 1 and column < self.num_draft[i]:
+                self._follow(i, token)
+
+    def follow(self, draft_tokens: torch.Tensor) -> None:
+        """Fill the columns of drafts made without the mask: [B, L] (read to the host only if needed)."""
+        todo = [i for i in self.rows if self.filled[i] <= self.num_draft[i]]
+        if not todo:
+            return
+        drafts = draft_tokens.tolist()
+        for i in todo:
+            while self.filled[i] <= self.num_draft[i]:
+                self._follow(i, drafts[i][self.filled[i] - 1])
+
+    def bitmask(self) -> torch.Tensor:
+        """[B, L + 1, W] int32, on the host; every row's columns filled (`follow` first)."""
+        return self.host
+
+    def _follow(self, i: int, token: int) -> None:
+        grammar, column = self.grammars[i], self.filled[i] - 1
+        if not grammar.advance(token):
+            self.num_draft[i] = column  # refused: the row's drafts end before it
+        elif grammar.terminated:
+            self.num_draft[i] = column + 1  # a stop token: nothing can follow it, its next column stays open
+            self.filled[i] += 1
+        else:
+            self._fill_next(i)
+
+    def _fill_next(self, i: int) -> None:
+        self.grammars[i].fill(self.host[i], self.filled[i])
+        self.filled[i] += 1
+
+
+def verify_bitmask(seqs: list["Sequence"], proposal: "DraftProposal") -> torch.Tensor | None:
+    """The verify batch's per-column bitmasks [B, L + 1, W] (host), or None when no row has a grammar.
+    Drafts the grammar cuts short are cut in `proposal.num_draft` too."""
+    masks = proposal.masks if proposal.masks is not None else ColumnMasks.of(seqs, proposal.num_draft, proposal.tokens.shape[1] + 1)
+    if masks is None:
+        return None
+    masks.follow(proposal.tokens)
+    proposal.num_draft = masks.num_draft
+    return masks.bitmask()
+
+
+def merge_bitmasks(masks: list[torch.Tensor | None], rows: list[int], columns: int) -> torch.Tensor | None:
+    """One [sum(rows), columns, W] bitmask for merged verify batches (rows: each batch's), all-allowed
+    where a batch had none or fewer columns; None when none had one."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    out = torch.full((sum(rows), columns, present[0].shape[-1]), _ALL_ALLOWED, dtype=torch.int32)
+    start = 0
+    for mask, n in zip(masks, rows):
+        if mask is not None:
+            out[start : start + n, : mask.shape[1]] = mask
+        start += n
+    return out
+
+
+class Grammars:
+    """Compiles requests' grammars for one tokenizer and hands out matchers. xgrammar is imported and
+    the tokenizer's table built on the first request that asks for a grammar, not before."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()  # by (kind, spec, whitespace), LRU
+
+    def for_request(self, params: "SamplingParams") -> RequestGrammar | None:
+        """A fresh matcher for a request's `structured` output, or None. Raises ParamError naming the
+        request field when the grammar does not compile or cannot be honoured."""
+        spec = params.structured
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise ParamError(spec.field, "structured output needs the model's tokenizer; this engine has none")
+        if params.ignore_eos:
+            raise ParamError("ignore_eos", "cannot be combined with structured output: the grammar ends the output")
+        import xgrammar
+
+        return RequestGrammar(xgrammar.GrammarMatcher(self.compiled(spec)), bitmask_words(self.vocab_size))
+
+    def compiled(self, spec: StructuredOutput):
+        key = (spec.kind, spec.spec, spec.any_whitespace)
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        try:
+            grammar = self._compile(spec)
+        except RuntimeError as exc:  # xgrammar's parse and conversion errors
+            raise ParamError(spec.field, f"invalid {_NAMES[spec.kind]}: {_clean(exc)}") from None
+        self._compiled[key] = grammar
+        if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: StructuredOutput):
+        compiler = self._compiler_for_tokenizer()
+        if spec.kind == "json":
+            return compiler.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace)
+        if spec.kind == "json_object":
+            return compiler.compile_builtin_json_grammar()
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.spec)
+        if spec.kind == "choice":
+            # One alternative per choice, each an EBNF string literal (JSON's escapes are EBNF's).
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
+        return compiler.compile_grammar(spec.spec)
+
+    def _compiler_for_tokenizer(self):
+        if self._compiler is None:
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self.stop_token_ids)
+            # This class caches (by text, bounded by count); xgrammar's own cache would hold a second copy.
+            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        return self._compiler
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
+          "grammar": "EBNF grammar"}
+
+
+def _clean(exc: Exception) -> str:
+    # xgrammar's messages start with "[time] /path/file.cc:line: " and may add "Check failed: ...".
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+    return text.split("\n")[0][:300]
