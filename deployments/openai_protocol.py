@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.openai_structured import structured_output
 from lanes.params import MAX_LOGPROBS, ParamError, SamplingParams
 from lanes.spec_stats import SpecDecodeStats
 
@@ -56,11 +57,8 @@ _REFUSED_COMMON: dict[str, tuple[Any, str]] = {
     "include_stop_str_in_output": (False, "stop strings are always cut from the output"),
     "skip_special_tokens": (True, "special tokens are always skipped in the text"),
     "truncate_prompt_tokens": (None, "prompt truncation is not served; send a prompt that fits"),
-    "guided_json": (None, "structured output is not served yet"),
-    "guided_regex": (None, "structured output is not served yet"),
-    "guided_choice": (None, "structured output is not served yet"),
-    "guided_grammar": (None, "structured output is not served yet"),
-    "structured_outputs": (None, "structured output is not served yet"),
+    "guided_whitespace_pattern": (None, "a whitespace pattern is not served (structured_outputs' "
+                                  "disable_any_whitespace is)"),
     "logits_processors": (None, "logits processors are not served"),
     "kv_transfer_params": (None, "external KV transfer is not served"),
     "priority": (0, "request priorities are not served"),
@@ -96,7 +94,6 @@ class _SamplingFields(_Open):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, description="Choices per prompt (1 to 16), each sampled as a request of its own; "
                    "with a seed, choice i draws with seed + i")
-    response_format: dict | None = None
     # Penalties and constraints (lanes/penalties.py); null means off, as vLLM takes it.
     presence_penalty: float | None = Field(default=None, description="In [-2, 2]: subtracted from the logit of "
                                            "every token already in the output")
@@ -108,6 +105,14 @@ class _SamplingFields(_Open):
                                                 "its logit, clamped to [-100, 100]")
     min_tokens: int | None = Field(default=None, description="vLLM's: no EOS, stop token id or stop string before "
                                    "this many output tokens")
+    # Structured output (deployments/openai_structured.py): OpenAI's, vLLM's, vLLM's older names.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: xgrammar serves every request
     return_token_ids: bool = Field(default=False, description="Also return the generated token ids "
                                    "(`choices[].token_ids`), as vLLM's extension of the same name does.")
     # Accepted: they change nothing about the output.
@@ -130,9 +135,6 @@ class _SamplingFields(_Open):
                 raise ParamError(name, f"{why} (got {value!r}); leave it unset")
         if not 1 <= self.n <= MAX_N:
             raise ParamError("n", f"must be in [1, {MAX_N}], got {self.n}")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ParamError("response_format", f"structured output ({kind!r}) is not served yet")
 
     def sampling_params(self) -> SamplingParams:
         """Raises lanes.params.ParamError (-> 400) on values out of range or fields not served."""
@@ -144,7 +146,8 @@ class _SamplingFields(_Open):
         return SamplingParams(
             max_tokens=self.output_limit(), temperature=temperature, top_p=self.top_p, top_k=top_k, min_p=self.min_p,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **self.penalties(),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=self.structured_output(),
+            **self.penalties(),
         )
 
     def penalties(self) -> dict:
@@ -156,6 +159,10 @@ class _SamplingFields(_Open):
                 raise ParamError("logit_bias", "keys must be token ids written as strings, e.g. {\"50256\": -100}")
             out["logit_bias"] = {int(key): bias for key, bias in self.logit_bias.items()}
         return out
+
+    def structured_output(self):
+        return structured_output(self.response_format, self.structured_outputs, {
+            name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")})
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(top-k per output token, top-k per prompt token); None where not asked."""

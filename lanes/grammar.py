@@ -50,7 +50,10 @@ class StructuredOutput:
     kind: Literal["json", "json_object", "regex", "choice", "grammar"]
     spec: str  # the JSON schema's text, the regex, the EBNF grammar, or a JSON list of choices ("" for json_object)
     field: str  # the request field it came from, named in errors (response_format, guided_json, ...)
-    any_whitespace: bool = True  # JSON: any whitespace between tokens (vLLM's default), else compact
+    # JSON: any whitespace between tokens (xgrammar's and vLLM's default), else one space after ',' and
+    # ':' only. Compact by default here: sampled from the shipped pair, 5 of 8 outputs under a schema
+    # ran into max_tokens (300) on runs of tabs and spaces; compact, 16 of 16 finished in < 60 tokens.
+    any_whitespace: bool = False
 
     def __post_init__(self):
         if self.kind not in ("json", "json_object", "regex", "choice", "grammar"):
@@ -291,8 +294,9 @@ class Grammars:
         compiler = self._compiler_for_tokenizer()
         if spec.kind == "json":
             return compiler.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace)
-        if spec.kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if spec.kind == "json_object":  # any JSON object (xgrammar's builtin grammar takes any value)
+            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                any_whitespace=spec.any_whitespace)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "choice":
