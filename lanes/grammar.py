@@ -90,9 +90,10 @@ class RequestGrammar:
     """One request's matcher. Between steps it has accepted exactly the request's committed output
     tokens; during a step, also the drafts `ColumnMasks` walked (`speculative`)."""
 
-    def __init__(self, matcher, words: int):
+    def __init__(self, matcher, words: int, allowed: torch.Tensor | None = None):
         self.matcher = matcher
         self.words = words  # bitmask width, ceil(V / 32)
+        self.allowed = allowed  # [W] a bitmask every fill is narrowed by (JSON: no raw control characters)
         self.speculative: list[int] = []
 
     @property
@@ -102,6 +103,8 @@ class RequestGrammar:
     def fill(self, out: torch.Tensor, index: int) -> None:
         """The next token's bitmask into row `index` of the host int32 tensor `out` [K, W]."""
         self.matcher.fill_next_token_bitmask(out, index)
+        if self.allowed is not None:
+            out[index] &= self.allowed
 
     def advance(self, token: int) -> bool:
         """Accept a draft token for this step only (undone by `commit`); False if the grammar refuses it."""
@@ -261,6 +264,7 @@ class Grammars:
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
         self._compiled: OrderedDict[tuple, object] = OrderedDict()  # by (kind, spec, whitespace), LRU
+        self._no_control: dict[bool, torch.Tensor] = {}  # by any_whitespace: see _json_tokens
 
     def for_request(self, params: "SamplingParams") -> RequestGrammar | None:
         """A fresh matcher for a request's `structured` output, or None. Raises ParamError naming the
@@ -274,7 +278,9 @@ class Grammars:
             raise ParamError("ignore_eos", "cannot be combined with structured output: the grammar ends the output")
         import xgrammar
 
-        return RequestGrammar(xgrammar.GrammarMatcher(self.compiled(spec)), bitmask_words(self.vocab_size))
+        matcher = xgrammar.GrammarMatcher(self.compiled(spec))
+        allowed = self._json_tokens(spec.any_whitespace) if spec.kind in ("json", "json_object") else None
+        return RequestGrammar(matcher, bitmask_words(self.vocab_size), allowed)
 
     def compiled(self, spec: StructuredOutput):
         key = (spec.kind, spec.spec, spec.any_whitespace)
@@ -304,14 +310,29 @@ class Grammars:
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
         return compiler.compile_grammar(spec.spec)
 
+    def _json_tokens(self, any_whitespace: bool) -> torch.Tensor:
+        """[W] the tokens JSON output may hold: none with a raw control character (JSON escapes them),
+        and, in compact JSON, none with a tab or newline either. xgrammar's rule for strings with
+        minLength/maxLength lets raw control characters through (0.2.8; strict parsers such as
+        Python's json.loads then refuse the output), so every JSON matcher's mask is narrowed by this."""
+        if any_whitespace not in self._no_control:
+            forbidden = set(range(32)) - ({9, 10, 13} if any_whitespace else set())
+            self._compiler_for_tokenizer()
+            vocab = self._info.decoded_vocab
+            bits = torch.zeros(bitmask_words(self.vocab_size) * 32, dtype=torch.int64)
+            bits[: len(vocab)] = torch.tensor([not forbidden.intersection(token) for token in vocab])
+            words = (bits.view(-1, 32) << torch.arange(32)).sum(dim=1)  # [W] as unsigned 32-bit values
+            self._no_control[any_whitespace] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return self._no_control[any_whitespace]
+
     def _compiler_for_tokenizer(self):
         if self._compiler is None:
             import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.stop_token_ids)
+            self._info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                 stop_token_ids=self.stop_token_ids)
             # This class caches (by text, bounded by count); xgrammar's own cache would hold a second copy.
-            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+            self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
         return self._compiler
 
 

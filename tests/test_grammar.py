@@ -167,3 +167,14 @@ def test_compiled_grammars_are_cached_by_text(grammars):
     assert grammars.compiled(spec) is grammars.compiled(StructuredOutput("choice", spec.spec, "structured_outputs"))
     with pytest.raises(ParamError, match="ignore_eos"):
         grammars.for_request(SamplingParams(structured=spec, ignore_eos=True))
+
+
+def test_json_never_allows_raw_control_characters(grammars, tokenizer):
+    """xgrammar lets them into strings with maxLength; strict JSON parsers refuse them."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    params = SamplingParams(structured=StructuredOutput("json", json.dumps(schema), "guided_json"))
+    seq = request(grammars, tokenizer.encode('{"s": "'), params=params)
+    mask = first_token_bitmask(seq)
+    allowed = [t for t in range(grammars.vocab_size) if mask[t // 32] >> (t % 32) & 1]
+    control = [t for t in range(grammars.vocab_size) if any(ord(c) < 32 for c in tokenizer.decode([t]))]
+    assert control and allowed and not set(control) & set(allowed)

@@ -185,8 +185,8 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "logit_bias": {"100000": 1}}, None, 400, "logit_bias"),  # past the vocabulary
     ({"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, 400, "min_tokens"),
     ({"model": MODEL, "prompt": "x", "bad_words": ["a"]}, None, 400, "bad_words"),
-    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, None, 400, "response_format"),
-    ({"model": MODEL, "prompt": "x", "guided_regex": "a+"}, None, 400, "guided_regex"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, None, 400, "response_format"),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "(a+"}, None, 400, "guided_regex"),  # does not parse
     ({"model": MODEL, "prompt": ["x", ""]}, None, 400, "prompt"),  # a batch with an empty prompt
 ]
 
