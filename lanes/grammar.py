@@ -26,6 +26,7 @@ position, because the next position's mask depends on the token just drawn.
 
 import json
 import re
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from lanes.params import SamplingParams
     from lanes.sequence import Sequence
 
+assert sys.byteorder == "little", "apply_token_bitmask reads int32 words as little-endian bytes"
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per engine, least recently used dropped
 _ALL_ALLOWED = -1  # an int32 word with every bit set
 
@@ -72,8 +74,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     vocab = logits.shape[-1]
     if bitmask.device != logits.device:
         bitmask = _to(bitmask, logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[..., None] >> shifts) & 1).flatten(-2).bool()  # [..., 32 W]
+    # Bit t of the words is bit t % 8 of byte t // 8 (little-endian), unpacked a byte at a time: one
+    # byte per token in between, not four.
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    allowed = ((bitmask.contiguous().view(torch.uint8)[..., None] >> shifts) & 1).flatten(-2).bool()  # [..., 32 W]
     if allowed.shape[-1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
     return logits.masked_fill(~allowed[..., :vocab], float("-inf"))
