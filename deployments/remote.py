@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lanes.grammar import first_token_bitmask
+from lanes.grammar import compiled, first_token_bitmask
 from lanes.kv_pool import KVPool
 from lanes.prefill import PrefillChunk
 from lanes.prompt_prefiller import PrefillRequest
@@ -183,6 +183,7 @@ class RemotePrefiller:
         try:
             if self._peer is None:
                 self._peer = await self.handle.placement.remote()
+            await compiled(seq)  # structured output: its first token's mask goes with the prompt
             result = await self.handle.prefill.remote(self._job(seq))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
             result = exc

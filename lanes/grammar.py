@@ -24,10 +24,12 @@ large vocabularies) and, on the GPU, one device-to-host read of the drafted toke
 position, because the next position's mask depends on the token just drawn.
 """
 
+import asyncio
 import json
 import re
 import sys
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -94,11 +96,21 @@ class RequestGrammar:
     """One request's matcher. Between steps it has accepted exactly the request's committed output
     tokens; during a step, also the drafts `ColumnMasks` walked (`speculative`)."""
 
-    def __init__(self, matcher, words: int, allowed: torch.Tensor | None = None):
-        self.matcher = matcher
+    def __init__(self, compiled: Future, words: int, allowed: torch.Tensor | None = None):
+        self.compiled = compiled  # the CompiledGrammar, compiling on Grammars' thread
         self.words = words  # bitmask width, ceil(V / 32)
         self.allowed = allowed  # [W] a bitmask every fill is narrowed by (JSON: no raw control characters)
         self.speculative: list[int] = []
+        self._matcher = None
+
+    @property
+    def matcher(self):
+        """Made at first use, the first token's mask: that waits for the compilation if it is still running."""
+        if self._matcher is None:
+            import xgrammar
+
+            self._matcher = xgrammar.GrammarMatcher(self.compiled.result())
+        return self._matcher
 
     @property
     def terminated(self) -> bool:
@@ -143,6 +155,13 @@ class FirstTokenMask:
 
     def fill(self, out: torch.Tensor, index: int) -> None:
         out[index] = self.bitmask
+
+
+async def compiled(seq: "Sequence") -> None:
+    """Wait, without holding up the event loop, until a request's grammar has compiled (a decode
+    replica does, before it sends the prompt and its first token's mask to a prefill lane)."""
+    if isinstance(seq.grammar, RequestGrammar):
+        await asyncio.wrap_future(seq.grammar.compiled)
 
 
 def first_token_bitmask(seq: "Sequence") -> torch.Tensor | None:
@@ -260,14 +279,20 @@ def merge_bitmasks(masks: list[torch.Tensor | None], rows: list[int], columns: i
 
 class Grammars:
     """Compiles requests' grammars for one tokenizer and hands out matchers. xgrammar is imported and
-    the tokenizer's table built on the first request that asks for a grammar, not before."""
+    the tokenizer's table built on the first request that asks for a grammar, not before.
+
+    A request's grammar is parsed (and checked: a bad one is refused) when it is admitted, and
+    compiled (the token-mask tables, the slow part) on a thread of its own, which xgrammar runs
+    without the GIL; the engine steps meanwhile. The request needs it first for its first token's
+    mask, after its prompt's prefill forward."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
-        self._compiled: OrderedDict[tuple, object] = OrderedDict()  # by (kind, spec, whitespace), LRU
+        self._compiled: OrderedDict[tuple, Future] = OrderedDict()  # by (kind, spec, whitespace), LRU
+        self._thread: ThreadPoolExecutor | None = None
         self._no_control: dict[bool, torch.Tensor] = {}  # by any_whitespace: see _json_tokens
 
     def for_request(self, params: "SamplingParams") -> RequestGrammar | None:
@@ -280,39 +305,26 @@ class Grammars:
             raise ParamError(spec.field, "structured output needs the model's tokenizer; this engine has none")
         if params.ignore_eos:
             raise ParamError("ignore_eos", "cannot be combined with structured output: the grammar ends the output")
-        import xgrammar
-
-        matcher = xgrammar.GrammarMatcher(self.compiled(spec))
         allowed = self._json_tokens(spec.any_whitespace) if spec.kind in ("json", "json_object") else None
-        return RequestGrammar(matcher, bitmask_words(self.vocab_size), allowed)
+        return RequestGrammar(self.compiled(spec), bitmask_words(self.vocab_size), allowed)
 
-    def compiled(self, spec: StructuredOutput):
+    def compiled(self, spec: StructuredOutput) -> Future:
+        """The grammar's compilation, started now or earlier (cached by text). Raises ParamError if it
+        does not parse."""
         key = (spec.kind, spec.spec, spec.any_whitespace)
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key]
         try:
-            grammar = self._compile(spec)
+            grammar = _parse(spec)
         except RuntimeError as exc:  # xgrammar's parse and conversion errors
             raise ParamError(spec.field, f"invalid {_NAMES[spec.kind]}: {_clean(exc)}") from None
-        self._compiled[key] = grammar
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="vpd-grammar")
+        self._compiled[key] = self._thread.submit(self._compiler_for_tokenizer().compile_grammar, grammar)
         if len(self._compiled) > GRAMMAR_CACHE_SIZE:
             self._compiled.popitem(last=False)
-        return grammar
-
-    def _compile(self, spec: StructuredOutput):
-        compiler = self._compiler_for_tokenizer()
-        if spec.kind == "json":
-            return compiler.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace)
-        if spec.kind == "json_object":  # any JSON object (xgrammar's builtin grammar takes any value)
-            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                any_whitespace=spec.any_whitespace)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.spec)
-        if spec.kind == "choice":
-            # One alternative per choice, each an EBNF string literal (JSON's escapes are EBNF's).
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
-        return compiler.compile_grammar(spec.spec)
+        return self._compiled[key]
 
     def _json_tokens(self, any_whitespace: bool) -> torch.Tensor:
         """[W] the tokens JSON output may hold: none with a raw control character (JSON escapes them),
@@ -338,6 +350,22 @@ class Grammars:
             # This class caches (by text, bounded by count); xgrammar's own cache would hold a second copy.
             self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
         return self._compiler
+
+
+def _parse(spec: StructuredOutput):
+    import xgrammar
+
+    if spec.kind == "json":
+        return xgrammar.Grammar.from_json_schema(spec.spec, any_whitespace=spec.any_whitespace)
+    if spec.kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any value)
+        return xgrammar.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                 any_whitespace=spec.any_whitespace)
+    if spec.kind == "regex":
+        return xgrammar.Grammar.from_regex(spec.spec)
+    if spec.kind == "choice":
+        # One alternative per choice, each an EBNF string literal (JSON's escapes are EBNF's).
+        return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
+    return xgrammar.Grammar.from_ebnf(spec.spec)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",

@@ -44,7 +44,7 @@ def request(grammars, committed: list[int], rid: str = "r", params: SamplingPara
 
 def reference_mask(grammars, tokens: list[int]) -> torch.Tensor:
     """The bitmask after `tokens`, from a fresh matcher stepped one token at a time."""
-    matcher = xgrammar.GrammarMatcher(grammars.compiled(schema_params().structured))
+    matcher = xgrammar.GrammarMatcher(grammars.compiled(schema_params().structured).result())
     for t in tokens:
         assert matcher.accept_token(t)
     out = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)

@@ -56,7 +56,7 @@ def run(core: EngineCore, spec: StructuredOutput, **params) -> list[list[int]]:
 
 def masked_target_greedy(target, core: EngineCore, spec: StructuredOutput, prompt: list[int]) -> list[int]:
     """The reference: HF's forward with its own cache, argmax of the masked logits, one token at a time."""
-    matcher = xgrammar.GrammarMatcher(core.grammars.compiled(spec))
+    matcher = xgrammar.GrammarMatcher(core.grammars.compiled(spec).result())
     bitmask = xgrammar.allocate_token_bitmask(1, core.vocab_size)
     ids, past, out = torch.tensor([prompt]), None, []
     with torch.no_grad():
