@@ -16,7 +16,8 @@ from typing import Any
 from lanes.grammar import StructuredOutput
 from lanes.params import ParamError
 
-# vLLM's structured_outputs keys served here, and those refused by name.
+# vLLM's structured_outputs keys served here (disable_fallback and disable_additional_properties change
+# nothing: xgrammar is the only backend, and its schemas are strict already), and those refused by name.
 _SERVED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "disable_fallback",
                 "disable_additional_properties"}
 _REFUSED_KEYS = {"structural_tag": "structural tags are not served",
@@ -66,9 +67,9 @@ def _structured_outputs(so: dict | None) -> StructuredOutput | None:
                                                f"got {constraints or 'none'}")
     whitespace = so.get("disable_any_whitespace") is False  # compact unless asked (lanes/grammar.py says why)
     kind = constraints[0]
-    spec = _guided(f"guided_{kind}", so[kind], f"structured_outputs.{kind}", whitespace) if kind != "json_object" \
-        else StructuredOutput("json_object", "", "structured_outputs.json_object", whitespace)
-    return spec
+    if kind == "json_object":
+        return StructuredOutput("json_object", "", "structured_outputs.json_object", whitespace)
+    return _guided(f"guided_{kind}", so[kind], f"structured_outputs.{kind}", whitespace)
 
 
 def _guided(name: str, value: Any, field: str | None = None, any_whitespace: bool = False) -> StructuredOutput | None:

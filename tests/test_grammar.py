@@ -178,3 +178,18 @@ def test_json_never_allows_raw_control_characters(grammars, tokenizer):
     allowed = [t for t in range(grammars.vocab_size) if mask[t // 32] >> (t % 32) & 1]
     control = [t for t in range(grammars.vocab_size) if any(ord(c) < 32 for c in tokenizer.decode([t]))]
     assert control and allowed and not set(control) & set(allowed)
+
+
+def test_every_spelling_of_a_constraint_reads_the_same():
+    from deployments.openai_structured import structured_output
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    text = json.dumps(schema)
+    ways = [structured_output({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, None, {}),
+            structured_output(None, {"json": schema}, {}), structured_output(None, None, {"guided_json": text}),
+            structured_output({"type": "text"}, None, {"guided_json": schema, "guided_regex": None})]
+    assert {(w.kind, w.spec, w.any_whitespace) for w in ways} == {("json", text, False)}
+    assert [w.field for w in ways] == ["response_format", "structured_outputs.json", "guided_json", "guided_json"]
+    assert structured_output(None, {"regex": "a+", "disable_any_whitespace": False}, {}).kind == "regex"
+    assert structured_output(None, {"json_object": True, "disable_any_whitespace": False}, {}).any_whitespace
+    assert structured_output({"type": "text"}, {}, {"guided_choice": None}) is None
