@@ -6,8 +6,8 @@
   and its older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 At most one constraint per request. Shapes are checked here (400 naming the field); whether a
-schema, regex or grammar compiles is checked where it is compiled, at admission to the engine
-(lanes/grammar.py), which answers the same way.
+schema, regex or grammar parses is checked when the engine admits the request (lanes/grammar.py),
+which answers the same way.
 """
 
 import json

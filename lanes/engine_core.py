@@ -149,7 +149,7 @@ class EngineCore:
         check_request(params, self.vocab_size, self.eos_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, prompt_ids, params, seed, self.default_draft_len,
-                       grammar=self.grammars.for_request(params))  # compiled here, at admission (cached)
+                       grammar=self.grammars.for_request(params))  # parsed now, compiled off the step loop
         if arrival_s is not None:
             seq.arrival_s = arrival_s
         self.scheduler.add(seq)

@@ -1,5 +1,5 @@
 """Structured output over HTTP through the `openai` SDK's typed arguments, on a real Serve instance
-(CPU, tiny pair) in nospec, unified and pdv: output parses and matches, greedy output is the same in
+(CPU, tiny pair) in nospec, unified, pd and pdv: output parses and matches, greedy output is the same in
 every mode (the mask travels to pdv's prefill and verify lanes), and bad constraints get a 400
 naming their field."""
 
@@ -19,7 +19,7 @@ from tests.serve_helpers import app_config, base_url, deploy, start_ray, wait_un
 from tests.tiny_pair import save_tiny_pair
 
 MODEL = "vpd-python"
-MODES = ("nospec", "unified", "pdv")
+MODES = ("nospec", "unified", "pd", "pdv")
 # A pattern bounds the random-weight model's strings. (With maxLength instead, sampling from it once drew
 # the UTF-8 bytes of a surrogate code point, which xgrammar counts as one character and Python as three.)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z0-9 _]{1,12}$"},
