@@ -44,8 +44,8 @@ MAX_TOKENS = {"free text": 64, "json_schema": 256, "json_object": 256}
 
 
 def run(target, draft, draft_len: int, fmt: str, temperature: float, tokenizer) -> dict:
-    core = EngineCore.colocated(target, draft if draft_len else None,
-                                EngineConfig(max_model_len=512, max_num_seqs=len(PROMPTS), num_speculative_tokens=draft_len))
+    config = EngineConfig(max_model_len=512, max_num_seqs=len(PROMPTS), num_speculative_tokens=draft_len)
+    core = EngineCore.colocated(target, draft if draft_len else None, config)
     for i, prompt in enumerate(PROMPTS):
         core.add_request(str(i), tokenizer.encode(prompt), SamplingParams(
             max_tokens=MAX_TOKENS[fmt], temperature=temperature, seed=i, structured=FORMATS[fmt]))

@@ -191,8 +191,8 @@ class ColumnMasks:
     the draft model samples, or afterwards for drafts made without a mask, such as prompt lookup).
 
     A draft the grammar refuses (prompt lookup) ends the row's drafts there; so does a draft that
-    ends the grammar (a stop token): nothing after it can be emitted. Columns past a row's last
-    filled one stay all-allowed; verification never emits from them."""
+    ends the grammar (a stop token): nothing after it is kept. Columns past a row's last filled one
+    stay all-allowed; no token verified there is kept (the request stops at the stop token)."""
 
     def __init__(self, seqs: list["Sequence"], num_draft: list[int], columns: int):
         assert columns > max(num_draft, default=0), (columns, num_draft)
@@ -254,7 +254,9 @@ class ColumnMasks:
 def verify_bitmask(seqs: list["Sequence"], proposal: "DraftProposal") -> torch.Tensor | None:
     """The verify batch's per-column bitmasks [B, L + 1, W] (host), or None when no row has a grammar.
     Drafts the grammar cuts short are cut in `proposal.num_draft` too."""
-    masks = proposal.masks if proposal.masks is not None else ColumnMasks.of(seqs, proposal.num_draft, proposal.tokens.shape[1] + 1)
+    masks = proposal.masks
+    if masks is None:
+        masks = ColumnMasks.of(seqs, proposal.num_draft, proposal.tokens.shape[1] + 1)
     if masks is None:
         return None
     masks.follow(proposal.tokens)

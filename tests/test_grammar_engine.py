@@ -48,7 +48,8 @@ def engine(pair, draft_len: int, ngram: bool = False) -> EngineCore:
 
 def run(core: EngineCore, spec: StructuredOutput, **params) -> list[list[int]]:
     ids = [core.tokenizer.encode(p) for p in PROMPTS]
-    requests = {str(i): (p, SamplingParams(max_tokens=MAX_TOKENS, structured=spec, **params)) for i, p in enumerate(ids)}
+    params = SamplingParams(max_tokens=MAX_TOKENS, structured=spec, **params)
+    requests = {str(i): (p, params) for i, p in enumerate(ids)}
     outputs = run_to_completion(core, requests)
     assert core.verifier.lane.pool.num_used == 0
     return [outputs[str(i)] for i in range(len(ids))]
