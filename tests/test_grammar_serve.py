@@ -10,15 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 import pytest
-import ray
-from openai import OpenAI
 from pydantic import BaseModel, Field
-from ray import serve
 
-from tests.serve_helpers import app_config, base_url, deploy, start_ray, wait_until_idle
+from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
-MODEL = "vpd-python"
 MODES = ("nospec", "unified", "pd", "pdv")
 # A pattern bounds the random-weight model's strings. (With maxLength instead, sampling from it once drew
 # the UTF-8 bytes of a surrogate code point, which xgrammar counts as one character and Python as three.)
@@ -42,20 +38,14 @@ def pair_paths(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    start_ray()
-    deploy({mode: app_config(mode, target, draft) for mode in MODES})
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
-def client(mode: str) -> OpenAI:
-    return OpenAI(base_url=base_url(mode), api_key="unused", max_retries=0)
+    with serving({mode: app_config(mode, target, draft) for mode in MODES}):
+        yield
 
 
 def schema_chat(mode: str, **kw):
     kw = {"max_tokens": 200, "temperature": 0, **kw}
-    return client(mode).chat.completions.create(model=MODEL, messages=MESSAGES, response_format=JSON_SCHEMA, **kw)
+    return openai_client(mode).chat.completions.create(model=MODEL, messages=MESSAGES, response_format=JSON_SCHEMA,
+                                                       **kw)
 
 
 def test_json_schema_greedy_is_the_same_in_every_mode_and_matches():
@@ -66,14 +56,15 @@ def test_json_schema_greedy_is_the_same_in_every_mode_and_matches():
         texts[mode] = out.choices[0].message.content
         jsonschema.validate(json.loads(texts[mode]), SCHEMA)
     assert len(set(texts.values())) == 1, texts
-    streamed = client("pdv").chat.completions.create(model=MODEL, messages=MESSAGES, response_format=JSON_SCHEMA,
-                                                     max_tokens=200, temperature=0, stream=True)
+    streamed = openai_client("pdv").chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                            response_format=JSON_SCHEMA, max_tokens=200, temperature=0,
+                                                            stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == texts["nospec"]
 
 
 @pytest.mark.parametrize("mode", ["unified", "pdv"])
 def test_the_sdks_typed_parse_json_object_and_vllm_fields(mode):
-    c = client(mode)
+    c = openai_client(mode)
     parsed = c.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Point, max_tokens=120,
                                       temperature=0).choices[0].message.parsed
     assert isinstance(parsed, Point) and -99 <= parsed.x <= 99
@@ -95,11 +86,11 @@ def test_pdv_batches_with_and_without_grammars_together():
     """Sampled schema requests and free-text greedy ones at once over two decode replicas: the verify lane
     merges rows with masks and rows without; free text is as it is alone."""
     free = dict(model=MODEL, prompt="class Point:", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-    alone = client("unified").completions.create(**free).choices[0].text
+    alone = openai_client("unified").completions.create(**free).choices[0].text
 
     def one(i: int):
         if i % 2:
-            return client("pdv").completions.create(**free).choices[0].text
+            return openai_client("pdv").completions.create(**free).choices[0].text
         out = schema_chat("pdv", temperature=1.0, seed=i, n=2)
         return [json.loads(ch.message.content) for ch in out.choices]
 
