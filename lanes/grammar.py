@@ -307,6 +307,8 @@ class Grammars:
             raise ParamError(spec.field, "structured output needs the model's tokenizer; this engine has none")
         if params.ignore_eos:
             raise ParamError("ignore_eos", "cannot be combined with structured output: the grammar ends the output")
+        if params.min_tokens:  # where the grammar can only end, min_tokens would leave no token to sample
+            raise ParamError("min_tokens", "cannot be combined with structured output: the grammar ends the output")
         allowed = self._json_tokens(spec.any_whitespace) if spec.kind in ("json", "json_object") else None
         return RequestGrammar(self.compiled(spec), bitmask_words(self.vocab_size), allowed)
 

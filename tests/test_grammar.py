@@ -167,6 +167,8 @@ def test_compiled_grammars_are_cached_by_text(grammars):
     assert grammars.compiled(spec) is grammars.compiled(StructuredOutput("choice", spec.spec, "structured_outputs"))
     with pytest.raises(ParamError, match="ignore_eos"):
         grammars.for_request(SamplingParams(structured=spec, ignore_eos=True))
+    with pytest.raises(ParamError, match="min_tokens"):
+        grammars.for_request(SamplingParams(structured=spec, min_tokens=2))
 
 
 def test_json_never_allows_raw_control_characters(grammars, tokenizer):

@@ -130,3 +130,14 @@ def test_max_tokens_ends_with_length_and_free_text_rows_share_the_batch(pair):
     assert finals == {"cut": "length", "free": "length"}
     alone = run_to_completion(engine(pair, 0), {"free": (prompt, SamplingParams(max_tokens=20))})["free"]
     assert free == alone  # a grammar row in the batch leaves the other rows' output as it was
+
+
+def test_penalties_apply_after_the_mask_and_stay_lossless(pair):
+    """Penalties on the masked logits never bring a forbidden token back; greedy output is the same with
+    speculation as without."""
+    penalised = dict(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={ord("{"): 5.0})
+    outputs = [run(engine(pair, draft_len), SPECS["json_schema"], **penalised) for draft_len in (0, 4)]
+    assert outputs[0] == outputs[1]
+    tokenizer = engine(pair, 0).tokenizer
+    for out in outputs[0]:
+        check("json_schema", tokenizer.decode(out[:-1]))
