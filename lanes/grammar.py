@@ -9,7 +9,9 @@ Speculation stays lossless under the mask. One decode step masks
   tokens, and q is the masked draft distribution);
 - the target at verify column c with the matcher after drafts[:c], c = 0..n (the last is the bonus).
 The rejection rule then compares q with the masked target p, so the output has the masked target's
-distribution, and greedy output is the masked target's greedy output.
+distribution, and greedy output is the masked target's greedy output. The mask is applied to the raw
+logits, before penalties (lanes/penalties.py), temperature and the filters, so nothing after it can
+bring a forbidden token back.
 
 The matcher lives with the request in the decode loop (EngineCore), next to the committed tokens.
 `ColumnMasks` advances it through the step's drafts while it fills the columns' bitmasks; after
