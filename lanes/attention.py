@@ -1,10 +1,11 @@
 """Attention over the KV pool, plugged into unmodified HF models through their AttentionInterface.
 
-PoolCache hands the attention function the whole layer pool instead of a gathered batch copy;
-`PoolAttentionMeta` (passed through the model's forward kwargs) says which slot each row reads and
-how long it is. On CUDA, few-token steps (decode, verify) run the Triton kernel that reads slots in
-place; everything else (prefill, CPU) gathers the rows' slots and runs SDPA, causal: with a mask
-when rows start at different positions, without one when every row starts at 0 (whole prompts).
+PoolCache hands the attention function the whole layer's block pool instead of a gathered batch
+copy; `PoolAttentionMeta` (passed through the model's forward kwargs) says which slot each row reads,
+how long it is, and where the slot's blocks are (the pool's device block table). On CUDA, few-token
+steps (decode, verify) run the Triton kernel that reads blocks in place; everything else (prefill,
+CPU) gathers the rows' blocks into a batch copy and runs SDPA, causal: with a mask when rows start at
+different positions, without one when every row starts at 0 (whole prompts).
 
 Two per-layer features of the HF attention call are honoured on both paths: `sliding_window` (a
 query at position t sees keys t - window + 1 .. t: Mistral, Qwen2, Gemma, Phi-3) and `softcap`
@@ -36,6 +37,7 @@ class PoolAttentionMeta:
     mask: torch.Tensor | None
     splits: int  # key splits of the in-place kernel (fixed per batch size, for CUDA graphs)
     use_kernel: bool
+    block_table: torch.Tensor  # [slots + 1, blocks_per_slot] int32: the pool's, on the device
     # Gather-path masks of sliding-window layers, built by the first such layer and shared by the rest.
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -48,7 +50,7 @@ UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
 def pool_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: float | None = None, pool_meta: PoolAttentionMeta | None = None,
                            sliding_window: int | None = None, softcap: float | None = None, **kwargs):
-    """query [B, H, Q, D]; key/value: the layer's pool [slots, kv_heads, capacity, D]. -> [B, Q, H, D].
+    """query [B, H, Q, D]; key/value: the layer's blocks [blocks, kv_heads, block_size, D]. -> [B, Q, H, D].
 
     Without pool_meta (the model called as a plain HF model, e.g. `generate` with a DynamicCache)
     this is HF's own SDPA attention, so the model keeps working outside the runner (HF's SDPA
@@ -66,20 +68,31 @@ def pool_attention_forward(module, query, key, value, attention_mask, dropout: f
 
 def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PoolAttentionMeta,
            scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """query [B, H, Q, D] over each row's slot of the layer pools [slots, kv_heads, capacity, D] -> [B, Q, H, D].
-    `window`: keys a query sees, itself included (None: all before it); `softcap`: tanh cap on the scores."""
+    """query [B, H, Q, D] over each row's blocks of the layer pools [blocks, kv_heads, block_size, D]
+    -> [B, Q, H, D]. `window`: keys a query sees, itself included (None: all before it); `softcap`:
+    tanh cap on the scores."""
     if meta.use_kernel:
         from lanes.triton_attention import pool_attention
 
-        return pool_attention(query, k_pool, v_pool, meta.slot_ids, meta.kv_lens, scale, meta.splits, window,
-                              softcap)
+        return pool_attention(query, k_pool, v_pool, meta.block_table, meta.slot_ids, meta.kv_lens, scale,
+                              meta.splits, window, softcap)
     return _gathered_attention(query, k_pool, v_pool, meta, scale, window, softcap)
+
+
+def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.Tensor, bound: int) -> torch.Tensor:
+    """The first `bound` positions of each row's slot, [B, kv_heads, bound, D], from blocks
+    [blocks, kv_heads, block_size, D] (a copy, as the unpaged gather was)."""
+    size = pool.shape[2]
+    blocks = block_table[slot_ids, : -(-bound // size)].long()  # [B, n]
+    gathered = pool[blocks]  # [B, n, kv_heads, block_size, D]
+    batch, n, heads, _, dim = gathered.shape
+    return gathered.transpose(1, 2).reshape(batch, heads, n * size, dim)[:, :, :bound]
 
 
 def _gathered_attention(query, k_pool, v_pool, meta: PoolAttentionMeta, scale: float, window: int | None = None,
                         softcap: float | None = None) -> torch.Tensor:
-    keys = k_pool[meta.slot_ids, :, : meta.kv_bound]  # [B, kv_heads, kv_bound, D]
-    values = v_pool[meta.slot_ids, :, : meta.kv_bound]
+    keys = gather_rows(k_pool, meta.block_table, meta.slot_ids, meta.kv_bound)  # [B, kv_heads, kv_bound, D]
+    values = gather_rows(v_pool, meta.block_table, meta.slot_ids, meta.kv_bound)
     mask = meta.mask
     if window is not None:
         if window not in meta.window_masks:

@@ -3,8 +3,10 @@
 
 A small draft model is launch-bound: eager HF runs ~10 ms per step at any batch size (see
 benchmarks/results). A replayed graph launches the whole forward at once. Rows of a batch smaller
-than its bucket read and write the pool's pad slot. Shapes in a graph depend only on (bucket, Q):
-the pool-attention kernel reads lengths from device memory.
+than its bucket read and write the pool's pad slot, whose block-table row points only at the pad
+block. Shapes in a graph depend only on (bucket, Q): the pool-attention kernel reads lengths, and
+every kernel reads the pool's block table, from device memory; the table is a static input of every
+graph, updated in place (KVPool.sync_block_table) before a replay, never reallocated.
 """
 
 from collections.abc import Callable

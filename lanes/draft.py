@@ -78,6 +78,7 @@ class DraftLane:
         its mask, and the drawn token is read back to the host to give the next position's."""
         pool = self.runner.pool
         kv_lens = pool.lengths[slots].tolist()
+        pool.reserve(slots, np.add(num_tokens, draft_lens) - 1)  # up to draft n - 1 (later drafts are junk)
         # 1 or 2 tokens after catch-up: the last committed one, and the one before it after a full accept.
         pending, last = pad_rows([s.token_ids[n:] for s, n in zip(seqs, kv_lens)])
         # Every per-row input of the L forwards in one copy: [4 + Q, B].
@@ -117,6 +118,7 @@ class DraftLane:
             starts = pool.lengths[behind_slots].tolist()
             chunks = [seqs[i].token_ids[n : min(n + CATCH_UP_CHUNK, num_tokens[i] - 2)] for i, n in zip(behind, starts)]
             ids, last = pad_tokens(chunks, self.runner.device)
+            pool.reserve(behind_slots, np.add(starts, [len(chunk) for chunk in chunks]))
             self.runner.forward(self.runner.rows(behind_slots, starts), ids, keep=last, prefill=True)
             pool.lengths[behind_slots] = np.add(starts, [len(chunk) for chunk in chunks])
 

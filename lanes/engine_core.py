@@ -7,7 +7,7 @@ the local lanes; the deployments inject proxies to other replicas for the disagg
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -19,6 +19,7 @@ from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer
 from lanes.families import check_supported
 from lanes.grammar import Grammars, verify_bitmask
 from lanes.kv_pool import KVPool, PoolShape
+from lanes.kv_sizing import num_kv_blocks
 from lanes.logprobs import TokenLogprobs
 from lanes.model_runner import ModelRunner
 from lanes.models import LoadedModel, check_compatible
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class EngineConfig:
     max_model_len: int = 1024  # prompt + output tokens per request
-    max_num_seqs: int = 32  # KV slots per model = requests decoded at once
+    max_num_seqs: int = 32  # requests admitted at once (block-table rows); memory is in blocks
     num_speculative_tokens: int = 4  # default draft length L
     max_draft_len: int = 8  # bound on any request's L (sizes the pool's slack)
     prefill_chunk_tokens: int = 256  # prefill budget per step while requests are decoding
@@ -47,6 +48,11 @@ class EngineConfig:
     attention_kernel: bool | None = None  # in-place pool attention for decode/verify (None: on CUDA)
     cuda_graphs: bool | None = None  # replay decode/verify forwards as CUDA graphs (None: with the kernel on CUDA)
     fused_layers: bool | None = None  # our fused Llama-family layers instead of HF's modules (None: where supported)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # blocks per model pool (None: from gpu_memory_utilization on CUDA, else
+    # max_num_seqs sequences of max_model_len)
+    gpu_memory_utilization: float = 0.9  # share of the device's memory this lane's models and pools may use
+    enable_prefix_caching: bool = True  # share the KV of full prompt blocks between requests
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -55,6 +61,8 @@ class EngineConfig:
             raise ValueError("need 1 <= prefill_chunk_tokens <= idle_prefill_tokens")
         if self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("max_num_seqs >= 1 and max_model_len >= 2 required")
+        if self.block_size < 1 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("block_size >= 1 and 0 < gpu_memory_utilization <= 1 required")
 
     @property
     def slot_capacity_tokens(self) -> int:
@@ -113,8 +121,7 @@ class EngineCore:
         if draft is not None:
             check_compatible(draft, target, allow_tokenizer_mismatch)
         tokenizer = tokenizer if tokenizer is not None else target.tokenizer
-        target_runner = build_runner(target.model, config)
-        draft_runner = build_runner(draft.model, config) if draft is not None else None
+        target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None)
         streams = LaneStreams(target_runner.device)
         prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
         eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
@@ -350,11 +357,22 @@ class EngineCore:
 
 
 def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
-    # Models built elsewhere (tests, benchmarks) reach the engine without load_model's check.
-    check_supported(model.config, config.slot_capacity_tokens)
-    shape = PoolShape.for_model(model.config, config.max_num_seqs, config.slot_capacity_tokens)
-    return ModelRunner(model, KVPool(shape, model.dtype, next(model.parameters()).device), config.attention_kernel,
-                       config.cuda_graphs, config.fused_layers)
+    return build_runners(config, model)[0]
+
+
+def build_runners(config: EngineConfig, *models: torch.nn.Module | None) -> list[ModelRunner | None]:
+    """A runner per model (None stays None), over pools of one block count, sized together."""
+    present = [m for m in models if m is not None]
+    for model in present:  # models built elsewhere (tests, benchmarks) reach the engine without load_model's check
+        check_supported(model.config, config.slot_capacity_tokens)
+    shapes = [PoolShape.for_model(m.config, config.max_num_seqs, config.slot_capacity_tokens, config.block_size)
+              for m in present]
+    device = next(present[0].parameters()).device
+    blocks = num_kv_blocks(shapes, [m.dtype for m in present], device, config.max_num_seqs, config.num_kv_blocks,
+                           config.gpu_memory_utilization)
+    runners = iter([ModelRunner(m, KVPool(replace(s, num_blocks=blocks), m.dtype, device), config.attention_kernel,
+                                config.cuda_graphs, config.fused_layers) for m, s in zip(present, shapes)])
+    return [next(runners) if m is not None else None for m in models]
 
 
 def eos_token_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

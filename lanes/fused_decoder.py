@@ -101,8 +101,8 @@ class FusedDecoder:
     def _attention(self, layer: _Layer, normed: torch.Tensor, meta: PoolAttentionMeta) -> torch.Tensor:
         batch, q_len, _ = normed.shape
         qkv = F.linear(normed, layer.qkv_w, layer.qkv_b)  # [B, Q, (Hq + 2 Hkv) * D]
-        k_pool, v_pool = self.pool.layer(layer.layer_idx)  # [slots, Hkv, capacity, D]
-        query = rope_store(qkv, self.cos, self.sin, meta.slot_ids, meta.kv_lens, k_pool, v_pool, layer.q_heads,
-                           self.use_triton)  # [B, Q, Hq, D]
+        k_pool, v_pool = self.pool.layer(layer.layer_idx)  # [blocks, Hkv, block_size, D]
+        query = rope_store(qkv, self.cos, self.sin, meta.block_table, meta.slot_ids, meta.kv_lens, k_pool, v_pool,
+                           layer.q_heads, self.use_triton)  # [B, Q, Hq, D]
         out = attend(query.transpose(1, 2), k_pool, v_pool, meta, layer.scale)  # [B, Q, Hq, D]
         return out.reshape(batch * q_len, -1)

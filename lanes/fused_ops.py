@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from transformers.models.llama.modeling_llama import rotate_half
 
+from lanes.pool_cache import block_positions
+
 
 # ---- residual add + RMSNorm --------------------------------------------------------------------
 
@@ -56,20 +58,22 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 # ---- rotary embedding + KV write ----------------------------------------------------------------
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, start_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr,
-                       q_len, stride_ks, stride_kh, stride_kn,
-                       Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, table_ptr, slot_ptr, start_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr,
+                       q_len, stride_kb, stride_kh, stride_kn, stride_table,
+                       Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # 0 .. Q_HEADS + 2 * KV_HEADS - 1: query heads, key heads, value heads
     row = token // q_len
     pos = tl.load(start_ptr + row).to(tl.int64) + token % q_len
     slot = tl.load(slot_ptr + row).to(tl.int64)
+    page = tl.load(table_ptr + slot * stride_table + pos // PAGE).to(tl.int64)  # the block holding pos
+    at = page * stride_kb + (pos % PAGE) * stride_kn
     dims = tl.arange(0, HALF)
     src = qkv_ptr + (token * (Q_HEADS + 2 * KV_HEADS) + head) * 2 * HALF
     x1 = tl.load(src + dims)
     x2 = tl.load(src + HALF + dims)
     if head >= Q_HEADS + KV_HEADS:  # value: stored as is
-        dst = v_pool_ptr + slot * stride_ks + (head - Q_HEADS - KV_HEADS) * stride_kh + pos * stride_kn
+        dst = v_pool_ptr + at + (head - Q_HEADS - KV_HEADS) * stride_kh
         tl.store(dst + dims, x1)
         tl.store(dst + HALF + dims, x2)
     else:
@@ -81,35 +85,37 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, start_ptr, q_out_ptr
         if head < Q_HEADS:
             dst = q_out_ptr + (token * Q_HEADS + head) * 2 * HALF
         else:
-            dst = k_pool_ptr + slot * stride_ks + (head - Q_HEADS) * stride_kh + pos * stride_kn
+            dst = k_pool_ptr + at + (head - Q_HEADS) * stride_kh
         tl.store(dst + dims, out1)
         tl.store(dst + HALF + dims, out2)
 
 
-def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ids: torch.Tensor,
-               starts: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, q_heads: int,
-               use_triton: bool) -> torch.Tensor:
-    """Rotate the new queries and keys, write keys and values into their rows' slots.
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block_table: torch.Tensor,
+               slot_ids: torch.Tensor, starts: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               q_heads: int, use_triton: bool) -> torch.Tensor:
+    """Rotate the new queries and keys, write keys and values into their rows' blocks.
 
     qkv [B, Q, (q_heads + 2 kv_heads) * D], the fused projection; cos/sin [positions, D/2], HF's
     table (rounded to the model dtype); row b's tokens sit at starts[b] .. starts[b] + Q - 1 of
-    slot slot_ids[b]; pools [slots, kv_heads, capacity, D]. Returns the rotated queries [B, Q, q_heads, D].
+    slot slot_ids[b], whose blocks are block_table[slot] [slots, blocks_per_slot] int32; pools
+    [blocks, kv_heads, block_size, D]. Returns the rotated queries [B, Q, q_heads, D].
     """
     if not use_triton:
-        return _rope_store_torch(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads)
+        return _rope_store_torch(qkv, cos, sin, block_table, slot_ids, starts, k_pool, v_pool, q_heads)
     batch, q_len, _ = qkv.shape
     kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
     assert qkv.is_contiguous() and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
+    assert block_table.stride(-1) == 1
     q_out = torch.empty(batch, q_len, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_store_kernel[(batch * q_len, q_heads + 2 * kv_heads)](
-        qkv, cos, sin, slot_ids, starts, q_out, k_pool, v_pool, q_len,
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
+        qkv, cos, sin, block_table, slot_ids, starts, q_out, k_pool, v_pool, q_len,
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PAGE=k_pool.shape[2],
     )
     return q_out
 
 
-def _rope_store_torch(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads: int) -> torch.Tensor:
+def _rope_store_torch(qkv, cos, sin, block_table, slot_ids, starts, k_pool, v_pool, q_heads: int) -> torch.Tensor:
     batch, q_len, _ = qkv.shape
     kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
     heads = qkv.view(batch, q_len, q_heads + 2 * kv_heads, head_dim)
@@ -117,9 +123,9 @@ def _rope_store_torch(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads: 
     positions = starts[:, None].long() + torch.arange(q_len, device=qkv.device)  # [B, Q]
     cos_full = torch.cat((cos[positions], cos[positions]), dim=-1)[:, :, None]  # [B, Q, 1, D]
     sin_full = torch.cat((sin[positions], sin[positions]), dim=-1)[:, :, None]
-    slot_rows = slot_ids[:, None].expand_as(positions)
-    k_pool[slot_rows, :, positions] = key * cos_full + rotate_half(key) * sin_full
-    v_pool[slot_rows, :, positions] = value
+    blocks, offsets = block_positions(block_table, slot_ids, positions, k_pool.shape[2])  # [B, Q] each
+    k_pool[blocks, :, offsets] = key * cos_full + rotate_half(key) * sin_full
+    v_pool[blocks, :, offsets] = value
     return query * cos_full + rotate_half(query) * sin_full
 
 

@@ -77,6 +77,7 @@ class ModelRunner:
         capacity = self.pool.shape.capacity_tokens
         assert rows.max_start + q_len <= capacity, f"row would write past the slot capacity {capacity}"
         input_ids = input_ids.to(self.device)
+        self.pool.sync_block_table()  # blocks given back since the last forward (rollback, frees): no-op if none
         index = self._row_index[:batch]
         if self.graphs is not None and not prefill and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
             logits = self.graphs(rows.slot_ids, rows.starts, input_ids)  # [B, Q, V], replayed
@@ -124,13 +125,15 @@ class ModelRunner:
         from lanes.triton_attention import split_count
 
         batch, q_len = positions.shape
+        # The pool's device table: a CUDA graph reads it at its fixed address, updated in place between replays.
+        table = self.pool.block_table_device
         if self._kernel_fits(q_len):
             splits = split_count(self.pool.shape.capacity_tokens, batch, self.num_kv_heads, self._num_sms)
-            return PoolAttentionMeta(slot_ids, starts, None, None, splits, True)
+            return PoolAttentionMeta(slot_ids, starts, None, None, splits, True, table)
         if longest == q_len:  # every row starts at position 0: causal attention over its own tokens, no mask
-            return PoolAttentionMeta(slot_ids, starts, q_len, None, 1, False)
+            return PoolAttentionMeta(slot_ids, starts, q_len, None, 1, False, table)
         kv_bound = min(self.pool.shape.capacity_tokens, -(-longest // KV_BOUND_MULTIPLE) * KV_BOUND_MULTIPLE)
-        return PoolAttentionMeta(slot_ids, starts, kv_bound, self._causal_mask(positions, kv_bound), 1, False)
+        return PoolAttentionMeta(slot_ids, starts, kv_bound, self._causal_mask(positions, kv_bound), 1, False, table)
 
     @property
     def _no_mask(self) -> torch.Tensor:

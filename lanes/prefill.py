@@ -21,11 +21,11 @@ class PrefillChunk:
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.length == self.seq.num_prompt_tokens
+        return self.start + self.length == self.seq.num_prefill_tokens
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.prompt_ids[self.start : self.start + self.length]
+        return self.seq.token_ids[self.start : self.start + self.length]
 
 
 def plan_chunks(seqs: list[Sequence], budget_tokens: int) -> list[PrefillChunk]:
@@ -34,7 +34,7 @@ def plan_chunks(seqs: list[Sequence], budget_tokens: int) -> list[PrefillChunk]:
     for seq in seqs:
         if budget_tokens <= 0:
             break
-        length = min(budget_tokens, seq.num_prompt_tokens - seq.num_prefilled)
+        length = min(budget_tokens, seq.num_prefill_tokens - seq.num_prefilled)
         chunks.append(PrefillChunk(seq, seq.num_prefilled, length))
         budget_tokens -= length
     return chunks
@@ -49,7 +49,7 @@ def plan_whole_prompts(seqs: list[Sequence], budget_tokens: int) -> list[Prefill
     """
     chunks = []
     for seq in seqs:
-        left = seq.num_prompt_tokens - seq.num_prefilled
+        left = seq.num_prefill_tokens - seq.num_prefilled
         if seq.num_prefilled > 0 or left > budget_tokens:
             if not chunks:
                 return [PrefillChunk(seq, seq.num_prefilled, min(left, budget_tokens))]
@@ -101,7 +101,7 @@ class PrefillLane:
         last_logits = logits[torch.arange(len(chunks), device=logits.device), last] if keep is None else logits  # [B, V]
         last_logits = mask_first_tokens(last_logits, [c.seq for c in chunks])  # rows with a grammar, else as is
         # The first output token sits at absolute position len(prompt).
-        positions = to_device([[c.seq.num_prompt_tokens] for c in chunks], torch.long, logits.device)
+        positions = to_device([[c.seq.num_prefill_tokens] for c in chunks], torch.long, logits.device)
         penalties = Penalties.build([c.seq.params for c in chunks], PenaltyHistory.of([c.seq for c in chunks]),
                                     logits.shape[-1], logits.device)
         # Logprobs (below) stay raw: penalties only change what is sampled.
@@ -119,6 +119,7 @@ class PrefillLane:
 
     @staticmethod
     def _write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, keep) -> torch.Tensor:
+        runner.pool.reserve(slots, [c.start + c.length for c in chunks])
         logits = runner.forward(runner.rows(slots, starts), ids, keep=keep, prefill=True)  # [B, V] or [B, Q, V]
         for slot, chunk in zip(slots, chunks):
             runner.pool.lengths[slot] = chunk.start + chunk.length
@@ -128,7 +129,7 @@ class PrefillLane:
 def _following(chunk: PrefillChunk) -> list[int]:
     """The token each of the chunk's positions predicts: the next prompt token, -1 for the output's first."""
     start, end = chunk.start + 1, chunk.start + chunk.length + 1
-    return chunk.seq.prompt_ids[start:end] + ([-1] if chunk.completes_prompt else [])
+    return chunk.seq.token_ids[start:end] + ([-1] if chunk.completes_prompt else [])
 
 
 @dataclass(frozen=True)

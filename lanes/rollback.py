@@ -8,8 +8,10 @@ model's cache stays valid up to T + k tokens and no further:
   draft:  fed up to draft n - 1              -> wrote T + n - 1, keeps T + min(k, n - 1);
   a model fed nothing this step keeps what it had.
 Positions past the new length are left as they are; the next write overwrites them and the mask
-hides them until then. (HF's DynamicCache is mutated in place by forward passes, so rolling back by
-copying caches would not be safe; lengths over a fixed pool are.)
+hides them until then. Whole blocks past the new length hold only rejected tokens: they go back to
+the pool now, so that a long draft never holds memory a step longer than it is useful. (HF's
+DynamicCache is mutated in place by forward passes, so rolling back by copying caches would not be
+safe; lengths over a fixed pool are.)
 """
 
 import numpy as np
@@ -20,3 +22,4 @@ from lanes.kv_pool import KVPool
 def rollback_after_verify(pool: KVPool, slots: list[int], num_tokens_before, num_accepted) -> None:
     """Every row of a verified batch at once: `slots` [B], T [B] and k [B] (lists or arrays)."""
     pool.lengths[slots] = np.minimum(pool.lengths[slots], np.add(num_tokens_before, num_accepted))
+    pool.release_past_lengths(slots)

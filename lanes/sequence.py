@@ -56,6 +56,17 @@ class Sequence:
         return len(self.prompt_ids)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens prefill writes: the prompt, or after a preemption every token but the last (which,
+        as the first output token after a prompt, is fed by the next decode step)."""
+        return len(self.token_ids) - 1 if self.resumed else len(self.prompt_ids)
+
+    @property
+    def resumed(self) -> bool:
+        """Preempted after it had output: its prefill recomputes KV and emits nothing."""
+        return len(self.token_ids) > len(self.prompt_ids)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
 

@@ -1,8 +1,10 @@
-"""Attention of a few new query tokens per sequence over that sequence's KV slot in the pool.
+"""Attention of a few new query tokens per sequence over that sequence's KV blocks in the pool.
 
 Used for decode (Q = 1), verify (Q = L + 1) and short prefill chunks. It reads each row's keys and values straight from
-its slot (no gather into a batch copy), split along the key axis so that small batches still fill
-the GPU (flash-decoding), then merges the splits. Causal: query i of row b sits at absolute
+its blocks (no gather into a batch copy): key position p of a row is at offset p % block_size of
+block block_table[slot, p // block_size], looked up per key, so any block size works and a key step
+may span blocks. The key axis is split so that small batches still fill the GPU (flash-decoding),
+then the splits are merged. Causal: query i of row b sits at absolute
 position kv_lens[b] + i and sees keys 0 .. kv_lens[b] + i, or only the last `window` of them on a
 sliding-window layer; scores are soft-capped (softcap * tanh(s / softcap)) where the layer asks. The
 new tokens' keys and values are already in the pool when this runs (PoolCache writes them first).
@@ -22,17 +24,17 @@ MAX_ROWS = 128  # Q * (query heads per kv head) handled by one program
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr,
     stride_qb, stride_qh, stride_qq,
-    stride_ks, stride_kh, stride_kn,
+    stride_kb, stride_kh, stride_kn, stride_table,
     scale, Q, window, softcap,
-    KEYS_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(slot_ptr + b)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
     kv_len = tl.load(kvlen_ptr + b)
     total = kv_len + Q  # keys in the slot after this step's writes
 
@@ -51,13 +53,16 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     start = split * KEYS_PER_SPLIT
     stop = tl.minimum(start + KEYS_PER_SPLIT, total)
-    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
-    v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+    table_row = table_ptr + slot * stride_table
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_kh
     # A static trip count (the split's width): blocks past the row's length load nothing (masked).
     for block in range(KEYS_PER_SPLIT // BLOCK_N):
         keys = start + block * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = (keys < stop) & (keys >= first_key)  # keys before every row's window are not loaded
-        k = tl.load(k_base + keys[:, None] * stride_kn + dims[None, :], mask=key_ok[:, None], other=0.0)
+        page = tl.load(table_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+        key_at = page * stride_kb + (keys % PAGE) * stride_kn  # [BLOCK_N] element offsets
+        k = tl.load(k_base + key_at[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
         # The cast comes after the scale: under torch.compile a Python-float scale arrives as fp64.
         s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
@@ -70,7 +75,7 @@ def _split_kernel(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - shift[:, None])
         alpha = tl.exp(m_i - shift)
-        v = tl.load(v_base + keys[:, None] * stride_kn + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + key_at[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -130,14 +135,17 @@ def split_count(capacity_tokens: int, batch: int, kv_heads: int, num_sms: int) -
     return min(wanted, -(-capacity_tokens // BLOCK_N))
 
 
-def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: torch.Tensor,
-                   kv_lens: torch.Tensor, scale: float, splits: int, window: int | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
-    """query [B, H, Q, D]; pools [slots, kv_heads, capacity, D]; returns [B, Q, H, D].
-    `window`: keys each query sees, itself included (None: all before it); `softcap`: tanh cap on scores."""
+def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                   slot_ids: torch.Tensor, kv_lens: torch.Tensor, scale: float, splits: int,
+                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """query [B, H, Q, D]; pools [blocks, kv_heads, block_size, D]; block_table [slots, blocks_per_slot]
+    int32; returns [B, Q, H, D]. `window`: keys each query sees, itself included (None: all before
+    it); `softcap`: tanh cap on scores."""
     batch, heads, q_len, head_dim = query.shape
-    kv_heads, capacity = k_pool.shape[1], k_pool.shape[2]
+    kv_heads, page = k_pool.shape[1], k_pool.shape[2]
+    capacity = block_table.shape[1] * page
     assert k_pool.stride(-1) == 1 and query.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
+    assert block_table.stride(-1) == 1
     group = heads // kv_heads
     block_m = max(16, triton.next_power_of_2(q_len * group))
     keys_per_split = -(-capacity // splits // BLOCK_N) * BLOCK_N
@@ -147,11 +155,11 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     row_sum = torch.empty(work, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
     _split_kernel[(batch, kv_heads, splits)](
-        query, k_pool, v_pool, slot_ids, kv_lens, acc, row_max, row_sum,
+        query, k_pool, v_pool, block_table, slot_ids, kv_lens, acc, row_max, row_sum,
         query.stride(0), query.stride(1), query.stride(2),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         scale, q_len, window if window is not None else capacity + q_len, softcap or 1.0,
-        KEYS_PER_SPLIT=keys_per_split, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
+        PAGE=page, KEYS_PER_SPLIT=keys_per_split, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
     )

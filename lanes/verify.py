@@ -112,6 +112,7 @@ class VerifyLane:
         slot_ids, starts, last, num_draft = to_device([slots, kv_lens.tolist(), batch.last_tokens, batch.num_draft],
                                                       torch.long, device)
         drafts = batch.draft_tokens.to(device)
+        self.pool.reserve(slots, np.add(num_tokens, batch.num_draft))  # the real drafts; padding writes no block
         ids = torch.cat([last[:, None], drafts], dim=1)  # [B, L + 1]
         logits = self.runner.forward(Rows(slot_ids, starts, int(kv_lens.max())), ids)  # [B, L + 1, V]
         if batch.token_bitmask is not None:  # structured output: p is the masked target

@@ -94,7 +94,7 @@ def test_rollback_keeps_exactly_the_committed_kv(llama_pair):
             assert t_len == len(seq.token_ids) - 1
             assert len(seq.token_ids) - 2 <= d_len <= len(seq.token_ids) - 1
             for runner, slot, n in ((engine.verifier.lane.runner, seq.target_slot, t_len), (engine.draft, seq.draft_slot, d_len)):
-                pool_keys = runner.pool.kv[0, :, slot, :, :n]
+                pool_keys = runner.pool.read_slot(slot)[0]  # [layers, kv_heads, n, D], gathered from its blocks
                 ref = _reference_kv(runner.model, seq.token_ids[:n])
                 torch.testing.assert_close(pool_keys, ref, rtol=1e-9, atol=1e-9)
         rejections = engine.total_stats.num_draft_tokens - engine.total_stats.num_accepted_tokens

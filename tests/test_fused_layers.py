@@ -11,6 +11,14 @@ from lanes.models import build_random_model
 from lanes.params import SamplingParams
 from tests.conftest import ARCH_CONFIGS, VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
+from tests.paged_helpers import paginate
+
+
+def _dense(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """blocks [n, kv_heads, block_size, D] through table [slots, per_slot] -> [slots, kv_heads, per_slot * block_size, D]."""
+    gathered = blocks[table.long()]  # [slots, per_slot, kv_heads, block_size, D]
+    slots, per_slot, heads, size, dim = gathered.shape
+    return gathered.transpose(1, 2).reshape(slots, heads, per_slot * size, dim)
 
 # Triton's CPU interpreter truncates to bf16 where the GPU rounds to nearest: allow two bf16 ulps
 # (two roundings) for kernels run here; float32 must agree to float32 precision.
@@ -44,7 +52,8 @@ def test_silu_and_mul_kernel_matches_hf_mlp_activation(dtype):
     torch.testing.assert_close(silu_and_mul(gate_up, True), ref, **KERNEL_TOL[dtype])
 
 
-def test_rope_store_kernel_matches_torch_path_and_writes_only_the_new_positions():
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_rope_store_kernel_matches_torch_path_and_writes_only_the_new_positions(block_size):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     gen = torch.Generator().manual_seed(2)
@@ -55,9 +64,10 @@ def test_rope_store_kernel_matches_torch_path_and_writes_only_the_new_positions(
     slot_ids, starts = torch.tensor([3, 0, 1]), torch.tensor([0, 7, 30], dtype=torch.int32)
     pools = {}
     for use_triton in (False, True):
-        k_pool, v_pool = torch.zeros(2, 5, kv_heads, capacity, dim).unbind(0)
-        query = rope_store(qkv, cos, sin, slot_ids, starts, k_pool, v_pool, q_heads, use_triton)
-        pools[use_triton] = (query, k_pool, v_pool)
+        zeros, table = paginate(torch.zeros(5, kv_heads, capacity, dim), block_size, seed=3)
+        k_blocks, v_blocks = zeros.zero_(), zeros.clone()
+        query = rope_store(qkv, cos, sin, table, slot_ids, starts, k_blocks, v_blocks, q_heads, use_triton)
+        pools[use_triton] = (query, _dense(k_blocks, table), _dense(v_blocks, table))
     for got, want in zip(pools[True], pools[False]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     query, k_pool, v_pool = pools[False]
@@ -71,7 +81,7 @@ def test_rope_store_kernel_matches_torch_path_and_writes_only_the_new_positions(
     torch.testing.assert_close(query[1], q_ref[0].transpose(0, 1))
     torch.testing.assert_close(k_pool[0, :, 7:12], k_ref[0])
     torch.testing.assert_close(v_pool[0, :, 7:12], heads[:, q_heads + kv_heads:].transpose(0, 1))
-    written = torch.zeros(5, capacity, dtype=torch.bool)
+    written = torch.zeros(5, k_pool.shape[2], dtype=torch.bool)
     for slot, start in zip(slot_ids.tolist(), starts.tolist()):
         written[slot, start:start + q_len] = True
     assert (k_pool.abs().sum((1, 3)) > 0).eq(written).all()
@@ -82,7 +92,8 @@ def test_fused_decoder_equals_hf_hidden_states_and_shares_the_weights(arch):
     model = build_random_model(ARCH_CONFIGS[arch], dtype="float64", seed=3).model
     assert supports(model)
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
-    pool = KVPool(PoolShape.for_model(model.config, 2, 64), model.dtype, "cpu")
+    pool = KVPool(PoolShape.for_model(model.config, 2, 64, block_size=3), model.dtype, "cpu")
+    pool.reserve([pool.allocate(), pool.allocate()], [9, 9])
     decoder = FusedDecoder(model, pool, use_triton=False)
     attn = model.get_decoder().layers[0].self_attn
     qkv = decoder.layers[0].qkv_w
@@ -93,7 +104,8 @@ def test_fused_decoder_equals_hf_hidden_states_and_shares_the_weights(arch):
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
     positions = torch.arange(9).expand(2, 9)
     mask = torch.where(torch.arange(64)[None, None] <= positions[:, :, None], 0.0, float("-inf")).double()[:, None]
-    meta = PoolAttentionMeta(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.int32), 64, mask, 1, False)
+    meta = PoolAttentionMeta(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.int32), 64, mask, 1, False,
+                             pool.block_table_device)
     with torch.inference_mode():
         ref = model.get_decoder()(input_ids=ids).last_hidden_state
         torch.testing.assert_close(decoder(ids, meta), ref)

@@ -1,6 +1,6 @@
 """The in-place pool attention kernel (Triton, run by its interpreter on CPU: conftest sets
-TRITON_INTERPRET) against the gathered SDPA reference, and the engine's greedy equality with the
-kernel in the loop."""
+TRITON_INTERPRET) and the gather path, both over paged blocks in a shuffled order, against dense
+attention; and the engine's greedy equality with the kernel in the loop."""
 
 import pytest
 import torch
@@ -10,44 +10,59 @@ from lanes.params import SamplingParams
 from lanes.triton_attention import pool_attention, split_count
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
+from tests.paged_helpers import dense_attention, paginate
 
 
-def _reference(query, k_pool, v_pool, slots, kv_lens, scale, window=None, softcap=None):
+def _gathered(query, k_dense, v_dense, slots, kv_lens, scale, block_size, window=None, softcap=None, masked=True):
+    """The gather path over a paged copy of the dense slots."""
+    k_blocks, table = paginate(k_dense, block_size, seed=1)
+    v_blocks, _ = paginate(v_dense, block_size, seed=1)
     q_len = query.shape[2]
     positions = kv_lens[:, None].long() + torch.arange(q_len)
     bound = int(kv_lens.max()) + q_len
     allowed = torch.arange(bound)[None, None, :] <= positions[:, :, None]
-    mask = torch.where(allowed, 0.0, float("-inf"))[:, None].to(query.dtype)
-    return _gathered_attention(query, k_pool, v_pool, PoolAttentionMeta(slots, kv_lens, bound, mask, 1, False), scale,
-                               window, softcap)
+    mask = torch.where(allowed, 0.0, float("-inf"))[:, None].to(query.dtype) if masked else None
+    meta = PoolAttentionMeta(slots, kv_lens, bound, mask, 1, False, table)
+    return _gathered_attention(query, k_blocks, v_blocks, meta, scale, window, softcap)
+
+
+def _kernel(query, k_dense, v_dense, slots, kv_lens, scale, splits, block_size, window=None, softcap=None):
+    k_blocks, table = paginate(k_dense, block_size, seed=2)
+    v_blocks, _ = paginate(v_dense, block_size, seed=2)
+    return pool_attention(query, k_blocks, v_blocks, table, slots, kv_lens, scale, splits, window, softcap)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "q_len"), [(4, 2, 1), (4, 2, 5), (2, 2, 3), (8, 1, 2)])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_kernel_matches_gathered_sdpa(heads, kv_heads, q_len, splits):
+@pytest.mark.parametrize(("splits", "block_size"), [(1, 16), (3, 16), (3, 3), (2, 1)])
+def test_kernel_and_gather_path_match_dense_attention(heads, kv_heads, q_len, splits, block_size):
     gen = torch.Generator().manual_seed(heads * 10 + q_len)
     slots, capacity, dim = 6, 200, 16
-    k_pool = torch.randn(slots, kv_heads, capacity, dim, generator=gen)
-    v_pool = torch.randn(slots, kv_heads, capacity, dim, generator=gen)
+    k_dense = torch.randn(slots, kv_heads, capacity, dim, generator=gen)
+    v_dense = torch.randn(slots, kv_heads, capacity, dim, generator=gen)
     slot_ids = torch.tensor([4, 0, 2])
     kv_lens = torch.tensor([0, 37, 190 - q_len], dtype=torch.int32)  # empty, middle, nearly full
     query = torch.randn(3, heads, q_len, dim, generator=gen)
-    out = pool_attention(query, k_pool, v_pool, slot_ids, kv_lens, dim**-0.5, splits)
-    torch.testing.assert_close(out, _reference(query, k_pool, v_pool, slot_ids, kv_lens, dim**-0.5),
-                               rtol=1e-4, atol=1e-4)
+    ref = dense_attention(query, k_dense, v_dense, slot_ids, kv_lens, dim**-0.5)
+    out = _kernel(query, k_dense, v_dense, slot_ids, kv_lens, dim**-0.5, splits, block_size)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    gathered = _gathered(query, k_dense, v_dense, slot_ids, kv_lens, dim**-0.5, block_size)
+    torch.testing.assert_close(gathered, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(8, None), (70, None), (None, 2.0), (8, 2.0)])
-def test_kernel_sliding_window_and_softcap_match_gathered_path(window, softcap):
+def test_kernel_sliding_window_and_softcap_match_dense_attention(window, softcap):
     """Sliding windows shorter than one key block and spanning blocks and splits; soft-capped scores."""
     gen = torch.Generator().manual_seed(window or 1)
-    k_pool = torch.randn(6, 2, 200, 16, generator=gen)
-    v_pool = torch.randn(6, 2, 200, 16, generator=gen)
+    k_dense = torch.randn(6, 2, 200, 16, generator=gen)
+    v_dense = torch.randn(6, 2, 200, 16, generator=gen)
     slot_ids, kv_lens = torch.tensor([4, 0, 2]), torch.tensor([0, 37, 187], dtype=torch.int32)
     query = torch.randn(3, 4, 3, 16, generator=gen)
-    out = pool_attention(query, k_pool, v_pool, slot_ids, kv_lens, 0.25, 3, window, softcap)
-    torch.testing.assert_close(out, _reference(query, k_pool, v_pool, slot_ids, kv_lens, 0.25, window, softcap),
-                               rtol=1e-4, atol=1e-4)
+    ref = dense_attention(query, k_dense, v_dense, slot_ids, kv_lens, 0.25, window, softcap)
+    for block_size in (16, 3):
+        out = _kernel(query, k_dense, v_dense, slot_ids, kv_lens, 0.25, 3, block_size, window, softcap)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        gathered = _gathered(query, k_dense, v_dense, slot_ids, kv_lens, 0.25, block_size, window, softcap)
+        torch.testing.assert_close(gathered, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (2, 2)])
@@ -55,12 +70,13 @@ def test_rows_from_position_0_attend_causally_without_a_mask(heads, kv_heads):
     """Whole prompts (every row starts at 0) take the maskless causal path; rows padded past their
     length still match the masked reference on every real token."""
     gen = torch.Generator().manual_seed(heads)
-    k_pool = torch.randn(5, kv_heads, 64, 16, generator=gen)
-    v_pool = torch.randn(5, kv_heads, 64, 16, generator=gen)
+    k_dense = torch.randn(5, kv_heads, 64, 16, generator=gen)
+    v_dense = torch.randn(5, kv_heads, 64, 16, generator=gen)
     slot_ids, kv_lens = torch.tensor([3, 1]), torch.zeros(2, dtype=torch.int32)
     query = torch.randn(2, heads, 9, 16, generator=gen)
-    causal = _gathered_attention(query, k_pool, v_pool, PoolAttentionMeta(slot_ids, kv_lens, 9, None, 1, False), 0.25)
-    torch.testing.assert_close(causal, _reference(query, k_pool, v_pool, slot_ids, kv_lens, 0.25), rtol=1e-5, atol=1e-5)
+    causal = _gathered(query, k_dense, v_dense, slot_ids, kv_lens, 0.25, 3, masked=False)
+    torch.testing.assert_close(causal, dense_attention(query, k_dense, v_dense, slot_ids, kv_lens, 0.25),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_split_count_fills_the_gpu_and_never_exceeds_the_key_blocks():
