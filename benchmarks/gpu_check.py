@@ -121,6 +121,7 @@ def serve_pdv_check() -> dict:
 
 def fill_pool(runner, batch: int, length: int) -> list[int]:
     slots = [runner.pool.allocate() for _ in range(batch)]
+    runner.pool.reserve(slots, [length] * batch)  # the blocks of `length` tokens each (steps add their own)
     runner.pool.kv.normal_()  # real-looking data, never zeros
     for s in slots:
         runner.pool.lengths[s] = length

@@ -128,11 +128,22 @@ class LaneConfig(_Strict):
 
 class EngineArgs(_Strict):
     max_model_len: int = Field(default=1024, ge=2, description="Prompt + output tokens per request.")
-    max_num_seqs: int = Field(default=16, ge=1, description="KV slots per model per replica.")
+    max_num_seqs: int = Field(default=16, ge=1, description="Requests a replica runs at once (a cap, not a "
+                              "memory reservation: KV memory is allocated in blocks as sequences grow).")
     num_speculative_tokens: int = Field(default=4, ge=0, description="Default draft length L.")
     max_draft_len: int = Field(default=8, ge=0, le=16, description="Bound on any request's L.")
     prefill_chunk_tokens: int = Field(default=128, ge=1, description="Prefill tokens per step while decoding.")
     idle_prefill_tokens: int = Field(default=1024, ge=1, description="Prefill tokens per step when idle.")
+    block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV-cache block.")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Share of the GPU's memory a "
+                                          "replica's models and KV pools may use (times the lane's num_gpus "
+                                          "when it is a fraction); the pools get what the models leave. "
+                                          "Ignored on the CPU.")
+    num_kv_blocks: int | None = Field(default=None, ge=1, description="KV blocks per model pool, overriding "
+                                      "gpu_memory_utilization. None: from free GPU memory on CUDA, else "
+                                      "max_num_seqs sequences of max_model_len.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse the KV of full prompt blocks that "
+                                        "earlier requests computed (both models' pools).")
 
     def engine_config(self, mode: str) -> EngineConfig:
         values = self.model_dump()

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import torch
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, LaneConfig
 from deployments.kv_transfer import Placement
 from deployments.remote import RemotePrefiller, RemoteVerifier
 from lanes.backends import LocalVerifier
-from lanes.engine_core import EngineCore, build_runner, eos_token_ids
+from lanes.engine_core import EngineConfig, EngineCore, build_runner, build_runners, eos_token_ids
 from lanes.models import LoadedModel, Vocabulary, check_compatible, load_model, load_vocabulary
 from lanes.ngram import NgramProposer
 from lanes.prompt_prefiller import PromptPrefiller
@@ -46,26 +46,34 @@ def build_proposer(cfg: AppConfig, device: str | torch.device) -> NgramProposer 
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, device) if spec is not None else None
 
 
+def _engine_config(cfg: AppConfig, lane: LaneConfig) -> EngineConfig:
+    """The engine config of one lane's replica. A replica with a fraction of a GPU sizes its KV
+    pools from that fraction of the device's memory (lanes share GPUs in pd and pdv)."""
+    config = cfg.engine.engine_config(cfg.mode)
+    share = min(1.0, lane.num_gpus) if lane.num_gpus > 0 else 1.0
+    return replace(config, gpu_memory_utilization=config.gpu_memory_utilization * share)
+
+
 def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None) -> EngineCore:
     """The engine of the decode-lane replica (or of the only replica, in one-deployment modes)."""
     device = cfg.decode_lane.bind_device()
-    config = cfg.engine.engine_config(cfg.mode)
+    config = _engine_config(cfg, cfg.decode_lane)
     if cfg.mode in ("unified", "spec", "nospec"):
         lenient = cfg.draft_model is not None and cfg.draft_model.allow_tokenizer_mismatch
         return EngineCore.colocated(_target(cfg, device), _draft(cfg, device), config,
                                     proposer=build_proposer(cfg, device), allow_tokenizer_mismatch=lenient)
     draft = _draft(cfg, device)
-    draft_runner = build_runner(draft.model, config) if draft is not None else None
     placement = Placement.here(device)
     owner = f"decode-{uuid.uuid4().hex[:8]}"
     if cfg.mode == "pd":
         target = _target(cfg, device)
         _check_pair(cfg, draft, target)
-        target_runner = build_runner(target.model, config)
+        target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None)
         verifier, target_pool = LocalVerifier(VerifyLane(target_runner)), target_runner.pool
         vocab = Vocabulary(target_runner.vocab_size, target.tokenizer, target.model.generation_config)
         model_device = target_runner.device
     else:  # pdv: the target lives in the verify lane
+        draft_runner = build_runner(draft.model, config) if draft is not None else None
         verifier, target_pool = RemoteVerifier(verify, loop, cfg.request_timeout_s), None
         vocab = (Vocabulary(draft_runner.vocab_size, draft.tokenizer, draft.model.generation_config)
                  if draft is not None else load_vocabulary(cfg.target.path))
@@ -83,14 +91,13 @@ def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
     target, draft = _target(cfg, device), _draft(cfg, device)  # no draft to prefill with prompt lookup
     _check_pair(cfg, draft, target)
     # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8).
-    config = replace(cfg.engine.engine_config(cfg.mode), max_num_seqs=PREFILL_BATCH_MAX)
-    return PromptPrefiller(build_runner(target.model, config),
-                           build_runner(draft.model, config) if draft is not None else None,
+    config = replace(_engine_config(cfg, cfg.prefill_lane), max_num_seqs=PREFILL_BATCH_MAX)
+    return PromptPrefiller(*build_runners(config, target.model, draft.model if draft is not None else None),
                            cfg.engine.idle_prefill_tokens)
 
 
 def build_verify_lane(cfg: AppConfig) -> VerifyLane:
-    config = cfg.engine.engine_config(cfg.mode)
+    config = _engine_config(cfg, cfg.verify_lane)
     # Each verify replica may hold requests of every decode replica (slots are handed out by the verify
     # replica with the fewest calls in flight, not the fewest slots in use): size its pool for all of them.
     replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)

@@ -105,18 +105,18 @@ class PoolViews:
         return self._views[handle.owner]
 
 
-def write_all(writes: list[tuple[KVPool, int, torch.Tensor]]) -> list[str]:
-    """Write requests' KV into pools opened from their owners, then wait once for each owner's GPU.
-    Returns each write's transport: "in_place" on this GPU, "peer" on another.
+def write_all(writes: list[tuple[KVPool, list[int], torch.Tensor]]) -> list[str]:
+    """Write requests' KV into blocks that their owners allocated in pools opened from them, then wait
+    once for each owner's GPU. Returns each write's transport: "in_place" on this GPU, "peer" on another.
 
     Another GPU's pool gets a contiguous device-to-device copy (the copy engines, over NVLink or
-    PCIe) into a temporary on that GPU, then the slot write runs there: no kernel of this GPU
+    PCIe) into a temporary on that GPU, then the block writes run there: no kernel of this GPU
     touches the owner's memory. torch orders the copy after the work on `kv`'s current stream.
     """
     transports = []
-    for pool, slot, kv in writes:
+    for pool, blocks, kv in writes:
         peer = pool.kv.device != kv.device
-        pool.write_slot(slot, kv.contiguous().to(pool.kv.device) if peer else kv)
+        pool.write_blocks(blocks, kv.contiguous().to(pool.kv.device) if peer else kv)
         transports.append("peer" if peer else "in_place")
     # The owners read this memory next, from their own processes. torch makes an owner GPU's stream
     # wait for a peer copy, so waiting for that GPU covers both copies.

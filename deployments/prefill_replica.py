@@ -93,20 +93,21 @@ class PrefillServer:
         batch_s = time.time()
         # The verify lane's slots are asked for while the forward runs.
         forward, leased = await asyncio.gather(self.worker.run(self._prefill_timed, [j.request for j in jobs]),
-                                               self._verify_slots(len(jobs)), return_exceptions=True)
+                                               self._verify_slots([len(j.request.prompt_ids) for j in jobs]),
+                                               return_exceptions=True)
         if isinstance(forward, BaseException) or isinstance(leased, BaseException):
             if isinstance(leased, tuple):
                 self.verify.release.remote(leased[1], lease=leased[0])
             if not isinstance(forward, BaseException):
                 await self.worker.run(forward[1])
             raise forward if isinstance(forward, BaseException) else leased
-        lease, slots, pool = leased if leased is not None else (None, None, None)
+        lease, slots, blocks, pool = leased if leased is not None else (None, None, None, None)
         kvs, release, forward_ms = forward
         self.metrics.observe_step(forward_ms, len(jobs))
         # The KV writes run next on the same thread and stream, before any other batch's forward,
         # straight from the scratch slots (views, released after), in one job: queued one by one,
         # each would wait behind the next batch's forward.
-        outs = await self.worker.run(self._write_out, jobs, kvs, release, (pool, slots), (batch_s, time.time()))
+        outs = await self.worker.run(self._write_out, jobs, kvs, release, (pool, slots, blocks), (batch_s, time.time()))
         for out in outs:
             out.done.target_lease = lease if slots is not None else None
         if slots is not None:
@@ -124,35 +125,36 @@ class PrefillServer:
         return kvs, release, (time.perf_counter() - start) * 1e3
 
     def _write_out(self, jobs: list[PrefillJob], kvs: list[PrefilledKV], release: Callable[[], None],
-                   verify: tuple[PoolHandle | None, list[int] | None], times_s: tuple[float, float]) -> list[Prefilled]:
+                   verify: tuple[PoolHandle | None, list[int] | None, list[list[int]] | None],
+                   times_s: tuple[float, float]) -> list[Prefilled]:
         """Each prompt's KV into its owners' pools where this replica can reach them, else to the host;
-        `verify`: the verify replica's pool and the slots it gave this batch (pdv in place)."""
+        `verify`: the verify replica's pool, the slots it gave this batch and their blocks (pdv in place)."""
         try:
             return self._write_each(jobs, kvs, verify, times_s)
         finally:
             release()  # every copy out of the scratch slots has finished (write_all waits; HostKV reads to the host)
 
     def _write_each(self, jobs, kvs, verify, times_s) -> list[Prefilled]:
-        verify_pool, verify_slots = verify
+        verify_pool, verify_slots, verify_blocks = verify
         outs, writes, labels = [], [], []
         for i, (job, kv) in enumerate(zip(jobs, kvs)):
             out = Prefilled(PrefillDone(kv.first_token, None, None, None), "none", "copied", kv.target_kv.shape[3],
                             _nbytes(kv.target_kv), _nbytes(kv.draft_kv), *times_s)
             if job.draft_pool is not None:
-                writes.append((self.views.get(job.draft_pool), job.draft_slot, kv.draft_kv))
+                writes.append((self.views.get(job.draft_pool), job.draft_blocks, kv.draft_kv))
                 labels.append((out, "draft"))
             elif kv.draft_kv is not None:
                 out.done.draft_kv = HostKV.from_tensor(kv.draft_kv)
             else:
                 out.draft = "none"
             if verify_slots is not None:
-                writes.append((self.views.get(verify_pool), verify_slots[i], kv.target_kv))
+                writes.append((self.views.get(verify_pool), verify_blocks[i], kv.target_kv))
                 labels.append((out, "target"))
                 out.done.target_slot = verify_slots[i]
             elif self.verify is not None:
                 out.verify_kv, out.target = HostKV.from_tensor(kv.target_kv), "copied"
             elif job.target_pool is not None:
-                writes.append((self.views.get(job.target_pool), job.target_slot, kv.target_kv))
+                writes.append((self.views.get(job.target_pool), job.target_blocks, kv.target_kv))
                 labels.append((out, "target"))
             elif job.want_target_kv:
                 out.done.target_kv, out.target = HostKV.from_tensor(kv.target_kv), "copied"
@@ -164,16 +166,16 @@ class PrefillServer:
             out.written_s = written_s
         return outs
 
-    async def _verify_slots(self, n: int) -> tuple[str, list[int], PoolHandle] | None:
-        """pdv: `n` slots of a verify replica whose pool this replica can write into, with its lease and
-        pool; None where the KV goes through Ray instead."""
+    async def _verify_slots(self, lengths: list[int]) -> tuple[str, list[int], list[list[int]], PoolHandle] | None:
+        """pdv: a slot per prompt (of these lengths) in a verify replica whose pool this replica can write
+        into, with its lease, the slots' blocks and the pool; None where the KV goes through Ray instead."""
         if self.verify is None or (self._verify_pools and not any(self._verify_pools.values())):
             # No verify lane, or none of the replicas asked so far is in reach (across nodes, or without
             # peer access): no slots to ask for. On one node with peer access every one is in reach.
             return None
         # The least loaded verify replica gives the slots; the batch's KV, its commit and every later
         # call about these slots go to that replica (its lease).
-        lease, slots = await asyncio.wait_for(self.verify.allocate_many.remote(n), PEER_CALL_TIMEOUT_S)
+        lease, slots, blocks = await asyncio.wait_for(self.verify.allocate_many.remote(lengths), PEER_CALL_TIMEOUT_S)
         try:
             pool = await self._verify_pool(lease)
         except BaseException:
@@ -182,7 +184,7 @@ class PrefillServer:
         if pool is None:  # out of reach: copy through Ray instead
             self.verify.release.remote(slots, lease=lease)
             return None
-        return lease, slots, pool
+        return lease, slots, blocks, pool
 
     async def _verify_pool(self, lease: str) -> PoolHandle | None:
         """The pool of verify replica `lease` if its GPU is in reach (same GPU, peer access), asked once."""

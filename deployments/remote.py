@@ -40,7 +40,11 @@ class PrefillJob:
     draft_pool: PoolHandle | None  # set when the prefill lane can write into the decode replica's GPU
     target_slot: int | None  # set in mode pd (the decode replica owns the target pool)
     target_pool: PoolHandle | None
-    want_target_kv: bool  # pd over the object store: return the target KV to the caller
+    # With a pool handle: the blocks (of draft_slot, target_slot) the prompt's KV goes into, in order,
+    # allocated by the decode replica at admission; the prefill lane sees no block table.
+    draft_blocks: list[int] | None = None
+    target_blocks: list[int] | None = None
+    want_target_kv: bool = False  # pd over the object store: return the target KV to the caller
     sent_s: float | None = None  # wall clock when the decode replica sent it (timelines: transit and queue)
     owner: object | None = None  # pdv: the decode replica's actor handle; the verify lane frees its slots if it dies
     received_s: float | None = None  # wall clock when the prefill lane's replica received it
@@ -192,14 +196,24 @@ class RemotePrefiller:
         if self.on_reply is not None:
             self.on_reply()
 
+    def holds_blocks(self, seq: Sequence) -> bool:
+        # The prefill lane may be writing this prompt's KV into our blocks in place: they are freed when
+        # its reply lands (`_land`), never before, so no other request can be given them meanwhile.
+        return seq.request_id in self._submitted
+
     def _job(self, seq: Sequence) -> PrefillJob:
         in_place = self._peer is not None and self._peer.can_write_into(self.placement)
+        draft_in_place, target_in_place = in_place and self.draft_pool, in_place and self.target_pool
         return PrefillJob(
-            request=PrefillRequest(seq.request_id, seq.prompt_ids, seq.params, seq.seed, first_token_bitmask(seq)),
+            # After a preemption: every token but the last (lanes/sequence.py), whose KV is recomputed.
+            request=PrefillRequest(seq.request_id, seq.token_ids[: seq.num_prefill_tokens], seq.params, seq.seed,
+                                   first_token_bitmask(seq)),
             draft_slot=seq.draft_slot,
-            draft_pool=self._export("draft", self.draft_pool) if in_place and self.draft_pool else None,
+            draft_pool=self._export("draft", self.draft_pool) if draft_in_place else None,
             target_slot=seq.target_slot,
-            target_pool=self._export("target", self.target_pool) if in_place and self.target_pool else None,
+            target_pool=self._export("target", self.target_pool) if target_in_place else None,
+            draft_blocks=self.draft_pool.slot_blocks(seq.draft_slot) if draft_in_place else None,
+            target_blocks=self.target_pool.slot_blocks(seq.target_slot) if target_in_place else None,
             want_target_kv=self.target_pool is not None and not in_place,
             sent_s=time.time(),
             owner=self.owner_actor,
@@ -214,13 +228,15 @@ class RemotePrefiller:
     def _land(self, scheduler: Scheduler, seq: Sequence, result) -> tuple[Sequence, int | BaseException, None] | None:
         self._submitted.discard(seq.request_id)
         if seq.status is not SeqStatus.PREFILLING:
-            # Aborted while its prompt was being prefilled: give back the verify slot it was given.
+            # Aborted while its prompt was being prefilled: give back its slots (held until now, see
+            # holds_blocks) and the verify slot it was given.
+            scheduler.release_slots(seq)
             if isinstance(result, PrefillDone) and result.target_slot is not None and self.target_pool is None:
                 scheduler.verifier.release(result.target_slot, result.target_lease)
             return None
         if isinstance(result, BaseException):
             return seq, result, None
-        prompt_len = seq.num_prompt_tokens
+        prompt_len = seq.num_prefill_tokens
         if self.draft_pool is not None:
             if result.draft_kv is not None:
                 self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.tensor(self.draft_pool.kv.device))

@@ -74,22 +74,24 @@ class VerifyServer:
         self._check_lease(lease)
         return PoolHandle.export(f"verify-{self.lease}", self.lane.pool)
 
-    async def allocate_many(self, n: int) -> tuple[str, list[int]]:
-        """This instance's lease and `n` free slots, for a prefill lane to write a batch of prompts into
-        in place."""
+    async def allocate_many(self, lengths: list[int]) -> tuple[str, list[int], list[list[int]]]:
+        """This instance's lease, a free slot per prompt of these lengths and the blocks that back
+        each, for a prefill lane to write a batch of prompts into in place. Raises PoolFullError
+        (nothing held) when slots or blocks run out: the decode replica queues those prompts again."""
         # On the event loop, not the worker: queued behind verify forwards (~15 ms each at 7B) every
-        # in-place hand-over waited for up to two of them. It only pops the host-side free list (one
-        # atomic list operation each; release and load_kv change it from the worker) and no forward
-        # reads a slot before the prefill lane has committed it.
-        slots = []
+        # in-place hand-over waited for up to two of them. It only changes host-side state (the free
+        # list, and the block table under the pool's lock; release and load_kv change them from the
+        # worker) and no forward reads a slot before the prefill lane has committed it.
+        pool, slots = self.lane.pool, []
         try:
-            for _ in range(n):
-                slots.append(self.lane.pool.allocate())
+            for length in lengths:
+                slots.append(pool.allocate())
+                pool.reserve([slots[-1]], [length])
         except PoolFullError:
             for slot in slots:
-                self.lane.pool.free(slot)
+                pool.free(slot)
             raise
-        return self.lease, slots
+        return self.lease, slots, [pool.slot_blocks(slot) for slot in slots]
 
     async def commit_many(self, slots: list[int], lengths: list[int], owners: list | None = None,
                           lease: str | None = None) -> None:

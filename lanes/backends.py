@@ -5,7 +5,7 @@ protocols. In the co-located modes they are the local lanes below; in the disagg
 deployments inject proxies that ship the same objects to other Ray Serve replicas.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -51,6 +51,11 @@ class Prefiller(Protocol):
         where prefill failed. Prompt logprobs accumulate in `Sequence.prompt_logprobs`.
         `decoding`: requests are decoding, so prefill may overlap with their next step."""
 
+    def holds_blocks(self, seq: Sequence) -> bool:
+        """Called as `seq` (prefilling) is released: True when a prefill in flight still writes its
+        blocks, so they may not be freed now (the prefiller frees them when the write has landed).
+        False: they may be freed now (whatever was in flight for it is finished and forgotten)."""
+
 
 class LocalVerifier:
     def __init__(self, lane: VerifyLane):
@@ -74,6 +79,7 @@ class LocalVerifier:
 class _Launched:
     chunks: list[PrefillChunk]
     first_tokens: HostCopy  # [B, 1 + packed logprobs]
+    dropped: set[int] = field(default_factory=set)  # ids of sequences released while in flight
 
 
 class LocalPrefiller:
@@ -101,6 +107,16 @@ class LocalPrefiller:
                 done += self._collect(scheduler, wait=True)
         return done
 
+    def holds_blocks(self, seq: Sequence) -> bool:
+        # A chunk of `seq` on the prefill stream still writes its blocks: wait for it (rare: aborts
+        # and preemptions of prompts mid-prefill), and forget its result, which may not be applied to
+        # the sequence if it is admitted again.
+        launched = self._launched
+        if launched is not None and any(c.seq is seq for c in launched.chunks):
+            launched.first_tokens.wait()
+            launched.dropped.add(id(seq))
+        return False
+
     def _launch(self, scheduler: Scheduler, budget_tokens: int) -> None:
         chunks = scheduler.prefill_chunks(budget_tokens)
         if not chunks:
@@ -117,8 +133,8 @@ class LocalPrefiller:
         layout = PrefillLogprobs.of(launched.chunks)
         for chunk, row in zip(launched.chunks, launched.first_tokens.wait()):
             seq = chunk.seq
-            if seq.status is not SeqStatus.PREFILLING:
-                continue  # aborted meanwhile; its slots were freed (later prefills queue behind this one)
+            if seq.status is not SeqStatus.PREFILLING or id(seq) in launched.dropped:
+                continue  # aborted or preempted meanwhile; its slots were freed
             scheduler.mark_prefilled(chunk)
             seq.prompt_logprobs = concat([seq.prompt_logprobs, layout.prompt(chunk, row)])
             if chunk.completes_prompt:

@@ -18,7 +18,7 @@ from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer
 from lanes.families import check_supported
 from lanes.grammar import Grammars, verify_bitmask
-from lanes.kv_pool import KVPool, PoolShape
+from lanes.kv_pool import KVPool, PoolFullError, PoolShape
 from lanes.kv_sizing import num_kv_blocks
 from lanes.logprobs import TokenLogprobs
 from lanes.model_runner import ModelRunner
@@ -95,7 +95,9 @@ class EngineCore:
         self.verifier = verifier
         self.prefiller = prefiller
         self.streams = streams or LaneStreams(torch.device("cpu"))
-        self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None)
+        self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None, getattr(verifier, "pool", None),
+                                   config.max_num_seqs)
+        self.scheduler.holds_blocks = prefiller.holds_blocks
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
         # Set when a failed batch left the device unusable (lanes/device_fault.py): the loop that
@@ -198,6 +200,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         self.scheduler.admit()
+        self.scheduler.make_room(self._tokens_after_step)
         outputs, launched = [], None
         running = list(self.scheduler.running)
         if running:
@@ -215,6 +218,11 @@ class EngineCore:
         if launched is not None:
             outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
         return outputs + prefill_outputs
+
+    def _tokens_after_step(self, seq: Sequence) -> int:
+        """Tokens a running sequence's KV holds once this step's forwards wrote (the target's: the
+        draft's is one fewer)."""
+        return len(seq.token_ids) + (seq.step_draft_len(self.config.max_draft_len) if self.proposer else 0)
 
     def _guarded(self, seqs: list[Sequence], run) -> list[RequestOutput]:
         try:
@@ -270,6 +278,9 @@ class EngineCore:
         errors = result.errors or [None] * len(running)
         for seq, num_draft, tokens, num_accepted, lp, error in zip(running, proposal.num_draft, result.tokens,
                                                                    result.num_accepted, logprobs, errors):
+            if error is not None and PoolFullError.__name__ in error:
+                self.scheduler.preempt(seq)  # a remote verify lane out of KV blocks: recompute it later
+                continue
             if error is not None:  # its verifier failed (a remote one that died): this request only
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, [], "", error=error))
@@ -288,6 +299,12 @@ class EngineCore:
     def _prefill(self, budget_tokens: int, decoding: bool) -> list[RequestOutput]:
         outputs = []
         for seq, first, logprobs in self.prefiller.step(self.scheduler, budget_tokens, decoding):
+            if seq.resumed and not isinstance(first, BaseException):
+                seq.prompt_logprobs = None  # KV recomputed after a preemption: its next token is known already
+                continue
+            if isinstance(first, BaseException) and PoolFullError.__name__ in str(first):
+                self.scheduler.preempt(seq)  # a remote lane out of KV blocks: queued again, never failed
+                continue
             if isinstance(first, BaseException):  # a remote prefill failed: this request only
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, [], "", error=f"prefill failed: {type(first).__name__}: {first}"))

@@ -19,6 +19,7 @@ The pool is one tensor so that it can be shared with another process in one hand
 such a peer writes a request's KV into blocks the owner allocated (`write_blocks`).
 """
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +83,9 @@ class KVPool:
         self._dirty: set[int] = set()  # slots whose table row changed since the last sync
         self._table_updated: torch.cuda.Event | None = None  # the last table copy, on CUDA
         self._free = list(range(shape.num_slots - 1, -1, -1))
+        # A verify replica hands out slots and blocks on its event loop while its worker thread frees
+        # them and runs forwards: block bookkeeping is serialised (host work only, never a device wait).
+        self._lock = threading.Lock()
 
     # ---- slots ----------------------------------------------------------------------------
 
@@ -120,16 +124,16 @@ class KVPool:
 
     def reserve(self, slots: list[int], num_tokens) -> None:
         """Back the first `num_tokens[i]` positions of `slots[i]` with blocks, all or none (raises
-        PoolFullError), then bring the device's block table up to date."""
+        PoolFullError). Host-side only: the next forward brings the device's table up to date."""
         wanted = -(-np.asarray(num_tokens, dtype=np.int64) // self.block_size)
         assert (wanted <= self.shape.blocks_per_slot).all(), "a slot would pass its capacity"
-        short = wanted - self.num_held[slots]
-        if (short > 0).any():
-            new = self.blocks.allocate(int(short[short > 0].sum()))
-            for slot, n in zip(np.asarray(slots)[short > 0].tolist(), short[short > 0].tolist()):
-                self.append_blocks(slot, new[:n])
-                new = new[n:]
-        self.sync_block_table()
+        with self._lock:
+            short = wanted - self.num_held[slots]
+            if (short > 0).any():
+                new = self.blocks.allocate(int(short[short > 0].sum()))
+                for slot, n in zip(np.asarray(slots)[short > 0].tolist(), short[short > 0].tolist()):
+                    self.append_blocks(slot, new[:n])
+                    new = new[n:]
 
     def append_blocks(self, slot: int, blocks: list[int]) -> None:
         """Blocks this slot now holds (allocated, or shared from the prefix cache), after its others."""
@@ -147,12 +151,13 @@ class KVPool:
                 self._release_from(slot, n)
 
     def _release_from(self, slot: int, first: int) -> None:
-        held = int(self.num_held[slot])
-        if held > first:
-            self.blocks.release(self.block_table[slot, first:held].tolist())
-            self.block_table[slot, first:held] = self.pad_block
-            self.num_held[slot] = first
-            self._dirty.add(slot)
+        with self._lock:
+            held = int(self.num_held[slot])
+            if held > first:
+                self.blocks.release(self.block_table[slot, first:held].tolist())
+                self.block_table[slot, first:held] = self.pad_block
+                self.num_held[slot] = first
+                self._dirty.add(slot)
 
     def slot_blocks(self, slot: int) -> list[int]:
         return self.block_table[slot, : self.num_held[slot]].tolist()
@@ -167,9 +172,11 @@ class KVPool:
         whichever stream it ran (a wait on an event is free on the host)."""
         device = self.block_table_device.device
         if self._dirty:
-            rows = np.fromiter(self._dirty, dtype=np.int32, count=len(self._dirty))
-            self._dirty.clear()
-            packed = to_device(np.concatenate([rows[:, None], self.block_table[rows]], axis=1), torch.int32,
+            with self._lock:
+                rows = np.fromiter(self._dirty, dtype=np.int32, count=len(self._dirty))
+                self._dirty.clear()
+                changed = self.block_table[rows]
+            packed = to_device(np.concatenate([rows[:, None], changed], axis=1), torch.int32,
                                device)  # [changed, 1 + blocks_per_slot]
             self.block_table_device.index_copy_(0, packed[:, 0].long(), packed[:, 1:])
             if device.type == "cuda":

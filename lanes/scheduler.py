@@ -1,11 +1,20 @@
-"""Who runs next: decode work first, prefill in bounded chunks after it.
+"""Who runs next: decode work first, prefill in bounded chunks after it; who holds KV blocks.
 
 Every engine step drafts and verifies ALL running sequences, then spends at most a token budget on
 prompt prefill. A long prompt therefore delays a decode step by one chunk at most: decode is never
 starved by prefill.
+
+Memory is admitted in KV blocks (lanes/kv_pool.py), not slots: a request is admitted when the
+blocks of its whole prompt are free in every pool this engine holds, with a block of headroom left
+for each admitted sequence to grow into; `max_num_seqs` only caps how many run at once. Sequences
+grow a block at a time while decoding. When a step's growth does not fit, the most recently
+admitted sequences are preempted by recompute (vLLM's policy): their blocks are freed and they go
+back to the front of the queue with every token they have, so their prefill rebuilds the KV and
+their output continues where it stopped. A request never fails for lack of blocks.
 """
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lanes.kv_pool import KVPool, PoolFullError
@@ -17,13 +26,22 @@ if TYPE_CHECKING:
 
 
 class Scheduler:
-    def __init__(self, verifier: "Verifier", draft_pool: KVPool | None):
+    def __init__(self, verifier: "Verifier", draft_pool: KVPool | None, target_pool: KVPool | None = None,
+                 max_num_seqs: int | None = None):
         self.verifier = verifier  # hands out and takes back target slots
         self.draft_pool = draft_pool
+        # The pools whose blocks this engine allocates (a remote verify lane's are its own business).
+        self.pools = [(pool, name) for pool, name in ((target_pool, "target_slot"), (draft_pool, "draft_slot"))
+                      if pool is not None]
+        self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        # Whether a prefill still in flight writes this sequence's blocks, so that they may not be freed
+        # yet (the prefiller frees them when its result lands); set by the engine from its prefiller.
+        self.holds_blocks: Callable[[Sequence], bool] = lambda seq: False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -33,19 +51,57 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
+    @property
+    def num_admitted(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
     def admit(self) -> None:
-        """Give waiting requests KV slots, in arrival order, while slots are free."""
-        while self.waiting and (self.draft_pool is None or self.draft_pool.num_free):
+        """Give waiting requests a slot and the blocks of their prompt, in arrival order, while both fit."""
+        while self.waiting and (self.max_num_seqs is None or self.num_admitted < self.max_num_seqs):
+            seq = self.waiting[0]
+            headroom = self.num_admitted  # a block for each admitted sequence to grow into
+            if not all(pool.num_free_blocks >= _blocks(pool, seq.num_prefill_tokens) + headroom
+                       for pool, _ in self.pools):
+                return
+            if self.draft_pool is not None and not self.draft_pool.num_free:
+                return
             try:
                 target_slot = self.verifier.allocate()
             except PoolFullError:
                 return
-            seq = self.waiting.popleft()
+            self.waiting.popleft()
             seq.target_slot = target_slot
             if self.draft_pool is not None:
                 seq.draft_slot = self.draft_pool.allocate()
+            for pool, slot in self.pools:
+                pool.reserve([getattr(seq, slot)], [seq.num_prefill_tokens])
             seq.status = SeqStatus.PREFILLING
             self.prefilling.append(seq)
+
+    def make_room(self, tokens_after_step: Callable[[Sequence], int]) -> None:
+        """Preempt until every running sequence's next step (`tokens_after_step`: the tokens its KV
+        must hold once the step has written them) fits the free blocks of every pool."""
+        while self.running and self._short(tokens_after_step):
+            # Prompts still prefilling first (the least work lost), then the latest admitted; never a
+            # prompt whose remote prefill is in flight (its blocks are being written).
+            victims = [s for s in self.prefilling if not self.holds_blocks(s)] or self.running[1:]
+            if not victims:
+                return  # one sequence left: the pool holds one of any length, so this cannot be short
+            self.preempt(victims[-1])
+
+    def _short(self, tokens_after_step: Callable[[Sequence], int]) -> bool:
+        tokens = [tokens_after_step(s) for s in self.running]
+        return any(pool.blocks_needed([getattr(s, slot) for s in self.running], tokens) > pool.num_free_blocks
+                   for pool, slot in self.pools)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a sequence's KV and queue it first again, keeping its tokens (recomputed by prefill)."""
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_prefilled = 0
+        seq.prompt_logprobs = None  # sent already, or gathered again from the start
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def prefill_chunks(self, budget_tokens: int) -> list[PrefillChunk]:
         return plan_chunks(self.prefilling, budget_tokens)
@@ -63,15 +119,26 @@ class Scheduler:
             return
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-        elif seq.status is SeqStatus.PREFILLING:
-            self.prefilling.remove(seq)
         else:
-            self.running.remove(seq)
+            self._release(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.by_id.pop(seq.request_id, None)
+
+    def _release(self, seq: Sequence) -> None:
+        (self.prefilling if seq.status is SeqStatus.PREFILLING else self.running).remove(seq)
+        if seq.status is SeqStatus.PREFILLING and self.holds_blocks(seq):
+            return  # the prefiller calls release_slots when its result lands
+        self.release_slots(seq)
+
+    def release_slots(self, seq: Sequence) -> None:
+        """Give back a sequence's slots and their blocks."""
         if seq.target_slot is not None:
             self.verifier.release(seq.target_slot, seq.target_lease)
         if seq.draft_slot is not None and self.draft_pool is not None:
             self.draft_pool.free(seq.draft_slot)
         seq.target_slot = seq.draft_slot = seq.target_lease = None
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        self.by_id.pop(seq.request_id, None)
+
+
+def _blocks(pool: KVPool, tokens: int) -> int:
+    return -(-tokens // pool.block_size)

@@ -94,6 +94,7 @@ def test_fused_decoder_equals_hf_hidden_states_and_shares_the_weights(arch):
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
     pool = KVPool(PoolShape.for_model(model.config, 2, 64, block_size=3), model.dtype, "cpu")
     pool.reserve([pool.allocate(), pool.allocate()], [9, 9])
+    pool.sync_block_table()
     decoder = FusedDecoder(model, pool, use_triton=False)
     attn = model.get_decoder().layers[0].self_attn
     qkv = decoder.layers[0].qkv_w

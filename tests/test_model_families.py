@@ -73,6 +73,7 @@ def test_runner_logits_equal_hf_logits(family):
     prompt, split = torch.tensor([prompts[-1]]), 100
     runner = build_runner(target.model, EngineConfig(max_model_len=320, max_num_seqs=2))
     slot = runner.pool.allocate()
+    runner.pool.reserve([slot], [prompt.shape[1]])
     whole = runner.forward(runner.rows([slot], [0]), prompt)[0]  # [T, V]
     tail = runner.forward(runner.rows([slot], [split]), prompt[:, split:])[0]
     # float64 models, float32 logits; HF's eager attention takes its softmax in float32.
@@ -152,6 +153,7 @@ def test_an_attention_term_the_pool_does_not_compute_is_never_dropped():
     """Belt and braces for a family that passed the config check: attention sinks reaching the pool
     attention raise instead of being ignored."""
     query, pool = torch.zeros(1, 2, 1, 16), torch.zeros(2, 2, 8, 16)
-    meta = PoolAttentionMeta(torch.tensor([0]), torch.tensor([0], dtype=torch.int32), 1, None, 1, False)
+    meta = PoolAttentionMeta(torch.tensor([0]), torch.tensor([0], dtype=torch.int32), 1, None, 1, False,
+                             torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="s_aux"):
         pool_attention_forward(torch.nn.Identity(), query, pool, pool, None, pool_meta=meta, s_aux=torch.zeros(2))

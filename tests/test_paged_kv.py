@@ -1,0 +1,159 @@
+"""Paged KV pools in the co-located engine: greedy equality with HF across block sizes, every block's
+KV after every step, preemption by recompute when blocks run out, and no block leaks."""
+
+import numpy as np
+import pytest
+import torch
+
+from lanes.kv_pool import KVPool, PoolFullError, PoolShape
+from lanes.params import SamplingParams
+from tests.conftest import VOCAB
+from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
+
+
+def _pools(engine):
+    return [engine.verifier.lane.pool] + ([engine.draft.pool] if engine.draft is not None else [])
+
+
+def _reference_keys(model, token_ids: list[int]) -> torch.Tensor:
+    """Keys of a fresh HF forward over `token_ids`: [layers, kv_heads, n, D]."""
+    with torch.inference_mode():
+        cache = model(torch.tensor([token_ids]), use_cache=True).past_key_values
+    return torch.stack([layer.keys[0] for layer in cache.layers])
+
+
+def _assert_no_leaks(engine) -> None:
+    for pool in _pools(engine):
+        assert pool.num_free == pool.shape.num_slots
+        assert pool.num_free_blocks == pool.shape.num_blocks
+        assert (pool.num_held == 0).all() and (pool.block_table == pool.pad_block).all()
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_greedy_equals_hf_with_blocks_crossed_mid_draft_and_mid_rollback(llama_pair, block_size):
+    target, draft = llama_pair
+    prompts = random_prompts(4, VOCAB, 2, 45, seed=31)
+    engine = small_engine(target, draft, num_speculative_tokens=5, block_size=block_size)
+    outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
+                                         for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(target, p, 24)
+    stats = engine.total_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts were rolled back
+    _assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_size):
+    """Each slot holds exactly the blocks its length needs (rollback gave back the rest), and the KV
+    read through its block table equals a fresh forward over the committed tokens."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft, num_speculative_tokens=4, block_size=block_size)
+    for i, p in enumerate(random_prompts(3, VOCAB, 5, 30, seed=12)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
+    checked = 0
+    while engine.has_work:
+        engine.step()
+        for seq in engine.scheduler.running:
+            for runner, slot in ((engine.verifier.lane.runner, seq.target_slot), (engine.draft, seq.draft_slot)):
+                pool = runner.pool
+                n = int(pool.lengths[slot])
+                assert pool.num_held[slot] == -(-n // block_size)
+                assert len(set(pool.slot_blocks(slot))) == pool.num_held[slot]
+                torch.testing.assert_close(pool.read_slot(slot)[0], _reference_keys(runner.model, seq.token_ids[:n]),
+                                           rtol=1e-9, atol=1e-9)
+                checked += 1
+        # No block is held twice across slots.
+        for pool in _pools(engine):
+            held = np.concatenate([pool.slot_blocks(s) for s in range(pool.shape.num_slots)] + [[]]).astype(int)
+            assert len(held) == len(set(held.tolist())) == pool.shape.num_blocks - pool.num_free_blocks
+    assert checked > 0
+    _assert_no_leaks(engine)
+
+
+def test_preemption_under_block_exhaustion_completes_every_request_identically(llama_pair):
+    target, draft = llama_pair
+    prompts = random_prompts(6, VOCAB, 20, 40, seed=5)
+    requests = {str(i): (p, SamplingParams(max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)}
+    unconstrained = run_to_completion(small_engine(target, draft, num_speculative_tokens=4, block_size=4), requests)
+    # A 100-token context needs 41 blocks of 4 (with the draft slack); these requests grow to 15-20
+    # blocks each: 50 blocks hold two or three of them at once.
+    tight = small_engine(target, draft, num_speculative_tokens=4, block_size=4, num_kv_blocks=50, max_model_len=100)
+    outputs = run_to_completion(tight, requests)
+    assert outputs == unconstrained
+    assert tight.scheduler.num_preemptions > 0
+    for i, p in enumerate(prompts[:2]):
+        assert outputs[str(i)] == hf_greedy(target, p, 40)
+    _assert_no_leaks(tight)
+
+
+def test_preemption_in_nospec_mode_and_under_sampling_keeps_outputs(llama_pair):
+    """Seeded sampling draws by absolute position: a preempted request recomputed continues the same stream."""
+    target, draft = llama_pair
+    prompts = random_prompts(5, VOCAB, 20, 40, seed=6)
+    requests = {str(i): (p, SamplingParams(max_tokens=30, temperature=0.8, seed=i, ignore_eos=True))
+                for i, p in enumerate(prompts)}
+    for d in (None, draft):
+        free = run_to_completion(small_engine(target, d, block_size=8), requests)
+        tight = small_engine(target, d, block_size=8, num_kv_blocks=24, max_model_len=100)
+        assert run_to_completion(tight, requests) == free
+        assert tight.scheduler.num_preemptions > 0
+        _assert_no_leaks(tight)
+
+
+def test_admission_waits_for_blocks_and_max_num_seqs_caps_running(llama_pair):
+    target, draft = llama_pair
+    engine = small_engine(target, draft, block_size=16, num_kv_blocks=30, max_num_seqs=3)
+    for i, p in enumerate(random_prompts(6, VOCAB, 100, 120, seed=3)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.scheduler.admit()
+    # 8 blocks per prompt, a block of headroom per admitted one: 3 fit in 30 blocks; the cap is 3 anyway.
+    assert engine.scheduler.num_admitted == 3
+    while engine.has_work:
+        engine.step()
+        assert engine.scheduler.num_admitted <= 3
+    _assert_no_leaks(engine)
+
+
+def test_no_block_leaks_after_aborted_and_failed_requests(llama_pair):
+    target, draft = llama_pair
+    engine = small_engine(target, draft, block_size=3, num_speculative_tokens=3)
+    prompts = random_prompts(6, VOCAB, 5, 60, seed=8)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=30, ignore_eos=True))
+    real_verify, calls = engine.verifier.lane.verify, []
+
+    def flaky(batch):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected verify failure")
+        return real_verify(batch)
+
+    engine.verifier.lane.verify = flaky
+    step = 0
+    while engine.has_work:
+        if step == 2:
+            engine.abort("0")  # running or prefilling
+        if step == 3:
+            engine.abort(next(iter(engine.scheduler.by_id)))
+        engine.step()
+        step += 1
+    _assert_no_leaks(engine)
+
+
+def test_pool_reserve_is_all_or_nothing_and_hand_over_round_trips():
+    shape = PoolShape(num_layers=2, num_kv_heads=2, head_dim=4, num_slots=3, capacity_tokens=20, block_size=3,
+                      num_blocks=9)
+    pool = KVPool(shape, torch.float32, "cpu")
+    a, b = pool.allocate(), pool.allocate()
+    pool.reserve([a], [20])  # 7 blocks
+    with pytest.raises(PoolFullError):
+        pool.reserve([b, a], [9, 20])  # 3 more wanted, 2 free
+    assert pool.num_free_blocks == 2 and pool.num_held[b] == 0
+    kv = torch.randn(2, 2, 2, 5, 4)
+    pool.free(a)
+    pool.write_slot(b, kv)
+    assert pool.num_held[b] == 2
+    torch.testing.assert_close(pool.read_slot(b), kv)
+    pool.sync_block_table()
+    assert torch.equal(pool.block_table_device, torch.from_numpy(pool.block_table))
