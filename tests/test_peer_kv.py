@@ -40,14 +40,23 @@ class _Lane:
     def export(self) -> PoolHandle:
         return PoolHandle.export(f"owner-{id(self)}", self.pool)
 
-    def write(self, handle: PoolHandle, slot: int, tokens: int, seed: int) -> tuple[str, torch.Tensor]:
+    def blocks_for(self, tokens: int) -> tuple[int, list[int]]:
+        """A fresh slot backed by the blocks of `tokens` tokens (the owner allocates them)."""
+        slot = self.pool.allocate()
+        self.pool.reserve([slot], [tokens])
+        return slot, self.pool.slot_blocks(slot)
+
+    def write(self, handle: PoolHandle, blocks: list[int], tokens: int, seed: int) -> tuple[str, torch.Tensor]:
         kv = torch.randn((2, SHAPE.num_layers, SHAPE.num_kv_heads, tokens, SHAPE.head_dim),
                          generator=torch.Generator().manual_seed(seed)).to(self.device, torch.bfloat16)
-        return write_all([(self.views.get(handle), slot, kv)])[0], kv.cpu()
+        return write_all([(self.views.get(handle), blocks, kv)])[0], kv.cpu()
 
     def read(self, slot: int, tokens: int) -> torch.Tensor:
         torch.cuda.synchronize()
-        return self.pool.kv[:, :, slot, :, :tokens].cpu()
+        self.pool.lengths[slot] = tokens
+        kv = self.pool.read_slot(slot).cpu()
+        self.pool.free(slot)
+        return kv
 
 
 def _lanes(n: int, num_gpus: float):
@@ -61,8 +70,9 @@ def test_kv_written_into_another_gpus_pool_arrives_whole(ray_two_gpus):
     assert owner_at.gpu_uuid != writer_at.gpu_uuid and len(visible.split(",")) == 2
     assert writer_at.can_write_into(owner_at)
     handle = ray.get(owner.export.remote())
-    for slot, tokens in ((0, 17), (2, 64), (0, 5)):  # the opened view is cached and reused
-        transport, sent = ray.get(writer.write.remote(handle, slot, tokens, seed=slot * 100 + tokens))
+    for tokens in (17, 64, 5):  # the opened view is cached and reused
+        slot, blocks = ray.get(owner.blocks_for.remote(tokens))
+        transport, sent = ray.get(writer.write.remote(handle, blocks, tokens, seed=tokens))
         assert transport == "peer"
         assert torch.equal(ray.get(owner.read.remote(slot, tokens)), sent)
 
@@ -71,6 +81,7 @@ def test_kv_written_into_a_pool_on_the_same_gpu_stays_in_place(ray_two_gpus):
     owner, writer = _lanes(2, 0.5)  # fractions of one GPU: Ray packs both onto it
     (owner_at, _), (writer_at, _) = ray.get([owner.where.remote(), writer.where.remote()])
     assert owner_at.gpu_uuid == writer_at.gpu_uuid
-    transport, sent = ray.get(writer.write.remote(ray.get(owner.export.remote()), 1, 33, seed=7))
+    slot, blocks = ray.get(owner.blocks_for.remote(33))
+    transport, sent = ray.get(writer.write.remote(ray.get(owner.export.remote()), blocks, 33, seed=7))
     assert transport == "in_place"
-    assert torch.equal(ray.get(owner.read.remote(1, 33)), sent)
+    assert torch.equal(ray.get(owner.read.remote(slot, 33)), sent)
