@@ -47,7 +47,7 @@ def total_usage(finals: list[RequestOutput], n: int) -> dict:
         if out.stats is not None:
             stats.merge(out.stats)
     return usage(sum(out.num_prompt_tokens for out in finals[::n]), sum(out.num_output_tokens for out in finals),
-                 stats)
+                 stats, sum(out.num_cached_tokens for out in finals[::n]))
 
 
 class _Failed:

@@ -19,6 +19,7 @@ class EngineMetrics:
         self.metrics = LaneMetrics(lane, mode, sample_gpu)
         self._steps: deque[tuple[float, float]] = deque()  # (monotonic time s, step time ms)
         self._exported = SpecDecodeStats()
+        self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self._gauges_set_at_s = 0.0
         # Running totals; the controller takes deltas. The id tells it a restarted replica (whose totals
         # start again from 0) from this one.
@@ -34,6 +35,7 @@ class EngineMetrics:
         for draft_len in snap.draft_lens:
             self.metrics.observe_request_draft_length(draft_len)
         self._export_spec(snap.total_stats)
+        self._export_prefix_cache(snap.prefix_cache)
         self._set_gauges(snap)
 
     def on_idle(self, snap: EngineSnapshot) -> None:
@@ -78,6 +80,11 @@ class EngineMetrics:
                                  total.num_accepted_tokens - done.num_accepted_tokens, delta_pos)
         self._exported = SpecDecodeStats(total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens,
                                          list(total.accepted_per_pos))
+
+    def _export_prefix_cache(self, totals: tuple[int, int]) -> None:
+        (queries, hits), (done_queries, done_hits) = totals, self._exported_prefix
+        self.metrics.record_prefix_cache(queries - done_queries, hits - done_hits)
+        self._exported_prefix = totals
 
     def step_p95_ms(self) -> float | None:
         """p95 of the steps of the last STEP_WINDOW_S seconds (None when the lane was idle)."""

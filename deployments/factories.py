@@ -93,7 +93,7 @@ def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
     # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8).
     config = replace(_engine_config(cfg, cfg.prefill_lane), max_num_seqs=PREFILL_BATCH_MAX)
     return PromptPrefiller(*build_runners(config, target.model, draft.model if draft is not None else None),
-                           cfg.engine.idle_prefill_tokens)
+                           cfg.engine.idle_prefill_tokens, cfg.engine.enable_prefix_caching)
 
 
 def build_verify_lane(cfg: AppConfig) -> VerifyLane:

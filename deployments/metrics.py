@@ -121,6 +121,10 @@ def _registry() -> _Registry:
                           boundaries=TPOT_MS_BUCKETS, tag_keys=("mode",)),
         e2e_latency_ms=Histogram("vpd_e2e_latency_ms", "End-to-end latency (ms).",
                                  boundaries=E2E_MS_BUCKETS, tag_keys=("mode",)),
+        prefix_cache_queries=Counter("vpd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                     "(vLLM's prefix_cache_queries).", tag_keys=("mode", "lane")),
+        prefix_cache_hits=Counter("vpd_prefix_cache_hits", "Prompt tokens found in the prefix cache, their "
+                                  "prefill skipped (vLLM's prefix_cache_hits).", tag_keys=("mode", "lane")),
         kv_slots_used=Gauge("vpd_kv_slots_used", "KV cache slots in use.",
                             tag_keys=("mode", "lane", "model")),
         kv_slots_total=Gauge("vpd_kv_slots_total", "KV cache slots allocated.",
@@ -198,6 +202,12 @@ class LaneMetrics:
         tags = {**self._tags, "model": model}
         self._metrics.kv_slots_used.set(used, tags=tags)
         self._metrics.kv_slots_total.set(total, tags=tags)
+
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """Prompt tokens looked up in this lane's prefix cache since the last call, and of those found."""
+        for counter, value in ((self._metrics.prefix_cache_queries, queries), (self._metrics.prefix_cache_hits, hits)):
+            if value > 0:  # Ray counters refuse increments of 0
+                counter.inc(value, tags=self._tags)
 
     def record_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                     accepted_per_pos: list[int]) -> None:

@@ -288,12 +288,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, stats: SpecDecodeStats | None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, stats: SpecDecodeStats | None, cached_tokens: int = 0) -> dict:
+    """`cached_tokens`: prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details)."""
     stats = stats or SpecDecodeStats()  # a request that ended without a final chunk (timed out)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
         # Per-request speculation, with vLLM's counter names.
         "spec_decode": {
             "num_drafts": stats.num_drafts,

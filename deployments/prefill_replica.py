@@ -52,6 +52,7 @@ class PrefillServer:
         # pdv: each verify replica's target pool (by lease) when this replica can write into it, else None.
         self._verify_pools: dict[str, PoolHandle | None] = {}
         self._verify_route_lock = asyncio.Lock()
+        self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -104,6 +105,7 @@ class PrefillServer:
         lease, slots, blocks, pool = leased if leased is not None else (None, None, None, None)
         kvs, release, forward_ms = forward
         self.metrics.observe_step(forward_ms, len(jobs))
+        self._export_prefix_cache()
         # The KV writes run next on the same thread and stream, before any other batch's forward,
         # straight from the scratch slots (views, released after), in one job: queued one by one,
         # each would wait behind the next batch's forward.
@@ -138,7 +140,8 @@ class PrefillServer:
         verify_pool, verify_slots, verify_blocks = verify
         outs, writes, labels = [], [], []
         for i, (job, kv) in enumerate(zip(jobs, kvs)):
-            out = Prefilled(PrefillDone(kv.first_token, None, None, None), "none", "copied", kv.target_kv.shape[3],
+            out = Prefilled(PrefillDone(kv.first_token, None, None, None, num_cached_tokens=kv.num_cached_tokens),
+                            "none", "copied", kv.target_kv.shape[3],
                             _nbytes(kv.target_kv), _nbytes(kv.draft_kv), *times_s)
             if job.draft_pool is not None:
                 writes.append((self.views.get(job.draft_pool), job.draft_blocks, kv.draft_kv))
@@ -195,6 +198,13 @@ class PrefillServer:
                     await asyncio.wait_for(self.verify.pool_handle.remote(lease=lease), PEER_CALL_TIMEOUT_S)
                     if self.placement_.can_write_into(peer) else None)
         return self._verify_pools[lease]
+
+    def _export_prefix_cache(self) -> None:
+        cache = self.prefiller.prefix_cache
+        if cache is not None:
+            totals = cache.num_queries, cache.num_hits
+            self.metrics.record_prefix_cache(totals[0] - self._exported_prefix[0], totals[1] - self._exported_prefix[1])
+            self._exported_prefix = totals
 
     def _set_queue_depth(self, change: int) -> None:
         self.pending += change  # prompts waiting for or in a prefill forward

@@ -57,6 +57,7 @@ class PrefillDone:
     target_kv: HostKV | None
     target_slot: int | None  # pdv: the verify lane's slot that now holds the prompt
     target_lease: str | None = None  # pdv: the verify replica instance that handed out target_slot
+    num_cached_tokens: int = 0  # prompt tokens the prefill lane's prefix cache held
 
 
 class RemoteVerifier:
@@ -134,6 +135,7 @@ class RemotePrefiller:
     """Sends each admitted request to the prefill lane once and collects finished prefills."""
 
     serves_logprobs = False  # the prefill lane returns the first token only: refused by name at add_request
+    reuses_cached_blocks = False  # it prefills and hands over whole prompts
 
     def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool | None, target_pool: KVPool | None,
                  placement: Placement, owner: str):
@@ -237,6 +239,8 @@ class RemotePrefiller:
         if isinstance(result, BaseException):
             return seq, result, None
         prompt_len = seq.num_prefill_tokens
+        if not seq.resumed:
+            seq.num_cached_tokens = result.num_cached_tokens
         if self.draft_pool is not None:
             if result.draft_kv is not None:
                 self.draft_pool.write_slot(seq.draft_slot, result.draft_kv.tensor(self.draft_pool.kv.device))

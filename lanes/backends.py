@@ -43,6 +43,9 @@ class Prefiller(Protocol):
     # Results that arrived from elsewhere and wait for `step` to take them in, some perhaps of requests
     # aborted meanwhile whose slots only `step` gives back: the engine steps until there are none.
     has_replies: bool
+    # Whether prefill starts where a request's cached prefix ends (lanes/prefix_cache.py); a remote
+    # prefill lane computes and hands over whole prompts.
+    reuses_cached_blocks: bool
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
@@ -92,6 +95,7 @@ class LocalPrefiller:
 
     serves_logprobs = True
     has_replies = False  # what it launched is collected with the requests still prefilling
+    reuses_cached_blocks = True
 
     def __init__(self, lane: PrefillLane, stream: torch.cuda.Stream | None = None):
         self.lane = lane

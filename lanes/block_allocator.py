@@ -21,8 +21,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
-        self._hash_of: dict[int, int] = {}
-        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -52,7 +52,7 @@ class BlockAllocator:
 
     # ---- prefix caching -----------------------------------------------------------------
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         return self._by_hash.get(block_hash)
 
     def share(self, block: int) -> None:
@@ -61,7 +61,7 @@ class BlockAllocator:
             del self._free[block]
         self.refcount[block] += 1
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: bytes) -> None:
         """`block` (held, full) now caches the prefix `block_hash`; the first block to do so keeps it."""
         if block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block

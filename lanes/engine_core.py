@@ -96,7 +96,7 @@ class EngineCore:
         self.prefiller = prefiller
         self.streams = streams or LaneStreams(torch.device("cpu"))
         self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None, getattr(verifier, "pool", None),
-                                   config.max_num_seqs)
+                                   config.max_num_seqs, config.enable_prefix_caching and prefiller.reuses_cached_blocks)
         self.scheduler.holds_blocks = prefiller.holds_blocks
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
@@ -370,6 +370,7 @@ class EngineCore:
             error=error,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
 

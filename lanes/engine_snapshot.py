@@ -18,6 +18,7 @@ class EngineSnapshot:
     draft_slots: tuple[int, int] | None  # (used, total) KV slots of the draft pool; None without one
     target_slots: tuple[int, int] | None  # the same for a local target pool
     default_draft_len: int
+    prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache since start, and found
 
 
 def snapshot(core: EngineCore) -> EngineSnapshot:
@@ -32,6 +33,7 @@ def snapshot(core: EngineCore) -> EngineSnapshot:
         draft_slots=(draft_pool.num_used, draft_pool.shape.num_slots) if draft_pool is not None else None,
         target_slots=(target_pool.num_used, target_pool.shape.num_slots) if target_pool is not None else None,
         default_draft_len=core.default_draft_len,
+        prefix_cache=(cache.num_queries, cache.num_hits) if (cache := sched.prefix_cache) is not None else (0, 0),
     )
 
 

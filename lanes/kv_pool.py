@@ -135,6 +135,15 @@ class KVPool:
                     self.append_blocks(slot, new[:n])
                     new = new[n:]
 
+    def share_blocks(self, slot: int, blocks: list[int]) -> None:
+        """Start an empty slot with cached blocks (lanes/prefix_cache.py): it holds their tokens."""
+        assert self.num_held[slot] == 0
+        with self._lock:
+            for block in blocks:
+                self.blocks.share(block)
+            self.append_blocks(slot, blocks)
+        self.lengths[slot] = len(blocks) * self.block_size
+
     def append_blocks(self, slot: int, blocks: list[int]) -> None:
         """Blocks this slot now holds (allocated, or shared from the prefix cache), after its others."""
         held = int(self.num_held[slot])

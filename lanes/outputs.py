@@ -21,6 +21,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # of this chunk's tokens, when the request asked
     prompt_logprobs: TokenLogprobs | None = None  # of prompt tokens 1.., on the request's first chunk
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held (usage.prompt_tokens_details)
 
 
 def merge_outputs(chunks: list[RequestOutput]) -> RequestOutput:
@@ -41,4 +42,5 @@ def merge_outputs(chunks: list[RequestOutput]) -> RequestOutput:
         error=last.error,
         logprobs=concat([c.logprobs for c in chunks]),
         prompt_logprobs=concat([c.prompt_logprobs for c in chunks]),
+        num_cached_tokens=last.num_cached_tokens,
     )

@@ -1,9 +1,13 @@
 """Prefill of whole prompts for a prefill lane that runs apart from the decode and verify lanes.
 
 Prompts are prefilled in batches into this lane's own scratch slots; each request's KV is then
-handed out as a view of its slot, which the deployment copies into the destination pools (a device
-copy into a CUDA IPC view on the same GPU or a peer GPU, or through Ray's object store elsewhere)
-before it releases the slots.
+gathered from its blocks, and the deployment copies it into blocks of the destination pools (a
+device copy into a CUDA IPC view on the same GPU or a peer GPU, or through Ray's object store
+elsewhere) before it releases the slots.
+
+The scratch pools double as this lane's prefix cache (lanes/prefix_cache.py): released blocks keep
+their KV until evicted, so a prompt that starts with a cached prefix is prefilled from its end. The
+hand-over still carries the whole prompt's KV: the receiving pools hold no cache of their own.
 """
 
 from dataclasses import dataclass
@@ -15,6 +19,7 @@ from lanes.grammar import FirstTokenMask
 from lanes.model_runner import ModelRunner
 from lanes.params import SamplingParams
 from lanes.prefill import PrefillLane, plan_whole_prompts
+from lanes.prefix_cache import PrefixCache
 from lanes.sequence import Sequence
 
 
@@ -32,28 +37,30 @@ class PrefilledKV:
     first_token: int
     target_kv: torch.Tensor  # [2, layers, kv_heads, prompt_len, head_dim]
     draft_kv: torch.Tensor | None
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
 
 
 class PromptPrefiller:
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None, chunk_tokens: int):
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, chunk_tokens: int, prefix_caching: bool = True):
         self.target = target  # runners over this lane's own scratch pools
         self.draft = draft
         self.chunk_tokens = chunk_tokens
+        self.pools = [(target.pool, "target_slot")] + ([(draft.pool, "draft_slot")] if draft is not None else [])
+        self.prefix_cache = PrefixCache(self.pools) if prefix_caching else None
 
     def prefill(self, requests: list[PrefillRequest]) -> list[PrefilledKV]:
         """Prefill into scratch slots, copy each request's KV out, free the slots."""
         kvs, release = self.prefill_in_scratch(requests)
         try:
             return [PrefilledKV(kv.first_token, kv.target_kv.clone(),
-                                kv.draft_kv.clone() if kv.draft_kv is not None else None) for kv in kvs]
+                                kv.draft_kv.clone() if kv.draft_kv is not None else None, kv.num_cached_tokens)
+                    for kv in kvs]
         finally:
             release()
 
     def prefill_in_scratch(self, requests: list[PrefillRequest]) -> tuple[list[PrefilledKV], Callable[[], None]]:
-        """Prefill into scratch slots; the KV returned are views of them, valid until `release()`.
-
-        Writing from the views into the owners' pools saves a copy of every prompt's KV, and the
-        variable-size temporaries that fragmented the lane's memory on the GPU.
+        """Prefill into scratch slots; the KV returned are gathered from their blocks (exactly each
+        prompt's length, never a slot's capacity); `release()` frees the slots once they are sent.
         """
         t_slots = [self.target.pool.allocate() for _ in requests]
         d_slots = [self.draft.pool.allocate() for _ in requests] if self.draft else [None] * len(requests)
@@ -64,25 +71,37 @@ class PromptPrefiller:
                 if d is not None:
                     self.draft.pool.free(d)
 
-        try:
-            first = self._run(requests, self.target, self.draft, t_slots, d_slots)
-        except BaseException:
-            release()
-            raise
-        return [PrefilledKV(tok, self.target.pool.read_slot(t), self.draft.pool.read_slot(d) if self.draft else None)
-                for tok, t, d in zip(first, t_slots, d_slots)], release
-
-    def _run(self, requests, target: ModelRunner, draft: ModelRunner | None, t_slots, d_slots) -> list[int]:
         seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d,
                          grammar=None if r.token_bitmask is None else FirstTokenMask(r.token_bitmask))
                 for r, t, d in zip(requests, t_slots, d_slots)]
-        lane = PrefillLane(target, draft)
+        try:
+            for seq in seqs:
+                self._attach(seq)
+            first = self._run(seqs)
+        except BaseException:
+            release()
+            raise
+        return [PrefilledKV(tok, self.target.pool.read_slot(s.target_slot),
+                            self.draft.pool.read_slot(s.draft_slot) if self.draft else None, s.num_cached_tokens)
+                for tok, s in zip(first, seqs)], release
+
+    def _attach(self, seq: Sequence) -> None:
+        """A scratch slot's blocks: the cached ones of the prompt's prefix, then new ones for the rest."""
+        if self.prefix_cache is not None:
+            seq.num_prefilled = seq.num_cached_tokens = self.prefix_cache.attach(seq)
+        for pool, slot in self.pools:
+            pool.reserve([getattr(seq, slot)], [seq.num_prompt_tokens])
+
+    def _run(self, seqs: list[Sequence]) -> list[int]:
+        lane = PrefillLane(self.target, self.draft)
         first: dict[str, int] = {}
         while len(first) < len(seqs):
             chunks = plan_whole_prompts([s for s in seqs if s.request_id not in first], self.chunk_tokens)
             tokens = lane.run(chunks)[:, 0].cpu().tolist()  # logprobs are not served here: none packed
             for chunk, token in zip(chunks, tokens):
                 chunk.seq.num_prefilled += chunk.length
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(chunk.seq)
                 if chunk.completes_prompt:
                     first[chunk.seq.request_id] = token
         return [first[s.request_id] for s in seqs]

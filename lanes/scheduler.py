@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from lanes.kv_pool import KVPool, PoolFullError
 from lanes.prefill import PrefillChunk, plan_chunks
+from lanes.prefix_cache import PrefixCache
 from lanes.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
@@ -27,13 +28,14 @@ if TYPE_CHECKING:
 
 class Scheduler:
     def __init__(self, verifier: "Verifier", draft_pool: KVPool | None, target_pool: KVPool | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, prefix_caching: bool = False):
         self.verifier = verifier  # hands out and takes back target slots
         self.draft_pool = draft_pool
         # The pools whose blocks this engine allocates (a remote verify lane's are its own business).
         self.pools = [(pool, name) for pool, name in ((target_pool, "target_slot"), (draft_pool, "draft_slot"))
                       if pool is not None]
         self.max_num_seqs = max_num_seqs
+        self.prefix_cache = PrefixCache(self.pools) if prefix_caching and self.pools else None
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -73,6 +75,10 @@ class Scheduler:
             seq.target_slot = target_slot
             if self.draft_pool is not None:
                 seq.draft_slot = self.draft_pool.allocate()
+            if self.prefix_cache is not None:
+                seq.num_prefilled = self.prefix_cache.attach(seq)
+                if not seq.resumed:
+                    seq.num_cached_tokens = seq.num_prefilled
             for pool, slot in self.pools:
                 pool.reserve([getattr(seq, slot)], [seq.num_prefill_tokens])
             seq.status = SeqStatus.PREFILLING
@@ -108,6 +114,8 @@ class Scheduler:
 
     def mark_prefilled(self, chunk: PrefillChunk) -> None:
         chunk.seq.num_prefilled += chunk.length
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(chunk.seq)
         if chunk.completes_prompt:
             self.prefilling.remove(chunk.seq)
             chunk.seq.status = SeqStatus.RUNNING

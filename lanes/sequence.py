@@ -46,6 +46,8 @@ class Sequence:
     # Structured output: the matcher of the committed tokens (a prefill lane of its own gets the
     # first token's mask only); None for free text.
     grammar: "RequestGrammar | FirstTokenMask | None" = None
+    block_keys: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache keys of its prefill's full blocks
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage)
 
     def __post_init__(self):
         if not self.token_ids:

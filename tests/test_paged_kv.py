@@ -157,3 +157,96 @@ def test_pool_reserve_is_all_or_nothing_and_hand_over_round_trips():
     torch.testing.assert_close(pool.read_slot(b), kv)
     pool.sync_block_table()
     assert torch.equal(pool.block_table_device, torch.from_numpy(pool.block_table))
+
+
+# ---- prefix caching ------------------------------------------------------------------------
+
+def _finish_one(engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
+    """Run one request alone; its output and the prompt tokens the prefix cache held for it."""
+    engine.add_request(request_id, prompt, params)
+    tokens, cached = [], None
+    while engine.has_work:
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens += out.token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_a_prefix_hit_gives_the_output_of_a_miss(llama_pair, block_size):
+    target, draft = llama_pair
+    system = random_prompts(1, VOCAB, 40, 40, seed=41)[0]
+    tails = random_prompts(3, VOCAB, 1, 9, seed=42)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cached = small_engine(target, draft, block_size=block_size, num_speculative_tokens=3)
+    uncached = small_engine(target, draft, block_size=block_size, num_speculative_tokens=3,
+                            enable_prefix_caching=False)
+    hits = []
+    for i, tail in enumerate(tails + [[]]):  # the last: the system prompt alone, every block of it cached
+        prompt = system + tail
+        got, hit = _finish_one(cached, str(i), prompt, params)
+        want, miss = _finish_one(uncached, str(i), prompt, params)
+        assert got == want == hf_greedy(target, prompt, 12) and miss == 0
+        hits.append(hit)
+    # The first request found nothing; the others its full blocks of the shared prefix, never the
+    # prompt's last token (recomputed for its logits).
+    assert hits[0] == 0
+    assert all(hit == (min(len(system), len(system + t) - 1) // block_size) * block_size
+               for hit, t in zip(hits[1:], tails[1:] + [[]]))
+    cache = cached.scheduler.prefix_cache
+    assert cache.num_hits == sum(hits) and cache.num_queries == sum(len(system + t) for t in tails + [[]])
+    _assert_no_leaks(cached)
+
+
+def test_prefix_hits_while_the_owner_still_runs_and_under_preemption(llama_pair):
+    """Requests sharing a prompt run together (blocks shared by several holders) in a pool small enough
+    to preempt: outputs equal those of an engine without caching, and nothing leaks."""
+    target, draft = llama_pair
+    system = random_prompts(1, VOCAB, 30, 30, seed=43)[0]
+    prompts = [system + t for t in random_prompts(6, VOCAB, 2, 10, seed=44)]
+    requests = {str(i): (p, SamplingParams(max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)}
+    want = run_to_completion(small_engine(target, draft, block_size=4, enable_prefix_caching=False), requests)
+    tight = small_engine(target, draft, block_size=4, num_kv_blocks=45, max_model_len=100, prefill_chunk_tokens=8,
+                         idle_prefill_tokens=8)
+    assert run_to_completion(tight, requests) == want
+    assert tight.scheduler.prefix_cache.num_hits > 0 and tight.scheduler.num_preemptions > 0
+    _assert_no_leaks(tight)
+
+
+def test_eviction_takes_plain_blocks_first_then_the_least_recently_used_and_never_a_held_one():
+    from lanes.block_allocator import BlockAllocator
+
+    alloc = BlockAllocator(4)
+    a, b, c, d = alloc.allocate(4)
+    alloc.register(a, b"ka")
+    alloc.register(b, b"kb")
+    alloc.release([b, a, c])  # b cached first, then a; c holds nothing worth keeping
+    assert alloc.num_free == 3 and alloc.lookup(b"ka") == a
+    alloc.share(a)  # a cache hit: a is held again, out of the eviction queue
+    assert alloc.allocate(1) == [c]  # plain blocks go first
+    assert alloc.allocate(1) == [b] and alloc.lookup(b"kb") is None  # then the least recently used cached one
+    with pytest.raises(PoolFullError):
+        alloc.allocate(1)  # a and d are held: never evicted
+    assert alloc.lookup(b"ka") == a
+    alloc.release([a, a] if alloc.refcount[a] == 2 else [a])
+    assert alloc.refcount[a] == 0 and alloc.allocate(1) == [a] and alloc.lookup(b"ka") is None
+
+
+def test_prompt_prefiller_prefix_hit_hands_out_the_kv_of_a_miss(llama_pair):
+    from lanes.engine_core import EngineConfig, build_runners
+    from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
+
+    target, draft = llama_pair
+    config = EngineConfig(max_model_len=200, max_num_seqs=4, block_size=4)
+    cached = PromptPrefiller(*build_runners(config, target.model, draft.model), 64)
+    plain = PromptPrefiller(*build_runners(config, target.model, draft.model), 64, prefix_caching=False)
+    system = random_prompts(1, VOCAB, 30, 30, seed=45)[0]
+    for i, tail in enumerate(random_prompts(3, VOCAB, 1, 6, seed=46)):
+        request = [PrefillRequest(str(i), system + tail, SamplingParams(), 0)]
+        got, want = cached.prefill(request)[0], plain.prefill(request)[0]
+        assert got.num_cached_tokens == (0 if i == 0 else 28) and want.num_cached_tokens == 0
+        assert got.first_token == want.first_token
+        torch.testing.assert_close(got.target_kv, want.target_kv, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got.draft_kv, want.draft_kv, rtol=1e-9, atol=1e-9)
+    assert cached.target.pool.num_free_blocks == cached.target.pool.shape.num_blocks
