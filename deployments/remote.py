@@ -203,6 +203,9 @@ class RemotePrefiller:
         # its reply lands (`_land`), never before, so no other request can be given them meanwhile.
         return seq.request_id in self._submitted
 
+    def forget(self, seq: Sequence) -> None:
+        pass  # nothing of it runs here; a reply still to come is dropped by `_land`
+
     def _job(self, seq: Sequence) -> PrefillJob:
         in_place = self._peer is not None and self._peer.can_write_into(self.placement)
         draft_in_place, target_in_place = in_place and self.draft_pool, in_place and self.target_pool

@@ -170,6 +170,7 @@ class VerifyServer:
 
     async def stats(self) -> dict:
         return {"kv_slots_used": self.lane.pool.num_used, "kv_slots_total": self.lane.pool.shape.num_slots,
+                "kv_blocks_free": self.lane.pool.num_free_blocks, "kv_blocks_total": self.lane.pool.shape.num_blocks,
                 "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
                 "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
                 "stale_rows": self.stale_rows, "stale_releases": self.stale_releases}

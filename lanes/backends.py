@@ -55,9 +55,11 @@ class Prefiller(Protocol):
         `decoding`: requests are decoding, so prefill may overlap with their next step."""
 
     def holds_blocks(self, seq: Sequence) -> bool:
-        """Called as `seq` (prefilling) is released: True when a prefill in flight still writes its
-        blocks, so they may not be freed now (the prefiller frees them when the write has landed).
-        False: they may be freed now (whatever was in flight for it is finished and forgotten)."""
+        """Whether a prefill in flight elsewhere writes this prefilling sequence's blocks, so that they
+        may not be freed yet: the prefiller frees them when the write has landed."""
+
+    def forget(self, seq: Sequence) -> None:
+        """A prefilling sequence is released now: finish or drop whatever of it is in flight here."""
 
 
 class LocalVerifier:
@@ -112,14 +114,16 @@ class LocalPrefiller:
         return done
 
     def holds_blocks(self, seq: Sequence) -> bool:
-        # A chunk of `seq` on the prefill stream still writes its blocks: wait for it (rare: aborts
-        # and preemptions of prompts mid-prefill), and forget its result, which may not be applied to
-        # the sequence if it is admitted again.
+        return False  # what is in flight here is waited for by `forget`
+
+    def forget(self, seq: Sequence) -> None:
+        # A chunk of `seq` on the prefill stream may still write its blocks: wait for it (rare: aborts
+        # and preemptions of prompts mid-prefill), and drop its result, which may not be applied to the
+        # sequence if it is admitted again.
         launched = self._launched
         if launched is not None and any(c.seq is seq for c in launched.chunks):
             launched.first_tokens.wait()
             launched.dropped.add(id(seq))
-        return False
 
     def _launch(self, scheduler: Scheduler, budget_tokens: int) -> None:
         chunks = scheduler.prefill_chunks(budget_tokens)

@@ -71,7 +71,3 @@ class BlockAllocator:
         block_hash = self._hash_of.pop(block, None)
         if block_hash is not None:
             del self._by_hash[block_hash]
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._hash_of)

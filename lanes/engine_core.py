@@ -97,7 +97,7 @@ class EngineCore:
         self.streams = streams or LaneStreams(torch.device("cpu"))
         self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None, getattr(verifier, "pool", None),
                                    config.max_num_seqs, config.enable_prefix_caching and prefiller.reuses_cached_blocks)
-        self.scheduler.holds_blocks = prefiller.holds_blocks
+        self.scheduler.holds_blocks, self.scheduler.forget = prefiller.holds_blocks, prefiller.forget
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
         # Set when a failed batch left the device unusable (lanes/device_fault.py): the loop that

@@ -45,6 +45,12 @@ def core_report(core: EngineCore) -> dict:
         "kv_slots_used": s.draft_pool.num_used if s.draft_pool is not None else None,
         "waiting": len(s.waiting), "prefilling": len(s.prefilling), "running": len(s.running),
         "max_num_seqs": core.config.max_num_seqs,
+        # KV blocks (free, total) of each pool this engine holds; requests preempted for want of them.
+        "kv_blocks": {name.removesuffix("_slot"): (pool.num_free_blocks, pool.shape.num_blocks)
+                      for pool, name in s.pools},
+        "num_preemptions": s.num_preemptions,
+        "prefix_cache": ({"queries": s.prefix_cache.num_queries, "hits": s.prefix_cache.num_hits}
+                         if s.prefix_cache is not None else None),
         "default_draft_len": core.default_draft_len,
         "spec_decode": core.total_stats.to_dict(),
         # The target pool where this engine holds it (unified, spec, nospec, pd); pdv's is the verify lane's.

@@ -118,7 +118,7 @@ class KVPool:
     # ---- blocks -----------------------------------------------------------------------------
 
     def blocks_needed(self, slots: list[int], num_tokens) -> int:
-        """New blocks that backing the first `num_tokens[i]` positions of `slots[i]` would take."""
+        """New blocks needed to back the first `num_tokens[i]` positions of `slots[i]` would take."""
         wanted = -(-np.asarray(num_tokens, dtype=np.int64) // self.block_size)
         return int(np.maximum(wanted - self.num_held[slots], 0).sum())
 
@@ -155,9 +155,9 @@ class KVPool:
         """Give back every block of `slots` past the one holding the slot's last token (only
         lanes/rollback.py shrinks lengths, and calls this after)."""
         keep = -(-self.lengths[slots] // self.block_size)
-        for slot, n in zip(slots, keep.tolist()):
-            if self.num_held[slot] > n:
-                self._release_from(slot, n)
+        over = np.flatnonzero(self.num_held[slots] > keep)  # few rows a step: only those visit Python
+        for i in over.tolist():
+            self._release_from(slots[i], int(keep[i]))
 
     def _release_from(self, slot: int, first: int) -> None:
         with self._lock:

@@ -41,9 +41,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
-        # Whether a prefill still in flight writes this sequence's blocks, so that they may not be freed
-        # yet (the prefiller frees them when its result lands); set by the engine from its prefiller.
+        # Set by the engine from its prefiller (lanes/backends.py): whether a prefill in flight elsewhere
+        # writes a prefilling sequence's blocks (freed when its result lands), and what to do with
+        # one's work in flight here when it is released.
         self.holds_blocks: Callable[[Sequence], bool] = lambda seq: False
+        self.forget: Callable[[Sequence], None] = lambda seq: None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -135,8 +137,10 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         (self.prefilling if seq.status is SeqStatus.PREFILLING else self.running).remove(seq)
-        if seq.status is SeqStatus.PREFILLING and self.holds_blocks(seq):
-            return  # the prefiller calls release_slots when its result lands
+        if seq.status is SeqStatus.PREFILLING:
+            if self.holds_blocks(seq):
+                return  # the prefiller calls release_slots when its result lands
+            self.forget(seq)
         self.release_slots(seq)
 
     def release_slots(self, seq: Sequence) -> None:

@@ -250,3 +250,30 @@ def test_prompt_prefiller_prefix_hit_hands_out_the_kv_of_a_miss(llama_pair):
         torch.testing.assert_close(got.target_kv, want.target_kv, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(got.draft_kv, want.draft_kv, rtol=1e-9, atol=1e-9)
     assert cached.target.pool.num_free_blocks == cached.target.pool.shape.num_blocks
+
+
+def test_a_verify_lane_out_of_blocks_requeues_its_rows_instead_of_failing_them(llama_pair):
+    """pdv's verify lane refuses a batch whose blocks it cannot back (PoolFullError, before touching
+    its pool): the decode engine preempts those rows and recomputes them, and output is unchanged."""
+    from lanes.verify import VerifyResult
+    from deployments.remote import merge_rows
+
+    target, draft = llama_pair
+    prompts = random_prompts(3, VOCAB, 5, 30, seed=47)
+    requests = {str(i): (p, SamplingParams(max_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)}
+    engine = small_engine(target, draft, block_size=4)
+    real_verify, calls = engine.verifier.verify, []
+
+    def refusing(batch) -> VerifyResult:
+        calls.append(len(batch.target_slots))
+        if len(calls) in (3, 4):
+            return merge_rows(len(batch.target_slots), [(list(range(len(batch.target_slots))),
+                                                          PoolFullError("no free KV blocks"))])
+        return real_verify(batch)
+
+    engine.verifier.verify = refusing
+    outputs = run_to_completion(engine, requests)
+    assert engine.scheduler.num_preemptions >= 2
+    for i, p in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(target, p, 20)
+    _assert_no_leaks(engine)
