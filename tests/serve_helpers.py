@@ -90,14 +90,20 @@ def lane_stats(app: str, deployment: str) -> list[dict]:
     return serve.get_deployment_handle(deployment, app_name=app).broadcast("stats").results(timeout_s=30)
 
 
+def _all_blocks_free(stats: dict) -> bool:
+    """No KV block held in any pool a replica reports (cached blocks count as free)."""
+    pools = list((stats.get("kv_blocks") or {}).values()) + [(stats.get("kv_blocks_free"), stats.get("kv_blocks_total"))]
+    return all(free == total for free, total in pools)
+
+
 def wait_until_idle(app: str, mode: str, timeout_s: float = 30) -> list[dict]:
-    """Poll until no request holds a KV slot in any lane of the app; return the last stats read."""
+    """Poll until no request holds a KV slot or block in any lane of the app; return the last stats read."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = lane_stats(app, "DecodeLane") + (lane_stats(app, "VerifyLane") if mode == "pdv" else [])
         if all(not s.get("kv_slots_used") and not s.get("target_slots_used") and not s.get("running")
                and not s.get("waiting") and not s.get("prefilling") and not s.get("prefills_in_flight")
-               for s in stats):
+               and _all_blocks_free(s) for s in stats):
             return stats
         assert time.monotonic() < deadline, f"slots still held: {stats}"
         time.sleep(0.2)

@@ -111,6 +111,20 @@ def test_chat_logit_bias_and_min_tokens_through_the_openai_sdk(pair_paths):
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 6
 
 
+@pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])
+def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_output(mode, greedy_refs):
+    """usage.prompt_tokens_details.cached_tokens: the prompt's full 16-token blocks but the one holding its
+    last token (recomputed for its logits), found in the decode lane's pools (unified) or the prefill
+    lane's (pd, pdv)."""
+    prompt, ref = max(greedy_refs, key=lambda pair: len(pair[0]))
+    c = client(mode)
+    outs = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True}) for _ in range(2)]
+    assert [o.choices[0].token_ids for o in outs] == [ref, ref]
+    assert outs[1].usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+    wait_until_idle(mode, mode, timeout_s=10)
+
+
 async def _complete(http: httpx.AsyncClient, mode: str, i: int) -> dict:
     r = await http.post(f"{base_url(mode)}/completions", json={
         "model": MODEL, "prompt": f"for i in range({i}):", "max_tokens": 16 + i % 5, "temperature": 0.8 * (i % 2),
