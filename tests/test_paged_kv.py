@@ -121,15 +121,15 @@ def test_no_block_leaks_after_aborted_and_failed_requests(llama_pair):
     prompts = random_prompts(6, VOCAB, 5, 60, seed=8)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=30, ignore_eos=True))
-    real_verify, calls = engine.verifier.lane.verify, []
+    real_launch, calls = engine.verifier.lane.launch, []
 
     def flaky(batch):
         calls.append(1)
         if len(calls) == 4:
             raise RuntimeError("injected verify failure")
-        return real_verify(batch)
+        return real_launch(batch)
 
-    engine.verifier.lane.verify = flaky
+    engine.verifier.lane.launch = flaky
     step = 0
     while engine.has_work:
         if step == 2:
@@ -262,16 +262,20 @@ def test_a_verify_lane_out_of_blocks_requeues_its_rows_instead_of_failing_them(l
     prompts = random_prompts(3, VOCAB, 5, 30, seed=47)
     requests = {str(i): (p, SamplingParams(max_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)}
     engine = small_engine(target, draft, block_size=4)
-    real_verify, calls = engine.verifier.verify, []
+    real_launch, calls = engine.verifier.launch, []
 
-    def refusing(batch) -> VerifyResult:
+    class Refused:
+        def __init__(self, rows: int):
+            self.rows = rows
+
+        def result(self) -> VerifyResult:
+            return merge_rows(self.rows, [(list(range(self.rows)), PoolFullError("no free KV blocks"))])
+
+    def refusing(batch):
         calls.append(len(batch.target_slots))
-        if len(calls) in (3, 4):
-            return merge_rows(len(batch.target_slots), [(list(range(len(batch.target_slots))),
-                                                          PoolFullError("no free KV blocks"))])
-        return real_verify(batch)
+        return Refused(len(batch.target_slots)) if len(calls) in (3, 4) else real_launch(batch)
 
-    engine.verifier.verify = refusing
+    engine.verifier.launch = refusing
     outputs = run_to_completion(engine, requests)
     assert engine.scheduler.num_preemptions >= 2
     for i, p in enumerate(prompts):
