@@ -30,6 +30,15 @@ PromQL over a window `$w` (as exported):
     acceptance at position i =
         sum(rate(ray_vpd_spec_decode_num_accepted_tokens_per_pos_total{position="i"}[$w]))
       / sum(rate(ray_vpd_spec_decode_num_drafts_total[$w]))
+
+Prefix-cache counters follow vLLM's too (`prefix_cache_queries` / `prefix_cache_hits`), by lane
+(the decode lane in unified, spec and nospec; the prefill lane in pd and pdv):
+
+- `vpd_prefix_cache_queries`: prompt tokens looked up in the prefix cache.
+- `vpd_prefix_cache_hits`: those of them whose KV was found (their prefill skipped).
+
+    prefix-cache hit rate = sum(rate(ray_vpd_prefix_cache_hits_total[$w]))
+                          / sum(rate(ray_vpd_prefix_cache_queries_total[$w]))
 """
 
 from __future__ import annotations
@@ -77,6 +86,8 @@ class _Registry:
     ttft_ms: Any
     tpot_ms: Any
     e2e_latency_ms: Any
+    prefix_cache_queries: Any
+    prefix_cache_hits: Any
     kv_slots_used: Any
     kv_slots_total: Any
     gpu_utilization_ratio: Any
