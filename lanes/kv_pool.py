@@ -118,7 +118,7 @@ class KVPool:
     # ---- blocks -----------------------------------------------------------------------------
 
     def blocks_needed(self, slots: list[int], num_tokens) -> int:
-        """New blocks needed to back the first `num_tokens[i]` positions of `slots[i]` would take."""
+        """New blocks needed to back the first `num_tokens[i]` positions of `slots[i]`."""
         wanted = -(-np.asarray(num_tokens, dtype=np.int64) // self.block_size)
         return int(np.maximum(wanted - self.num_held[slots], 0).sum())
 
