@@ -84,9 +84,10 @@ def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, slot_ids: torch.T
     [blocks, kv_heads, block_size, D] (a copy, as the unpaged gather was)."""
     size = pool.shape[2]
     blocks = block_table[slot_ids, : -(-bound // size)].long()  # [B, n]
-    gathered = pool[blocks]  # [B, n, kv_heads, block_size, D]
-    batch, n, heads, _, dim = gathered.shape
-    return gathered.transpose(1, 2).reshape(batch, heads, n * size, dim)[:, :, :bound]
+    # Gathered heads-first, so that a row's blocks lie end to end: one copy, and a view after it.
+    gathered = pool.transpose(0, 1)[:, blocks]  # [kv_heads, B, n, block_size, D]
+    heads, batch, n, _, dim = gathered.shape
+    return gathered.transpose(0, 1).reshape(batch, heads, n * size, dim)[:, :, :bound]
 
 
 def _gathered_attention(query, k_pool, v_pool, meta: PoolAttentionMeta, scale: float, window: int | None = None,
