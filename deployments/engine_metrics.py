@@ -50,6 +50,9 @@ class EngineMetrics:
             self.metrics.set_kv_slots(*snap.draft_slots, "draft")
         if snap.target_slots is not None:
             self.metrics.set_kv_slots(*snap.target_slots, "target")
+        for model, blocks in (("draft", snap.draft_blocks), ("target", snap.target_blocks)):
+            if blocks is not None:
+                self.metrics.set_kv_blocks(*blocks, model)
         self.metrics.set_draft_length(snap.default_draft_len)
 
     def _count_verify_step(self, total: SpecDecodeStats, step_ms: float, rows: int) -> None:

@@ -90,6 +90,8 @@ class _Registry:
     prefix_cache_hits: Any
     kv_slots_used: Any
     kv_slots_total: Any
+    kv_blocks_used: Any
+    kv_blocks_total: Any
     gpu_utilization_ratio: Any
     gpu_memory_used_bytes: Any
     ignored_request_fields: Any
@@ -140,6 +142,10 @@ def _registry() -> _Registry:
                             tag_keys=("mode", "lane", "model")),
         kv_slots_total=Gauge("vpd_kv_slots_total", "KV cache slots allocated.",
                              tag_keys=("mode", "lane", "model")),
+        kv_blocks_used=Gauge("vpd_kv_blocks_used", "KV cache blocks held by requests (cached free ones not counted).",
+                             tag_keys=("mode", "lane", "model")),
+        kv_blocks_total=Gauge("vpd_kv_blocks_total", "KV cache blocks of the pool.",
+                              tag_keys=("mode", "lane", "model")),
         gpu_utilization_ratio=Gauge("vpd_gpu_utilization_ratio",
                                     "GPU busy fraction over NVML's last sample period (0..1).",
                                     tag_keys=("mode", "lane", "gpu")),
@@ -213,6 +219,12 @@ class LaneMetrics:
         tags = {**self._tags, "model": model}
         self._metrics.kv_slots_used.set(used, tags=tags)
         self._metrics.kv_slots_total.set(total, tags=tags)
+
+    def set_kv_blocks(self, used: int, total: int, model: str) -> None:
+        """KV cache blocks held by requests and in the pool of `model` (draft or target) in this lane."""
+        tags = {**self._tags, "model": model}
+        self._metrics.kv_blocks_used.set(used, tags=tags)
+        self._metrics.kv_blocks_total.set(total, tags=tags)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Prompt tokens looked up in this lane's prefix cache since the last call, and of those found."""

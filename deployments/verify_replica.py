@@ -158,6 +158,7 @@ class VerifyServer:
         self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(merged.target_slots))
         pool = self.lane.pool
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
+        self.metrics.set_kv_blocks(pool.shape.num_blocks - pool.num_free_blocks, pool.shape.num_blocks, "target")
         return split_result(result, [len(b.target_slots) for b in batches])
 
     def _check_lease(self, lease: str | None) -> None:

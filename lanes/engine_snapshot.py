@@ -4,6 +4,7 @@ process (lanes/engine_process.py) and its replica still export metrics and answe
 from dataclasses import dataclass
 
 from lanes.engine_core import EngineCore
+from lanes.kv_pool import KVPool
 from lanes.sequence import Sequence
 from lanes.spec_stats import SpecDecodeStats
 
@@ -18,6 +19,8 @@ class EngineSnapshot:
     draft_slots: tuple[int, int] | None  # (used, total) KV slots of the draft pool; None without one
     target_slots: tuple[int, int] | None  # the same for a local target pool
     default_draft_len: int
+    draft_blocks: tuple[int, int] | None = None  # (used, total) KV blocks of the draft pool; None without one
+    target_blocks: tuple[int, int] | None = None  # the same for a local target pool
     prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache since start, and found
 
 
@@ -33,8 +36,14 @@ def snapshot(core: EngineCore) -> EngineSnapshot:
         draft_slots=(draft_pool.num_used, draft_pool.shape.num_slots) if draft_pool is not None else None,
         target_slots=(target_pool.num_used, target_pool.shape.num_slots) if target_pool is not None else None,
         default_draft_len=core.default_draft_len,
+        draft_blocks=_blocks(draft_pool),
+        target_blocks=_blocks(target_pool),
         prefix_cache=(cache.num_queries, cache.num_hits) if (cache := sched.prefix_cache) is not None else (0, 0),
     )
+
+
+def _blocks(pool: KVPool | None) -> tuple[int, int] | None:
+    return None if pool is None else (pool.shape.num_blocks - pool.num_free_blocks, pool.shape.num_blocks)
 
 
 def core_report(core: EngineCore) -> dict:
