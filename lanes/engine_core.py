@@ -96,7 +96,8 @@ class EngineCore:
         self.prefiller = prefiller
         self.streams = streams or LaneStreams(torch.device("cpu"))
         self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None, getattr(verifier, "pool", None),
-                                   config.max_num_seqs, config.enable_prefix_caching and prefiller.reuses_cached_blocks)
+                                   config.max_num_seqs, config.enable_prefix_caching and prefiller.reuses_cached_blocks,
+                                   config.max_draft_len + 1)
         self.scheduler.holds_blocks, self.scheduler.forget = prefiller.holds_blocks, prefiller.forget
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()

@@ -5,8 +5,8 @@ prompt prefill. A long prompt therefore delays a decode step by one chunk at mos
 starved by prefill.
 
 Memory is admitted in KV blocks (lanes/kv_pool.py), not slots: a request is admitted when the
-blocks of its whole prompt are free in every pool this engine holds, with a block of headroom left
-for each admitted sequence to grow into; `max_num_seqs` only caps how many run at once. Sequences
+blocks of its whole prompt are free in every pool this engine holds, with room left for one decode
+step of every admitted sequence; `max_num_seqs` only caps how many run at once. Sequences
 grow a block at a time while decoding. When a step's growth does not fit, the most recently
 admitted sequences are preempted by recompute (vLLM's policy): their blocks are freed and they go
 back to the front of the queue with every token they have, so their prefill rebuilds the KV and
@@ -28,13 +28,14 @@ if TYPE_CHECKING:
 
 class Scheduler:
     def __init__(self, verifier: "Verifier", draft_pool: KVPool | None, target_pool: KVPool | None = None,
-                 max_num_seqs: int | None = None, prefix_caching: bool = False):
+                 max_num_seqs: int | None = None, prefix_caching: bool = False, step_tokens: int = 1):
         self.verifier = verifier  # hands out and takes back target slots
         self.draft_pool = draft_pool
         # The pools whose blocks this engine allocates (a remote verify lane's are its own business).
         self.pools = [(pool, name) for pool, name in ((target_pool, "target_slot"), (draft_pool, "draft_slot"))
                       if pool is not None]
         self.max_num_seqs = max_num_seqs
+        self.step_tokens = step_tokens  # the most tokens one decode step adds to a sequence (L + 1)
         self.prefix_cache = PrefixCache(self.pools) if prefix_caching and self.pools else None
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
@@ -63,9 +64,9 @@ class Scheduler:
         """Give waiting requests a slot and the blocks of their prompt, in arrival order, while both fit."""
         while self.waiting and (self.max_num_seqs is None or self.num_admitted < self.max_num_seqs):
             seq = self.waiting[0]
-            headroom = self.num_admitted  # a block for each admitted sequence to grow into
-            if not all(pool.num_free_blocks >= _blocks(pool, seq.num_prefill_tokens) + headroom
-                       for pool, _ in self.pools):
+            # Room for every admitted sequence's next step, or the newcomer would only be preempted again.
+            if not all(pool.num_free_blocks >= _blocks(pool, seq.num_prefill_tokens)
+                       + self.num_admitted * _blocks(pool, self.step_tokens) for pool, _ in self.pools):
                 return
             if self.draft_pool is not None and not self.draft_pool.num_free:
                 return

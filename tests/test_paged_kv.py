@@ -205,9 +205,10 @@ def test_prefix_hits_while_the_owner_still_runs_and_under_preemption(llama_pair)
     target, draft = llama_pair
     system = random_prompts(1, VOCAB, 30, 30, seed=43)[0]
     prompts = [system + t for t in random_prompts(6, VOCAB, 2, 10, seed=44)]
-    requests = {str(i): (p, SamplingParams(max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)}
+    requests = {str(i): (p, SamplingParams(max_tokens=50, ignore_eos=True)) for i, p in enumerate(prompts)}
     want = run_to_completion(small_engine(target, draft, block_size=4, enable_prefix_caching=False), requests)
-    tight = small_engine(target, draft, block_size=4, num_kv_blocks=45, max_model_len=100, prefill_chunk_tokens=8,
+    # 41 blocks of 4: one 100-token context (with the draft slack); these requests grow to 21-23 blocks.
+    tight = small_engine(target, draft, block_size=4, num_kv_blocks=41, max_model_len=100, prefill_chunk_tokens=8,
                          idle_prefill_tokens=8)
     assert run_to_completion(tight, requests) == want
     assert tight.scheduler.prefix_cache.num_hits > 0 and tight.scheduler.num_preemptions > 0
