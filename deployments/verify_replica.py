@@ -109,7 +109,11 @@ class VerifyServer:
         slot that now holds it."""
         def load():
             slot = self.lane.pool.allocate()
-            self.lane.pool.write_slot(slot, kv.tensor(self.lane.pool.kv.device))
+            try:
+                self.lane.pool.write_slot(slot, kv.tensor(self.lane.pool.kv.device))
+            except BaseException:  # out of blocks (PoolFullError): the decode replica queues the prompt again
+                self.lane.pool.free(slot)
+                raise
             return slot
         timed = TIMELINE.timed("load_kv", load, tokens=kv.num_tokens, bytes=kv.nbytes)
         slot = await self.worker.run(timed)
