@@ -91,16 +91,13 @@ def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
     target, draft = _target(cfg, device), _draft(cfg, device)  # no draft to prefill with prompt lookup
     _check_pair(cfg, draft, target)
     # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8), each with
-    # the blocks of a whole prompt (num_kv_blocks sizes the pools that hold running requests, not these).
-    config = replace(_engine_config(cfg, cfg.prefill_lane), max_num_seqs=PREFILL_BATCH_MAX, num_kv_blocks=None)
-    target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None)
-    shape = target_runner.pool.shape
-    if shape.num_blocks < shape.num_slots * shape.blocks_per_slot:
-        raise ValueError(f"the prefill lane's scratch pools need {shape.num_slots * shape.blocks_per_slot} KV blocks "
-                         f"(a batch of {PREFILL_BATCH_MAX} prompts of max_model_len); {shape.num_blocks} fit its "
-                         "memory: raise its num_gpus or gpu_memory_utilization")
-    return PromptPrefiller(target_runner, draft_runner, cfg.engine.idle_prefill_tokens,
-                           cfg.engine.enable_prefix_caching)
+    # the blocks of a whole prompt, whatever num_kv_blocks or the lane's memory share say (they size
+    # the pools that hold running requests): a batch must always fit, as the unpaged pools did.
+    config = _engine_config(cfg, cfg.prefill_lane)
+    per_slot = -(-config.slot_capacity_tokens // config.block_size)
+    config = replace(config, max_num_seqs=PREFILL_BATCH_MAX, num_kv_blocks=PREFILL_BATCH_MAX * per_slot)
+    return PromptPrefiller(*build_runners(config, target.model, draft.model if draft is not None else None),
+                           cfg.engine.idle_prefill_tokens, cfg.engine.enable_prefix_caching)
 
 
 def build_verify_lane(cfg: AppConfig) -> VerifyLane:
