@@ -7,12 +7,10 @@ import asyncio
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.serve_helpers import MODEL, app_config, base_url, deploy, lane_stats, start_ray, wait_until_idle
+from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair
 
 MODES = ("pd", "pdv")
@@ -25,11 +23,8 @@ TIGHT = {"max_model_len": 256, "max_num_seqs": 8, "num_speculative_tokens": 3, "
 @pytest.fixture(scope="module")
 def target_path(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    start_ray()
-    deploy({mode: app_config(mode, target, draft, engine=TIGHT) for mode in MODES})
-    yield target
-    serve.shutdown()
-    ray.shutdown()
+    with serving({mode: app_config(mode, target, draft, engine=TIGHT) for mode in MODES}):
+        yield target
 
 
 async def _complete(http: httpx.AsyncClient, mode: str, prompt: list[int]) -> list[int]:

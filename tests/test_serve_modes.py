@@ -117,7 +117,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_output(
     last token (recomputed for its logits), found in the decode lane's pools (unified) or the prefill
     lane's (pd, pdv)."""
     prompt, ref = max(greedy_refs, key=lambda pair: len(pair[0]))
-    c = client(mode)
+    c = openai_client(mode)
     outs = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                  extra_body={"ignore_eos": True, "return_token_ids": True}) for _ in range(2)]
     assert [o.choices[0].token_ids for o in outs] == [ref, ref]
