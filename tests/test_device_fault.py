@@ -28,7 +28,7 @@ PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
 
 def _fail_verify_after(core, good_steps: int, before_raise=None):
     """Make the engine's verify forward raise after `good_steps` good ones (what a kernel fault does)."""
-    verify = core.verifier.verify
+    launch = core.verifier.launch
     calls = [0]
 
     def failing(batch):
@@ -37,9 +37,9 @@ def _fail_verify_after(core, good_steps: int, before_raise=None):
             if before_raise is not None:
                 before_raise()
             raise RuntimeError("verify forward failed")
-        return verify(batch)
+        return launch(batch)
 
-    core.verifier.verify = failing
+    core.verifier.launch = failing
     return core
 
 
