@@ -31,9 +31,13 @@ def _draft(cfg: AppConfig, device: str) -> LoadedModel | None:
     return load_model(spec.path, spec.dtype, device, _slot_capacity(cfg)) if spec is not None else None
 
 
+def _allows_tokenizer_mismatch(cfg: AppConfig) -> bool:
+    return cfg.draft_model is not None and cfg.draft_model.allow_tokenizer_mismatch
+
+
 def _check_pair(cfg: AppConfig, draft: LoadedModel | None, target: LoadedModel) -> None:
     if draft is not None:
-        check_compatible(draft, target, cfg.draft_model.allow_tokenizer_mismatch)
+        check_compatible(draft, target, _allows_tokenizer_mismatch(cfg))
 
 
 def _slot_capacity(cfg: AppConfig) -> int:
@@ -59,9 +63,9 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     device = cfg.decode_lane.bind_device()
     config = _engine_config(cfg, cfg.decode_lane)
     if cfg.mode in ("unified", "spec", "nospec"):
-        lenient = cfg.draft_model is not None and cfg.draft_model.allow_tokenizer_mismatch
         return EngineCore.colocated(_target(cfg, device), _draft(cfg, device), config,
-                                    proposer=build_proposer(cfg, device), allow_tokenizer_mismatch=lenient)
+                                    proposer=build_proposer(cfg, device),
+                                    allow_tokenizer_mismatch=_allows_tokenizer_mismatch(cfg))
     draft = _draft(cfg, device)
     placement = Placement.here(device)
     owner = f"decode-{uuid.uuid4().hex[:8]}"

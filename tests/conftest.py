@@ -54,6 +54,14 @@ def llama_pair() -> tuple[LoadedModel, LoadedModel]:
 
 
 @pytest.fixture(scope="module")
+def pair_paths(tmp_path_factory) -> tuple[str, str]:
+    """The tiny target and draft saved as model directories with a tokenizer, once per module."""
+    from tests.tiny_pair import save_tiny_pair
+
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
 def two_fake_gpus():
     """Ray with two logical GPUs (none need exist): where Ray places GPU replicas and what it tells them."""
     import ray

@@ -10,16 +10,10 @@ import pytest
 from deployments.openai_protocol import MAX_N
 from lanes.models import load_model
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
 
 MODES = ("unified", "pdv")
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):"]
 GREEDY = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
-
-
-@pytest.fixture(scope="module")
-def pair_paths(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,6 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
 
 MODES = ("nospec", "unified", "pd", "pdv")
 # A pattern bounds the random-weight model's strings. (With maxLength instead, sampling from it once drew
@@ -28,11 +27,6 @@ MESSAGES = [{"role": "user", "content": "describe a thing"}]
 class Point(BaseModel):
     x: int = Field(ge=-99, le=99)
     label: str = Field(max_length=8)
-
-
-@pytest.fixture(scope="module")
-def pair_paths(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -31,7 +31,6 @@ from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_to
                                random_prompt, synthetic, usable_token_ids)
 from tests import serve_helpers
 from tests.serve_helpers import app_config, serving
-from tests.tiny_pair import save_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 4096
@@ -45,11 +44,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def pair_paths(tmp_path_factory) -> tuple[str, str]:
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module")

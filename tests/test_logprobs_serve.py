@@ -7,14 +7,8 @@ import torch
 
 from lanes.models import load_model
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving
-from tests.tiny_pair import save_tiny_pair
 
 PROMPT = "def add(a, b):"
-
-
-@pytest.fixture(scope="module")
-def pair_paths(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module", autouse=True)

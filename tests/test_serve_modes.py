@@ -14,12 +14,6 @@ from lanes.models import load_model
 from lanes.params import SamplingParams
 from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts
 from tests.serve_helpers import ALL_MODES, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
-
-
-@pytest.fixture(scope="module")
-def pair_paths(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,18 +23,12 @@ from deployments.lease_router import UNKNOWN_LEASE_WAIT_S, LeaseGone
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, record_stream, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
 
 APP = "affinity"
 VERIFY_REPLICAS = 3
 REQUESTS = 200
 MAX_TOKENS = 8
 STREAMS = 12
-
-
-@pytest.fixture(scope="module")
-def pair_paths(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module", autouse=True)
