@@ -39,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 import ray
-import torch
 from ray import serve
 from transformers import AutoConfig
 
@@ -53,6 +52,7 @@ from deployments.factories import build_proposer  # noqa: E402
 from lanes.engine_core import EngineCore  # noqa: E402
 from lanes.models import load_model  # noqa: E402
 from lanes.params import SamplingParams  # noqa: E402
+from lanes.step_profile import StepProfile  # noqa: E402
 from loadtest.arrivals import ClosedLoop  # noqa: E402
 from loadtest.records import RequestRecord  # noqa: E402
 from loadtest.runner import run_load  # noqa: E402
@@ -106,6 +106,7 @@ def run_engine(core: EngineCore, work: Work) -> tuple[list[RequestRecord], dict]
             core.add_request(rid, prompt, params)
             live[rid] = (index, time.perf_counter() - origin, [None])
 
+    profile_before = replace(core.step_profile)
     admit()
     while live:
         start = time.perf_counter()
@@ -121,7 +122,8 @@ def run_engine(core: EngineCore, work: Work) -> tuple[list[RequestRecord], dict]
                 records.append(_record(index, work, start_s, now - origin, first[0], out.num_output_tokens,
                                        "completed" if out.error is None else "failed", out.error))
         admit()
-    return records, {"steps": len(step_s), "step_ms_mean": 1e3 * float(np.mean(step_s))}
+    return records, {"steps": len(step_s), "step_ms_mean": 1e3 * float(np.mean(step_s)),
+                     "profile": core.step_profile.since(profile_before).summary()}
 
 
 def _record(index: int, work: Work, start_s: float, end_s: float, first_s: float | None, tokens: int,
@@ -181,7 +183,8 @@ async def run_handle(handle, work: Work) -> list[RequestRecord]:
 def replica_counters(handle) -> dict:
     """Steps, time in steps and stream messages of the app's one DecodeLane replica, cumulative."""
     stats = handle.stats.remote().result()
-    return {k: stats[k] for k in ("num_steps", "step_ms_total", "num_messages", "pid")}
+    return {**{k: stats[k] for k in ("num_steps", "step_ms_total", "num_messages", "pid")},
+            "profile": StepProfile(**stats["step_profile"])}
 
 
 def start_profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
@@ -216,7 +219,8 @@ def served_points(name: str, port: int, work: Work, warmup: Work, timeout_s: flo
         steps, step_ms, messages = (after[k] - before[k] for k in ("num_steps", "step_ms_total", "num_messages"))
         points[way] = {"summary": summary,
                        "steps": {"steps": steps, "step_ms_mean": step_ms / steps if steps else None,
-                                 "messages": messages, "messages_per_step": messages / steps if steps else None}}
+                                 "messages": messages, "messages_per_step": messages / steps if steps else None,
+                                 "profile": after["profile"].since(before["profile"]).summary()}}
     return points
 
 
@@ -271,6 +275,14 @@ def markdown(doc: dict) -> str:
     for mode, b in doc["breakdown"].items():
         lines.append(f"| {mode} | {b['engine_tpot_ms']} | {b['handoff_ms']} | {b['ingress_proxy_ms']} | "
                      f"{b['step_ratio']} |")
+    lines += ["", "## Engine steps by what they launched", "",
+              "Counted by the engine itself (lanes/step_profile.py): the share of steps that launched a prefill "
+              "forward, the prompt tokens each ran, running requests per step, and the mean time of each kind of step.",
+              "", "| mode | way | steps | prefill steps share | prefill tokens per prefill step | rows mean | "
+              "decode-only step ms | prefill step ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("step_profiles", []):
+        lines.append("| " + " | ".join("" if v is None else str(_r(v, 3) if isinstance(v, float) else v)
+                                      for v in r.values()) + " |")
     if doc.get("errors"):
         lines += ["", "## Failures", ""] + [f"- {m}: {e}" for m, e in doc["errors"].items()]
     return "\n".join(lines) + "\n"
@@ -345,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
            "work": f"{args.requests} requests, {args.concurrency} in flight (closed loop), prompts of "
                    f"{args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
                    f"L = {args.draft_len}, {args.dtype}",
-           "rows": [], "breakdown": {}, "spec": {}, "errors": {}}
+           "rows": [], "breakdown": {}, "step_profiles": [], "spec": {}, "errors": {}}
     port = start_cluster({"TRITON_INTERPRET": "0"} if device == "cuda" else None)
     try:
         for mode in args.modes:
@@ -373,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
                     free_device_memory()
                 doc["rows"] += [point_row(label, way, points[way], engine) for way in WAYS]
                 doc["breakdown"][label] = breakdown(points)
+                doc["step_profiles"] += [{"mode": label, "way": way, **points[way]["steps"]["profile"]} for way in WAYS]
                 doc["spec"][label] = {"engine": engine["spec"], "http": (asdict(points["http"]["summary"].spec_decode)
                                                                           if points["http"]["summary"].spec_decode
                                                                           else None)}

@@ -7,6 +7,7 @@ the local lanes; the deployments inject proxies to other replicas for the disagg
 
 import logging
 import random
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +32,7 @@ from lanes.rollback import rollback_after_verify
 from lanes.scheduler import Scheduler
 from lanes.sequence import Sequence
 from lanes.spec_stats import SpecDecodeStats
+from lanes.step_profile import StepProfile
 from lanes.streams import LaneStreams, on
 from lanes.verify import VerifyBatch, VerifyLane
 
@@ -101,6 +103,7 @@ class EngineCore:
         self.scheduler.holds_blocks, self.scheduler.forget = prefiller.holds_blocks, prefiller.forget
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
+        self.step_profile = StepProfile()  # steps by what they launched (benchmarks/serving_overhead.py)
         # Set when a failed batch left the device unusable (lanes/device_fault.py): the loop that
         # steps this engine stops, and the replica's health check fails.
         self.device_fault: str | None = None
@@ -200,6 +203,14 @@ class EngineCore:
     # ---- one step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start_s, prefill_tokens = time.perf_counter(), self.scheduler.num_prefill_tokens
+        outputs, rows = self._step()
+        self.step_profile.observe(rows, self.scheduler.num_prefill_tokens - prefill_tokens,
+                                  (time.perf_counter() - start_s) * 1e3)
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], int]:
+        """One step's outputs, and how many running requests it decoded."""
         self.scheduler.admit()
         self.scheduler.make_room(self._tokens_after_step)
         outputs, launched = [], None
@@ -218,7 +229,7 @@ class EngineCore:
             prefill_outputs = self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)))
         if launched is not None:
             outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
-        return outputs + prefill_outputs
+        return outputs + prefill_outputs, len(running)
 
     def _tokens_after_step(self, seq: Sequence) -> int:
         """Tokens a running sequence's KV holds once this step's forwards wrote (the target's: the

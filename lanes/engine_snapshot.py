@@ -1,7 +1,7 @@
 """What a replica reads of its engine: small, picklable values, so that the engine may step in another
 process (lanes/engine_process.py) and its replica still export metrics and answer stats()."""
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from lanes.engine_core import EngineCore
 from lanes.kv_pool import KVPool
@@ -62,6 +62,7 @@ def core_report(core: EngineCore) -> dict:
                          if s.prefix_cache is not None else None),
         "default_draft_len": core.default_draft_len,
         "spec_decode": core.total_stats.to_dict(),
+        "step_profile": asdict(core.step_profile),  # cumulative; StepProfile(**a).since(StepProfile(**b))
         # The target pool where this engine holds it (unified, spec, nospec, pd); pdv's is the verify lane's.
         "target_slots_used": getattr(getattr(getattr(core.verifier, "lane", None), "pool", None), "num_used", None),
         # pd, pdv: prompts at the prefill lane; one of an aborted request holds a verify slot until it lands.

@@ -42,6 +42,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens planned into this engine's own prefill chunks, since start
         # Set by the engine from its prefiller (lanes/backends.py): whether a prefill in flight elsewhere
         # writes a prefilling sequence's blocks (freed when its result lands), and what to do with
         # one's work in flight here when it is released.
@@ -113,7 +114,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def prefill_chunks(self, budget_tokens: int) -> list[PrefillChunk]:
-        return plan_chunks(self.prefilling, budget_tokens)
+        chunks = plan_chunks(self.prefilling, budget_tokens)
+        self.num_prefill_tokens += sum(c.length for c in chunks)
+        return chunks
 
     def mark_prefilled(self, chunk: PrefillChunk) -> None:
         chunk.seq.num_prefilled += chunk.length
