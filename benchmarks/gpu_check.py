@@ -80,7 +80,9 @@ def engine_greedy_check() -> dict:
     assert engine.draft.graphs is not None and engine.draft.attention_kernel
     outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)})
     equal = sum(outs[str(i)] == hf_greedy(target, p, 24) for i, p in enumerate(prompts))
-    return {"prompts": len(prompts), "equal_to_hf_greedy": equal, "acceptance_rate": engine.total_stats.acceptance_rate}
+    graphed = engine.verifier.lane.runner.prefill_graphs.graphs  # whole-prompt prefills replayed as graphs
+    return {"prompts": len(prompts), "equal_to_hf_greedy": equal, "acceptance_rate": engine.total_stats.acceptance_rate,
+            "prefill_graph_shapes": sorted(graphed)}
 
 
 def serve_pdv_check() -> dict:

@@ -6,13 +6,13 @@ import torch
 
 from lanes.attention import POOL_ATTENTION, PoolAttentionMeta
 from lanes.batching import to_device
-from lanes.cuda_graphs import GraphedForward
+from lanes.cuda_graphs import GraphedForward, GraphedPrefill
 from lanes.fused_decoder import FusedDecoder, supports
 from lanes.kv_pool import KVPool
 from lanes.pool_cache import PoolCache
 
 KV_BOUND_MULTIPLE = 64  # round the gathered length up so shapes repeat (fewer allocator / kernel variants)
-GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer inputs (prefill) run eagerly
+GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer inputs are prefill
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ class ModelRunner:
         self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel) if use_fused else None
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
+        # Whole-prompt prefill through our fused layers replays graphs too (HF's modules build masks
+        # and caches on the host, which a graph would freeze).
+        self.prefill_graphs = (GraphedPrefill(self._prompt_logits, pool.pad_slot, self.device, pool.shape.num_slots,
+                                              pool.shape.capacity_tokens)
+                               if use_graphs and self.fused is not None else None)
         self._row_index = torch.arange(pool.shape.num_slots + 1, device=self.device)  # sliced, not rebuilt, per forward
 
     def rows(self, slots: list[int], kv_lens: list[int]) -> Rows:
@@ -69,8 +74,9 @@ class ModelRunner:
         Writes the Q new keys/values of every row (padding included, past the row's valid length,
         where nothing reads them). Returns float32 logits [B, Q, V], or [B, V] at the per-row
         query index `keep` [B] (on the device) when given. `prefill` forwards (prompt chunks, draft
-        catch-up) run eagerly: their widths vary, and a graph captured per (batch, width) would
-        cost more than it saves. Nothing here reads a device value back.
+        catch-up) run eagerly, except whole prompts (every row from position 0, last positions
+        kept), which replay a graph per (batch, width) bucket where one fits (lanes/cuda_graphs.py).
+        Nothing here reads a device value back.
         """
         batch, q_len = input_ids.shape
         assert rows.slot_ids.shape[0] == batch == rows.starts.shape[0], (rows.slot_ids.shape, input_ids.shape)
@@ -79,6 +85,9 @@ class ModelRunner:
         input_ids = input_ids.to(self.device)
         self.pool.sync_block_table()  # blocks given back since the last forward (rollback, frees): no-op if none
         index = self._row_index[:batch]
+        if (prefill and self.prefill_graphs is not None and keep is not None and rows.max_start == 0
+                and self.prefill_graphs.fits(batch, q_len)):
+            return self.prefill_graphs(rows.slot_ids, input_ids, keep)  # [B, V], replayed
         if self.graphs is not None and not prefill and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
             logits = self.graphs(rows.slot_ids, rows.starts, input_ids)  # [B, Q, V], replayed
             return logits[index, keep] if keep is not None else logits
@@ -99,6 +108,12 @@ class ModelRunner:
     def _logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The graph body: few-token forward through the in-place kernel, all logits [B, Q, V]."""
         return self._head(self._hidden(slot_ids, starts, input_ids, None))
+
+    def _prompt_logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor,
+                       keep: torch.Tensor) -> torch.Tensor:
+        """The prefill graph body: rows from position 0 (`starts` zeros), logits [B, V] at `keep` [B]."""
+        hidden = self._hidden(slot_ids, starts, input_ids, input_ids.shape[1])  # [B, W, H]
+        return self._head(hidden[self._row_index[:input_ids.shape[0]], keep])
 
     def _hidden(self, slot_ids, starts, input_ids, longest: int | None) -> torch.Tensor:
         positions = starts[:, None].long() + torch.arange(input_ids.shape[1], device=self.device)  # [B, Q]

@@ -38,6 +38,21 @@ def test_greedy_output_equals_target_greedy(pair, prompts_and_refs, draft_len):
     assert engine.verifier.lane.runner.pool.num_used == 0 and engine.draft.pool.num_used == 0
 
 
+@pytest.mark.parametrize("draft_len", [0, 3])
+def test_prefill_replayed_in_width_buckets_keeps_greedy_output(pair, prompts_and_refs, draft_len):
+    """Whole-prompt prefill through GraphedPrefill (lanes/cuda_graphs.py): off CUDA its "graphs" run
+    eagerly on the same padded static buffers, so this proves the padding to (batch, width) buckets
+    changes no token, in both models' caches."""
+    target, draft = pair
+    prompts, refs = prompts_and_refs
+    engine = small_engine(target, draft, num_speculative_tokens=draft_len, cuda_graphs=True)
+    requests = {str(i): (p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(prompts)}
+    outputs = run_to_completion(engine, requests)
+    assert [outputs[str(i)] for i in range(len(prompts))] == refs
+    for runner in (engine.verifier.lane.runner, engine.draft):
+        assert runner.prefill_graphs.graphs, "no prefill took the graphed path"
+
+
 def test_nospec_engine_equals_target_greedy(llama_pair):
     target, _ = llama_pair
     prompts = random_prompts(6, VOCAB, 1, 90, seed=3)
