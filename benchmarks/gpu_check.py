@@ -67,6 +67,8 @@ def median_ms(fn, repeats: int = 10) -> float:
 # ---- correctness ----------------------------------------------------------------------------
 
 def engine_greedy_check() -> dict:
+    """Engine greedy output against HF's on CUDA (kernel and CUDA graphs on), with small prefill
+    budgets (prompts in chunks) and with large ones (whole prompts batched: graphed prefill)."""
     from tests.conftest import make_pair
     from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
 
@@ -74,15 +76,20 @@ def engine_greedy_check() -> dict:
     target.model.cuda()
     draft.model.cuda()
     prompts = random_prompts(16, 128, 1, 150, seed=7)
-    # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
-    engine = EngineCore.colocated(target, draft, EngineConfig(max_model_len=320, max_num_seqs=8, prefill_chunk_tokens=32,
-                                                                idle_prefill_tokens=64))
-    assert engine.draft.graphs is not None and engine.draft.attention_kernel
-    outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)})
-    equal = sum(outs[str(i)] == hf_greedy(target, p, 24) for i, p in enumerate(prompts))
-    graphed = engine.verifier.lane.runner.prefill_graphs.graphs  # whole-prompt prefills replayed as graphs
-    return {"prompts": len(prompts), "equal_to_hf_greedy": equal, "acceptance_rate": engine.total_stats.acceptance_rate,
-            "prefill_graph_shapes": sorted(graphed)}
+    refs = [hf_greedy(target, p, 24) for p in prompts]
+    result = {"prompts": len(prompts)}
+    for name, chunk, idle in (("chunked", 32, 64), ("whole_prompts", 256, 1024)):
+        # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
+        engine = EngineCore.colocated(target, draft, EngineConfig(max_model_len=320, max_num_seqs=16,
+                                                                    prefill_chunk_tokens=chunk, idle_prefill_tokens=idle))
+        assert engine.draft.graphs is not None and engine.draft.attention_kernel
+        outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
+                                          for i, p in enumerate(prompts)})
+        result[name] = {"equal_to_hf_greedy": sum(outs[str(i)] == ref for i, ref in enumerate(refs)),
+                        "acceptance_rate": engine.total_stats.acceptance_rate,
+                        # whole-prompt prefills replayed as graphs, by (batch bucket, width bucket)
+                        "prefill_graph_shapes": sorted(engine.verifier.lane.runner.prefill_graphs.graphs)}
+    return result
 
 
 def serve_pdv_check() -> dict:

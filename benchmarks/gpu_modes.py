@@ -262,9 +262,14 @@ def engine_args(args: argparse.Namespace) -> dict:
 
 def app_args(mode: str, pair: SavedPair, args: argparse.Namespace) -> dict:
     """configs/<mode>.yaml's args on the saved pair, the benchmark's engine and one GPU's lanes."""
-    return benchmark_app_args(mode, pair.target, pair.draft, dtype=args.dtype, engine=engine_args(args),
-                              lane_num_cpus=args.lane_num_cpus, max_ongoing=MAX_ONGOING,
-                              gpu_shares=GPU_SHARES[mode] if args.device == "cuda" else None)
+    config = benchmark_app_args(mode, pair.target, pair.draft, dtype=args.dtype, engine=engine_args(args),
+                                lane_num_cpus=args.lane_num_cpus, max_ongoing=MAX_ONGOING,
+                                gpu_shares=GPU_SHARES[mode] if args.device == "cuda" else None)
+    if args.controller and mode != "nospec":
+        # The draft-length controller from the first decision on, starting from the benchmark's L.
+        config["controller"] = {"enabled": True, "initial_draft_len": args.draft_len,
+                                "max_draft_len": max(args.draft_len, 8)}
+    return config
 
 
 # ---- loads ------------------------------------------------------------------------------------
@@ -655,6 +660,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"),
                         help="saved pairs; a finished save there is reused")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--controller", action="store_true",
+                        help="run the draft-length controller (controller/) in every mode that drafts")
     parser.add_argument("--draft-len", type=int, default=3,
                         help="L, tokens drafted per verify step (3: the best single-stream L at agreement 0.8)")
     parser.add_argument("--reserve-gib", type=float, default=12.0,
