@@ -257,7 +257,8 @@ def memory_plan(args: argparse.Namespace) -> dict:
 
 def engine_args(args: argparse.Namespace) -> dict:
     return {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8)}
+            "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8),
+            "gpu_memory_utilization": args.gpu_memory_utilization}
 
 
 def app_args(mode: str, pair: SavedPair, args: argparse.Namespace) -> dict:
@@ -660,6 +661,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"),
                         help="saved pairs; a finished save there is reused")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="engine.gpu_memory_utilization of every lane: the KV pools get this share of the GPU "
+                        "(times the lane's num_gpus) less the weights; activations and CUDA graphs need the rest")
     parser.add_argument("--controller", action="store_true",
                         help="run the draft-length controller (controller/) in every mode that drafts")
     parser.add_argument("--draft-len", type=int, default=3,
