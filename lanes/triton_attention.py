@@ -10,8 +10,11 @@ sliding-window layer; scores are soft-capped (softcap * tanh(s / softcap)) where
 new tokens' keys and values are already in the pool when this runs (PoolCache writes them first).
 
 Shapes and the split count depend only on (batch, Q), never on sequence lengths, so the kernels
-can be captured in CUDA graphs. Q is a runtime argument, not a compile-time one: prefill chunks
-come in every width up to MAX_ROWS / group, and a compile per width (~1 s each) stalled serving. Runs on CPU under TRITON_INTERPRET=1 (tests).
+can be captured in CUDA graphs; each program reads its row's length from device memory and loops
+over that row's keys only, so a step's attention costs what the sequences hold, not
+max_model_len (a static loop over the slot's capacity cost the same at any length). Q is a runtime
+argument, not a compile-time one: prefill chunks come in every width up to MAX_ROWS / group, and a
+compile per width (~1 s each) stalled serving. Runs on CPU under TRITON_INTERPRET=1 (tests).
 """
 
 import torch
@@ -28,7 +31,7 @@ def _split_kernel(
     stride_qb, stride_qh, stride_qq,
     stride_kb, stride_kh, stride_kn, stride_table,
     scale, Q, window, softcap,
-    PAGE: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -51,14 +54,19 @@ def _split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    start = split * KEYS_PER_SPLIT
-    stop = tl.minimum(start + KEYS_PER_SPLIT, total)
+    # Each split takes an equal share of the keys this row has (whole key steps), so the splits
+    # divide the row's real length, whatever max_model_len is.
+    keys_per_split = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * keys_per_split
+    stop = tl.minimum(start + keys_per_split, total)
     table_row = table_ptr + slot * stride_table
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_kh
-    # A static trip count (the split's width): blocks past the row's length load nothing (masked).
-    for block in range(KEYS_PER_SPLIT // BLOCK_N):
-        keys = start + block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The trip count follows the row's length read from device memory (a graph replays the same
+    # launch), not the slot's capacity; blocks before every query's window are skipped too.
+    lo = start + tl.maximum(first_key - start, 0) // BLOCK_N * BLOCK_N
+    for block_start in range(lo, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
         key_ok = (keys < stop) & (keys >= first_key)  # keys before every row's window are not loaded
         page = tl.load(table_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
         key_at = page * stride_kb + (keys % PAGE) * stride_kn  # [BLOCK_N] element offsets
@@ -148,7 +156,6 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     assert block_table.stride(-1) == 1
     group = heads // kv_heads
     block_m = max(16, triton.next_power_of_2(q_len * group))
-    keys_per_split = -(-capacity // splits // BLOCK_N) * BLOCK_N
     work = (batch, kv_heads, splits, block_m)
     acc = torch.empty(*work, head_dim, dtype=torch.float32, device=query.device)
     row_max = torch.empty(work, dtype=torch.float32, device=query.device)
@@ -159,7 +166,7 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         query.stride(0), query.stride(1), query.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         scale, q_len, window if window is not None else capacity + q_len, softcap or 1.0,
-        PAGE=page, KEYS_PER_SPLIT=keys_per_split, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
+        PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
     )
