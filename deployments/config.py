@@ -150,9 +150,10 @@ class EngineArgs(_Strict):
         if mode == "nospec":
             values["num_speculative_tokens"] = 0
         if mode == "spec":
-            # Plain speculative decoding: every waiting prompt is prefilled whole before decoding
-            # resumes, as an engine without lane priorities does.
-            values["prefill_chunk_tokens"] = values["idle_prefill_tokens"] = self.max_num_seqs * self.max_model_len
+            # Plain speculative decoding: every waiting prompt is prefilled before decoding resumes,
+            # as an engine without lane priorities does (in forwards of idle_prefill_tokens: one
+            # forward over a burst of prompts held activations of GBs and ran out of GPU memory).
+            values["prefill_first"] = True
         return EngineConfig(**values)
 
 

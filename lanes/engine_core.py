@@ -55,6 +55,10 @@ class EngineConfig:
     # max_num_seqs sequences of max_model_len)
     gpu_memory_utilization: float = 0.9  # share of the device's memory this lane's models and pools may use
     enable_prefix_caching: bool = True  # share the KV of full prompt blocks between requests
+    # Plain speculative decoding (mode spec): no step decodes while a prompt waits for prefill, as in
+    # an engine without chunked prefill (vLLM V0's default). Prefill still runs in forwards of
+    # idle_prefill_tokens, so a burst of prompts never becomes one forward of unbounded size.
+    prefill_first: bool = False
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -214,7 +218,8 @@ class EngineCore:
         self.scheduler.admit()
         self.scheduler.make_room(self._tokens_after_step)
         outputs, launched = [], None
-        running = list(self.scheduler.running)
+        prefill_only = self.config.prefill_first and self.scheduler.prefilling
+        running = [] if prefill_only else list(self.scheduler.running)
         if running:
             try:
                 launched = self._launch_decode(running)

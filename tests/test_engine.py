@@ -236,6 +236,32 @@ def test_a_long_prompt_never_stalls_decoding(llama_pair):
     assert steps_while_prefilling >= 250 // 32  # the prompt really took several chunks
 
 
+def test_prefill_first_pauses_decoding_in_bounded_forwards_and_keeps_greedy_output(llama_pair):
+    """Mode spec's engine (prefill_first): while any prompt waits for prefill no request decodes, and
+    a burst of prompts is prefilled in forwards of idle_prefill_tokens, never one forward over all."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft, prefill_chunk_tokens=32, idle_prefill_tokens=64, prefill_first=True)
+    engine.add_request("first", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    prompts = random_prompts(6, VOCAB, 40, 60, seed=5)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    prefill_steps = 0
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work:
+        prefilling = bool(engine.scheduler.waiting or engine.scheduler.prefilling)
+        tokens_before = engine.step_profile.prefill_tokens
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+            if prefilling and out.request_id == "first":
+                assert not out.token_ids, "a request decoded while prompts waited for prefill"
+        assert engine.step_profile.prefill_tokens - tokens_before <= 64
+        prefill_steps += prefilling
+    assert prefill_steps >= sum(map(len, prompts)) // 64  # several bounded forwards, not one
+    for i, prompt in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(target, prompt, 8)
+
+
 def test_prefill_batches_never_write_past_a_slot(llama_pair):
     """Slots hold a prompt plus a draft, not plus a prefill budget: a continuing chunk that its
     batch's padding would push past the slot's end is prefilled on its own, and outputs stay exact."""
