@@ -140,7 +140,8 @@ class PrefillServer:
         verify_pool, verify_slots, verify_blocks = verify
         outs, writes, labels = [], [], []
         for i, (job, kv) in enumerate(zip(jobs, kvs)):
-            out = Prefilled(PrefillDone(kv.first_token, None, None, None, num_cached_tokens=kv.num_cached_tokens),
+            out = Prefilled(PrefillDone(kv.first_token, None, None, None, num_cached_tokens=kv.num_cached_tokens,
+                                        logprobs=kv.logprobs, prompt_logprobs=kv.prompt_logprobs),
                             "none", "copied", kv.target_kv.shape[3],
                             _nbytes(kv.target_kv), _nbytes(kv.draft_kv), *times_s)
             if job.draft_pool is not None:

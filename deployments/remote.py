@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from lanes.grammar import compiled, first_token_bitmask
 from lanes.kv_pool import KVPool
+from lanes.logprobs import TokenLogprobs
 from lanes.prefill import PrefillChunk
 from lanes.prompt_prefiller import PrefillRequest
 from lanes.scheduler import Scheduler
@@ -58,6 +59,8 @@ class PrefillDone:
     target_slot: int | None  # pdv: the verify lane's slot that now holds the prompt
     target_lease: str | None = None  # pdv: the verify replica instance that handed out target_slot
     num_cached_tokens: int = 0  # prompt tokens the prefill lane's prefix cache held
+    logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
+    prompt_logprobs: TokenLogprobs | None = None  # echo: the prompt tokens', when asked
 
 
 class RemoteVerifier:
@@ -134,7 +137,6 @@ def _current_actor():
 class RemotePrefiller:
     """Sends each admitted request to the prefill lane once and collects finished prefills."""
 
-    serves_logprobs = False  # the prefill lane returns the first token only: refused by name at add_request
     reuses_cached_blocks = False  # it prefills and hands over whole prompts
 
     def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool | None, target_pool: KVPool | None,
@@ -166,7 +168,7 @@ class RemotePrefiller:
         return bool(self._done)
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
-             ) -> list[tuple[Sequence, int | BaseException, None]]:
+             ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
         for seq in scheduler.prefilling:
             if seq.request_id not in self._submitted:
                 self._submitted.add(seq.request_id)
@@ -230,7 +232,8 @@ class RemotePrefiller:
             self._exported[name] = PoolHandle.export(f"{self.owner}/{name}", pool)
         return self._exported[name]
 
-    def _land(self, scheduler: Scheduler, seq: Sequence, result) -> tuple[Sequence, int | BaseException, None] | None:
+    def _land(self, scheduler: Scheduler, seq: Sequence, result
+              ) -> tuple[Sequence, int | BaseException, TokenLogprobs | None] | None:
         self._submitted.discard(seq.request_id)
         if seq.status is not SeqStatus.PREFILLING:
             # Aborted while its prompt was being prefilled: give back its slots (held until now, see
@@ -255,4 +258,5 @@ class RemotePrefiller:
         else:
             seq.target_slot, seq.target_lease = result.target_slot, result.target_lease
         scheduler.mark_prefilled(PrefillChunk(seq, 0, prompt_len))
-        return seq, result.first_token, None
+        seq.prompt_logprobs = result.prompt_logprobs
+        return seq, result.first_token, result.logprobs

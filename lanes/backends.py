@@ -95,7 +95,6 @@ class LocalPrefiller:
     time. On the CPU, or when nothing is decoding, it completes within the step.
     """
 
-    serves_logprobs = True
     has_replies = False  # what it launched is collected with the requests still prefilling
     reuses_cached_blocks = True
 

@@ -145,11 +145,6 @@ class EngineCore:
         """Validate and queue a request. Raises ParamError naming the field; nothing is queued then.
         `arrival_s`: when it reached the server (wall clock; default now), for timelines."""
         params.validate()
-        if not self.prefiller.serves_logprobs:
-            for name in ("logprobs", "prompt_logprobs"):
-                if getattr(params, name) is not None:
-                    raise ParamError(name, "log-probabilities (and echo's prompt logprobs) are served in modes "
-                                           "unified, spec and nospec, not where prefill runs in a lane of its own")
         if request_id in self.scheduler.by_id:
             raise ParamError("request_id", f"{request_id!r} is already in flight")
         prompt_ids = self._prompt_ids(prompt)

@@ -16,9 +16,10 @@ from typing import Callable
 import torch
 
 from lanes.grammar import FirstTokenMask
+from lanes.logprobs import TokenLogprobs, concat
 from lanes.model_runner import ModelRunner
 from lanes.params import SamplingParams
-from lanes.prefill import PrefillLane, plan_whole_prompts
+from lanes.prefill import PrefillLane, PrefillLogprobs, plan_whole_prompts
 from lanes.prefix_cache import PrefixCache
 from lanes.sequence import Sequence
 
@@ -38,6 +39,8 @@ class PrefilledKV:
     target_kv: torch.Tensor  # [2, layers, kv_heads, prompt_len, head_dim]
     draft_kv: torch.Tensor | None
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
+    logprobs: TokenLogprobs | None = None  # the first token's, when the request asked (the target's, raw)
+    prompt_logprobs: TokenLogprobs | None = None  # echo: the prompt tokens', when asked
 
 
 class PromptPrefiller:
@@ -53,7 +56,8 @@ class PromptPrefiller:
         kvs, release = self.prefill_in_scratch(requests)
         try:
             return [PrefilledKV(kv.first_token, kv.target_kv.clone(),
-                                kv.draft_kv.clone() if kv.draft_kv is not None else None, kv.num_cached_tokens)
+                                kv.draft_kv.clone() if kv.draft_kv is not None else None, kv.num_cached_tokens,
+                                kv.logprobs, kv.prompt_logprobs)
                     for kv in kvs]
         finally:
             release()
@@ -82,8 +86,9 @@ class PromptPrefiller:
             release()
             raise
         return [PrefilledKV(tok, self.target.pool.read_slot(s.target_slot),
-                            self.draft.pool.read_slot(s.draft_slot) if self.draft else None, s.num_cached_tokens)
-                for tok, s in zip(first, seqs)], release
+                            self.draft.pool.read_slot(s.draft_slot) if self.draft else None, s.num_cached_tokens,
+                            logprobs, s.prompt_logprobs)
+                for (tok, logprobs), s in zip(first, seqs)], release
 
     def _attach(self, seq: Sequence) -> None:
         """A scratch slot's blocks: the cached ones of the prompt's prefix, then new ones for the rest."""
@@ -92,16 +97,21 @@ class PromptPrefiller:
         for pool, slot in self.pools:
             pool.reserve([getattr(seq, slot)], [seq.num_prompt_tokens])
 
-    def _run(self, seqs: list[Sequence]) -> list[int]:
+    def _run(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
+        """Each prompt's first token and its logprobs (when asked); prompt logprobs (echo) are left in
+        each sequence's `prompt_logprobs`."""
         lane = PrefillLane(self.target, self.draft)
-        first: dict[str, int] = {}
+        first: dict[str, tuple[int, TokenLogprobs | None]] = {}
         while len(first) < len(seqs):
             chunks = plan_whole_prompts([s for s in seqs if s.request_id not in first], self.chunk_tokens)
-            tokens = lane.run(chunks)[:, 0].cpu().tolist()  # logprobs are not served here: none packed
-            for chunk, token in zip(chunks, tokens):
-                chunk.seq.num_prefilled += chunk.length
+            layout = PrefillLogprobs.of(chunks)
+            rows = lane.run(chunks).cpu()  # [B, 1 + packed logprobs]: one column unless a row asked
+            for chunk, row in zip(chunks, rows):
+                seq = chunk.seq
+                seq.num_prefilled += chunk.length
+                seq.prompt_logprobs = concat([seq.prompt_logprobs, layout.prompt(chunk, row)])
                 if self.prefix_cache is not None:
-                    self.prefix_cache.register(chunk.seq)
+                    self.prefix_cache.register(seq)
                 if chunk.completes_prompt:
-                    first[chunk.seq.request_id] = token
+                    first[seq.request_id] = int(row[0]), layout.first_token(chunk, row)
         return [first[s.request_id] for s in seqs]

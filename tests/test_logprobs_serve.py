@@ -1,5 +1,6 @@
 """Logprobs over HTTP through the `openai` SDK: OpenAI's shapes on completions and chat, streamed and
-not, echo scoring equal to HF's log_softmax, and a 400 by name where prefill runs apart (pd)."""
+not, echo scoring equal to HF's log_softmax, and the same logprobs where prefill runs in a lane of its
+own (pd, pdv: the prefill lane's first token and prompt, the verify lane's accepted tokens)."""
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ PROMPT = "def add(a, b):"
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    with serving({mode: app_config(mode, target, draft) for mode in ("unified", "pd")}):
+    with serving({mode: app_config(mode, target, draft) for mode in ("unified", "pd", "pdv")}):
         yield
 
 
@@ -88,8 +89,24 @@ def test_bad_logprobs_requests_are_refused_by_name(body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_pd_refuses_logprobs_by_name():
-    """The prefill lane of pd and pdv returns the first token alone, so logprobs are refused there."""
-    for body, param in [({"logprobs": 2}, "logprobs"), ({"echo": True, "logprobs": 1, "max_tokens": 0}, "logprobs")]:
-        r = httpx.post(f"{base_url('pd')}/completions", json={"model": MODEL, "prompt": "x", **body}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+@pytest.mark.parametrize("mode", ["pd", "pdv"])
+def test_lanes_apart_give_the_same_logprobs_as_unified(mode, pair_paths):
+    """Generated tokens' logprobs (the first from the prefill lane, the rest from verification) and
+    echo's prompt logprobs are the target's own, as in unified."""
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3, echo=True,
+                extra_body={"ignore_eos": True})
+    ref = openai_client("unified").completions.create(**args).choices[0].logprobs
+    got = openai_client(mode).completions.create(**args).choices[0].logprobs
+    assert got.tokens == ref.tokens and got.token_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(got.token_logprobs[1:], ref.token_logprobs[1:])) < 1e-4
+    for top, top_ref in zip(got.top_logprobs[1:], ref.top_logprobs[1:]):
+        assert top.keys() == top_ref.keys()
+    # Scoring alone (max_tokens 0): the prefill lane's prompt logprobs.
+    target = load_model(pair_paths[0])
+    ids = target.tokenizer.encode(PROMPT + "\n    return a + b\n")
+    scored = openai_client(mode).completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    with torch.no_grad():
+        logp = torch.log_softmax(target.model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    expected = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    lp = scored.choices[0].logprobs.token_logprobs
+    assert lp[0] is None and torch.allclose(torch.tensor(lp[1:], dtype=torch.float64), expected, atol=1e-4)
