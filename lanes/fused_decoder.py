@@ -1,7 +1,9 @@
-"""The decoder stack of a Llama-family HF model (llama, mistral, qwen2) run as ten kernels a layer.
+"""The decoder stack of a Llama-family HF model (llama, mistral, qwen2, qwen3) run as ten kernels a layer.
 
 Per layer: add + RMSNorm, one QKV GEMM, rotary + KV write, attention (two kernels), o_proj,
 add + RMSNorm, one gate/up GEMM, SiLU-and-multiply, down_proj. HF's eager layer launches ~45.
+Qwen3 adds an RMSNorm over each query and key head before the rotary (its q_norm / k_norm): two
+more norm kernels and a concatenation a layer.
 The weights are the HF model's own: Q, K and V (and gate and up) are concatenated once and the HF
 parameters become views into the concatenation, so no memory is duplicated and the HF model keeps
 working unchanged (reference decoding in tests, `generate`).
@@ -16,7 +18,8 @@ from lanes.attention import PoolAttentionMeta, attend
 from lanes.fused_ops import add_rms_norm, rope_store, silu_and_mul
 from lanes.kv_pool import KVPool
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+QK_NORM_TYPES = ("qwen3",)  # per-head RMSNorm of queries and keys before the rotary
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that depend on the position only
 
 
@@ -28,7 +31,7 @@ def supports(model: torch.nn.Module) -> bool:
     layers = getattr(model.get_decoder(), "layers", [])
     return (text.model_type in SUPPORTED_TYPES and text.hidden_act == "silu" and not sliding
             and rope.get("rope_type", "default") in STATIC_ROPE and len(layers) > 0
-            and all(not hasattr(layer.self_attn, "q_norm") for layer in layers))
+            and (text.model_type in QK_NORM_TYPES or all(not hasattr(layer.self_attn, "q_norm") for layer in layers)))
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,6 +63,10 @@ class _Layer:
         self.in_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         self.q_heads = attn.q_proj.weight.shape[0] // attn.head_dim
+        self.head_dim = attn.head_dim
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.qk_norm = (None if q_norm is None else
+                        ((q_norm.weight, q_norm.variance_epsilon), (k_norm.weight, k_norm.variance_epsilon)))
         self.scale = attn.scaling
         self.layer_idx = attn.layer_idx
 
@@ -101,8 +108,21 @@ class FusedDecoder:
     def _attention(self, layer: _Layer, normed: torch.Tensor, meta: PoolAttentionMeta) -> torch.Tensor:
         batch, q_len, _ = normed.shape
         qkv = F.linear(normed, layer.qkv_w, layer.qkv_b)  # [B, Q, (Hq + 2 Hkv) * D]
+        if layer.qk_norm is not None:
+            qkv = self._norm_heads(qkv, layer)
         k_pool, v_pool = self.pool.layer(layer.layer_idx)  # [blocks, Hkv, block_size, D]
         query = rope_store(qkv, self.cos, self.sin, meta.block_table, meta.slot_ids, meta.kv_lens, k_pool, v_pool,
                            layer.q_heads, self.use_triton)  # [B, Q, Hq, D]
         out = attend(query.transpose(1, 2), k_pool, v_pool, meta, layer.scale)  # [B, Q, Hq, D]
         return out.reshape(batch * q_len, -1)
+
+    def _norm_heads(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """Qwen3's RMSNorm of every query and key head [D] (HF's q_norm / k_norm), values untouched."""
+        dim = layer.head_dim
+        q_size = layer.q_heads * dim
+        k_size = (qkv.shape[-1] - q_size) // 2
+        q, k, v = qkv.split([q_size, k_size, k_size], dim=-1)
+        (q_w, q_eps), (k_w, k_eps) = layer.qk_norm
+        q = add_rms_norm(q.reshape(-1, dim), None, q_w, q_eps, self.use_triton)[0]
+        k = add_rms_norm(k.reshape(-1, dim), None, k_w, k_eps, self.use_triton)[0]
+        return torch.cat([q.view(*qkv.shape[:-1], q_size), k.view(*qkv.shape[:-1], k_size), v], dim=-1)

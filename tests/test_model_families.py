@@ -45,7 +45,7 @@ FAMILIES = {
     "gpt_neox": dict(_SMALL, model_type="gpt_neox", rotary_pct=0.25, use_parallel_residual=True),
 }
 
-FUSED = {"llama3", "qwen2", "mistral"}  # the rest run HF's decoder modules over the pool (docs/model_families.md)
+FUSED = {"llama3", "qwen2", "qwen3", "mistral"}  # the rest run HF's decoder modules over the pool (docs/model_families.md)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
