@@ -127,7 +127,10 @@ class LaneConfig(_Strict):
 
 
 class EngineArgs(_Strict):
-    max_model_len: int = Field(default=1024, ge=2, description="Prompt + output tokens per request.")
+    max_model_len: int | None = Field(default=None, ge=2, description="Prompt + output tokens per request. "
+                                      "None: the target's own context (its max_position_embeddings), as vLLM "
+                                      "does; KV memory is allocated in blocks as sequences grow, so a long "
+                                      "context reserves nothing.")
     max_num_seqs: int = Field(default=16, ge=1, description="Requests a replica runs at once (a cap, not a "
                               "memory reservation: KV memory is allocated in blocks as sequences grow).")
     num_speculative_tokens: int = Field(default=4, ge=0, description="Default draft length L.")
@@ -146,6 +149,7 @@ class EngineArgs(_Strict):
                                         "earlier requests computed (both models' pools).")
 
     def engine_config(self, mode: str) -> EngineConfig:
+        assert self.max_model_len is not None, "AppConfig resolves max_model_len from the target"
         values = self.model_dump()
         if mode == "nospec":
             values["num_speculative_tokens"] = 0
@@ -209,6 +213,8 @@ class AppConfig(_Strict):
             raise ValueError("engine.num_speculative_tokens must be <= engine.max_draft_len")
         if self.controller.enabled and self.controller.max_draft_len > self.engine.max_draft_len:
             raise ValueError("controller.max_draft_len must be <= engine.max_draft_len")
+        if self.engine.max_model_len is None:
+            self.engine.max_model_len = model_context(self.target.path)
         return self
 
     @property
@@ -224,3 +230,18 @@ class AppConfig(_Strict):
     def ngram(self) -> NgramSpec | None:
         """Prompt-lookup drafting, where this mode drafts by it."""
         return self.draft if isinstance(self.draft, NgramSpec) and self.mode != "nospec" else None
+
+
+def model_context(path: str) -> int:
+    """A model's own context (max_position_embeddings of its text config), read from its config.json."""
+    from transformers import AutoConfig  # only when a config leaves max_model_len unset
+
+    try:
+        context = AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"engine.max_model_len is unset and the target's config could not be read "
+                         f"({type(exc).__name__}: {exc}): set engine.max_model_len") from exc
+    if not isinstance(context, int) or context < 2:
+        raise ValueError(f"the target's config has no usable max_position_embeddings ({context!r}): "
+                         "set engine.max_model_len")
+    return context
