@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -34,6 +35,8 @@ from lanes.sequence import Sequence
 from lanes.spec_stats import SpecDecodeStats
 from lanes.step_profile import StepProfile
 from lanes.streams import LaneStreams, on
+from lanes.tensor_parallel import TPGroup, shard_model
+from lanes.tp_step import send_forward
 from lanes.verify import VerifyBatch, VerifyLane
 
 log = logging.getLogger(__name__)
@@ -123,15 +126,20 @@ class EngineCore:
         tokenizer: PreTrainedTokenizerBase | None = None,
         proposer: Proposer | None = None,
         allow_tokenizer_mismatch: bool = False,
+        tp: TPGroup | None = None,
+        shard_draft: bool = False,
     ) -> "EngineCore":
         """All three lanes in this process over its own pools (modes unified, spec, nospec).
         `proposer` drafts instead of a draft model (pass `draft=None` with it);
-        `allow_tokenizer_mismatch`: see `check_compatible`."""
+        `allow_tokenizer_mismatch`: see `check_compatible`. `tp`: this process is rank 0 of a
+        tensor-parallel group whose workers run `lanes.tp_worker.run_worker` over the same models and
+        config: the target is sharded over it (in place), and the draft too with `shard_draft`."""
         assert draft is None or proposer is None, "a draft model or a proposer, not both"
         if draft is not None:
             check_compatible(draft, target, allow_tokenizer_mismatch)
         tokenizer = tokenizer if tokenizer is not None else target.tokenizer
-        target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None)
+        target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None,
+                                                    tp=tp, sharded=(True, shard_draft))
         streams = LaneStreams(target_runner.device)
         prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
         eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
@@ -390,19 +398,42 @@ def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
     return build_runners(config, model)[0]
 
 
-def build_runners(config: EngineConfig, *models: torch.nn.Module | None) -> list[ModelRunner | None]:
-    """A runner per model (None stays None), over pools of one block count, sized together."""
+def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPGroup | None = None,
+                  sharded: tuple[bool, ...] = ()) -> list[ModelRunner | None]:
+    """A runner per model (None stays None), over pools of one block count, sized together.
+
+    `tp`: the tensor-parallel group of this process; the models flagged in `sharded` (by position)
+    are cut to this rank's shard in place and moved to its device, their pools hold its KV heads, and
+    on rank 0 their forwards are sent to the workers under their position (lanes/tp_step.py). Every
+    rank of the group must call this with the same config and models."""
     present = [m for m in models if m is not None]
     for model in present:  # models built elsewhere (tests, benchmarks) reach the engine without load_model's check
         check_supported(model.config, config.slot_capacity_tokens)
-    shapes = [PoolShape.for_model(m.config, config.max_num_seqs, config.slot_capacity_tokens, config.block_size)
-              for m in present]
+    groups = [tp if tp is not None and i < len(sharded) and sharded[i] else None for i in range(len(models))]
+    for model, group in zip(models, groups):
+        if model is not None and group is not None:
+            shard_model(model, group)
+            model.to(group.device)  # a model too large for one device loads on the host and moves as a shard
+    shapes = {i: _pool_shape(m, g, config) for i, (m, g) in enumerate(zip(models, groups)) if m is not None}
     device = next(present[0].parameters()).device
-    blocks = num_kv_blocks(shapes, [m.dtype for m in present], device, config.max_num_seqs, config.num_kv_blocks,
-                           config.gpu_memory_utilization)
-    runners = iter([ModelRunner(m, KVPool(replace(s, num_blocks=blocks), m.dtype, device), config.attention_kernel,
-                                config.cuda_graphs, config.fused_layers) for m, s in zip(present, shapes)])
-    return [next(runners) if m is not None else None for m in models]
+    blocks = num_kv_blocks(list(shapes.values()), [m.dtype for m in present], device, config.max_num_seqs,
+                           config.num_kv_blocks, config.gpu_memory_utilization)
+    if tp is not None:  # block tables name the same blocks on every rank
+        blocks = tp.min_over_ranks(blocks)
+    return [None if m is None else _runner(m, shapes[i], blocks, device, config, g, i)
+            for i, (m, g) in enumerate(zip(models, groups))]
+
+
+def _pool_shape(model: torch.nn.Module, tp: TPGroup | None, config: EngineConfig) -> PoolShape:
+    shape = PoolShape.for_model(model.config, config.max_num_seqs, config.slot_capacity_tokens, config.block_size)
+    return shape if tp is None else replace(shape, num_kv_heads=shape.num_kv_heads // tp.size)
+
+
+def _runner(model: torch.nn.Module, shape: PoolShape, blocks: int, device, config: EngineConfig, tp: TPGroup | None,
+            index: int) -> ModelRunner:
+    share = partial(send_forward, tp, index) if tp is not None and tp.rank == 0 else None
+    return ModelRunner(model, KVPool(replace(shape, num_blocks=blocks), model.dtype, device), config.attention_kernel,
+                       config.cuda_graphs, config.fused_layers, tp, share)
 
 
 def eos_token_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -72,13 +72,16 @@ class _Layer:
 
 
 class FusedDecoder:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool, row_linear=F.linear):
+        """`row_linear`: how o_proj and down_proj are applied, F.linear itself or, over the shards of a
+        tensor-parallel model, F.linear followed by the all-reduce (lanes/tensor_parallel.py)."""
         decoder = model.get_decoder()
         self.embed = decoder.embed_tokens
         self.layers = [_Layer(layer) for layer in decoder.layers]
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         self.pool = pool
         self.use_triton = use_triton
+        self.row_linear = row_linear
         self.cos, self.sin = self._rope_table(decoder, pool.shape.capacity_tokens)
 
     @staticmethod
@@ -98,10 +101,10 @@ class FusedDecoder:
         for layer in self.layers:
             normed, residual = add_rms_norm(hidden, residual, *layer.in_norm, self.use_triton)
             attn = self._attention(layer, normed.view(batch, q_len, -1), meta)
-            normed, residual = add_rms_norm(F.linear(attn, layer.o_w, layer.o_b), residual, *layer.post_norm,
+            normed, residual = add_rms_norm(self.row_linear(attn, layer.o_w, layer.o_b), residual, *layer.post_norm,
                                             self.use_triton)
             gate_up = F.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
-            hidden = F.linear(silu_and_mul(gate_up, self.use_triton), layer.down_w, layer.down_b)
+            hidden = self.row_linear(silu_and_mul(gate_up, self.use_triton), layer.down_w, layer.down_b)
         out, _ = add_rms_norm(hidden, residual, *self.norm, self.use_triton)
         return out.view(batch, q_len, -1)
 

@@ -171,9 +171,11 @@ class KVPool:
     def slot_blocks(self, slot: int) -> list[int]:
         return self.block_table[slot, : self.num_held[slot]].tolist()
 
-    def sync_block_table(self) -> None:
+    def sync_block_table(self) -> torch.Tensor | None:
         """Before a forward: copy the changed rows of the host table to the device in one copy (row
-        ids packed in front), and order the current stream after the latest such copy.
+        ids packed in front), and order the current stream after the latest such copy. Returns the
+        packed rows [changed, 1 + blocks_per_slot] int32 on the device (None when none changed): the
+        workers of a tensor-parallel group copy the same rows into their tables (`copy_table_rows`).
 
         Lanes of one engine run on different streams (lanes/streams.py). A block released by one
         sequence and taken by another must not be written through the first one's stale row by a
@@ -187,12 +189,19 @@ class KVPool:
                 changed = self.block_table[rows]
             packed = to_device(np.concatenate([rows[:, None], changed], axis=1), torch.int32,
                                device)  # [changed, 1 + blocks_per_slot]
-            self.block_table_device.index_copy_(0, packed[:, 0].long(), packed[:, 1:])
-            if device.type == "cuda":
-                self._table_updated = torch.cuda.Event()
-                self._table_updated.record()
-        elif self._table_updated is not None:
+            self.copy_table_rows(packed)
+            return packed
+        if self._table_updated is not None:
             torch.cuda.current_stream(device).wait_event(self._table_updated)
+        return None
+
+    def copy_table_rows(self, packed: torch.Tensor) -> None:
+        """Copy rows [n, 1 + blocks_per_slot] (row id, then its blocks) into the device table."""
+        device = self.block_table_device.device
+        self.block_table_device.index_copy_(0, packed[:, 0].long(), packed[:, 1:].to(torch.int32))
+        if device.type == "cuda":
+            self._table_updated = torch.cuda.Event()
+            self._table_updated.record()
 
     # ---- tensors ----------------------------------------------------------------------------
 

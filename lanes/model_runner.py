@@ -1,5 +1,6 @@
 """One batched forward of an HF causal LM over rows that each sit at their own length in the pool."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from lanes.cuda_graphs import GraphedForward, GraphedPrefill
 from lanes.fused_decoder import FusedDecoder, supports
 from lanes.kv_pool import KVPool
 from lanes.pool_cache import PoolCache
+from lanes.tensor_parallel import TPGroup, row_parallel_linear
 
 KV_BOUND_MULTIPLE = 64  # round the gathered length up so shapes repeat (fewer allocator / kernel variants)
 GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer inputs are prefill
@@ -31,7 +33,11 @@ class Rows:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None,
-                 cuda_graphs: bool | None = None, fused_layers: bool | None = None):
+                 cuda_graphs: bool | None = None, fused_layers: bool | None = None, tp: TPGroup | None = None,
+                 share_forward: Callable | None = None):
+        """`tp`: the group over which `model` (already a shard, lanes/tensor_parallel.py) and `pool` (this
+        rank's KV heads) are split; `share_forward(rows, input_ids, keep, prefill, table_rows)`, on rank
+        0 of it, sends each forward's inputs to the workers before running it (lanes/tp_step.py)."""
         self.model = model
         self.pool = pool
         self.device = pool.kv.device
@@ -40,18 +46,24 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
+        if tp is not None and tp.rank > 0:
+            self.lm_head = _no_head  # only rank 0 samples: a worker's forward ends at the hidden states
+        self.share_forward = share_forward
         # Gemma-2 caps its logits in the CausalLM forward, which we bypass to run the head on chosen rows.
         self.logit_softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        self.num_kv_heads = pool.shape.num_kv_heads
+        self.num_kv_heads = pool.shape.num_kv_heads  # this rank's, under tensor parallelism
         text = model.config.get_text_config()
-        self._group = text.num_attention_heads // self.num_kv_heads
+        self._group = text.num_attention_heads // (self.num_kv_heads * (tp.size if tp is not None else 1))
         # The in-place kernel needs Triton on a GPU; tests force it on CPU under TRITON_INTERPRET=1.
         self.attention_kernel = self.device.type == "cuda" if attention_kernel is None else attention_kernel
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self._neg = torch.finfo(model.dtype).min
         # Llama-family models run our fused layers (Triton on CUDA, torch on CPU); others run HF's modules.
         use_fused = supports(model) if fused_layers is None else fused_layers
-        self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel) if use_fused else None
+        assert use_fused or tp is None, "tensor parallelism runs the fused layers only"
+        row_linear = row_parallel_linear(tp) if tp is not None else torch.nn.functional.linear
+        self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel,
+                                  row_linear) if use_fused else None
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
         # Whole-prompt prefill through our fused layers replays graphs too (HF's modules build masks
@@ -83,7 +95,9 @@ class ModelRunner:
         capacity = self.pool.shape.capacity_tokens
         assert rows.max_start + q_len <= capacity, f"row would write past the slot capacity {capacity}"
         input_ids = input_ids.to(self.device)
-        self.pool.sync_block_table()  # blocks given back since the last forward (rollback, frees): no-op if none
+        table_rows = self.pool.sync_block_table()  # blocks given back since the last forward (rollback, frees)
+        if self.share_forward is not None:  # rank 0 of a tensor-parallel group: the workers run it too
+            self.share_forward(rows, input_ids, keep, prefill, table_rows)
         index = self._row_index[:batch]
         if (prefill and self.prefill_graphs is not None and keep is not None and rows.max_start == 0
                 and self.prefill_graphs.fits(batch, q_len)):
@@ -161,3 +175,7 @@ class ModelRunner:
         zero = torch.zeros((), dtype=self.model.dtype, device=self.device)
         neg = torch.full((), self._neg, dtype=self.model.dtype, device=self.device)
         return torch.where(allowed, zero, neg)[:, None]
+
+
+def _no_head(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden[..., :0]
