@@ -60,7 +60,8 @@ class ModelRunner:
         self._neg = torch.finfo(model.dtype).min
         # Llama-family models run our fused layers (Triton on CUDA, torch on CPU); others run HF's modules.
         use_fused = supports(model) if fused_layers is None else fused_layers
-        assert use_fused or tp is None, "tensor parallelism runs the fused layers only"
+        if tp is not None and not use_fused:
+            raise ValueError("tensor parallelism runs the fused Llama-family layers only (engine.fused_layers)")
         row_linear = row_parallel_linear(tp) if tp is not None else torch.nn.functional.linear
         self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel,
                                   row_linear) if use_fused else None

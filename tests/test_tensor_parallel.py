@@ -2,7 +2,8 @@
 
 On tiny random-weight Llama (GQA) and Qwen2 (q/k/v biases) models, the co-located engine's greedy
 output with the target (and the draft) sharded over two ranks equals the TP = 1 engine's and HF's
-own greedy `generate`, token for token: prompts of 1-60 tokens batched together (so prefill runs
+own greedy `generate`, token for token: prompts of 1-60 tokens batched together (two sharing a
+cached prefix) (so prefill runs
 in chunks beside decoding rows), with speculation on (L = 4) and off (L = 0). float64 models: the
 all-reduce sums partial products in another order than one GEMM, a difference float64 keeps far
 below any logit gap. Configs TP cannot run exactly are refused at load and at config validation.
@@ -21,10 +22,13 @@ from lanes.tp_worker import worker_processes
 from tests.conftest import ARCH_CONFIGS, VOCAB, make_pair
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
 
-MAX_NEW = 16
-CONFIG = EngineConfig(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
-                      prefill_chunk_tokens=32, idle_prefill_tokens=64)
-PROMPTS = [[5]] + random_prompts(5, VOCAB, 2, 60, seed=21)
+MAX_NEW = 24
+# 14 KV blocks of 16 tokens for prompts and outputs of ~550 tokens: requests wait for blocks and are
+# preempted and recomputed, so block tables change under the workers' feet as in a full server.
+CONFIG = EngineConfig(max_model_len=128, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
+                      prefill_chunk_tokens=32, idle_prefill_tokens=64, num_kv_blocks=14)
+_PREFIX = random_prompts(1, VOCAB, 48, 48, seed=22)[0]  # three full blocks two prompts share (prefix cache)
+PROMPTS = [[5]] + random_prompts(5, VOCAB, 2, 60, seed=21) + [_PREFIX + [7, 8], _PREFIX + [9]]
 
 
 def _load(arch: str, shard_draft: bool):
@@ -39,10 +43,12 @@ def _requests(tag: str) -> dict:
 
 
 def _generate(engine: EngineCore) -> tuple[list[list[int]], list[list[int]]]:
-    """Greedy outputs of every prompt, all batched together: with L = 4, then with speculation off."""
+    """Greedy outputs of every prompt, all batched together: with L = 4, then with speculation off.
+    Both preemption and the prefix cache (the second run's prompts were cached by the first) ran."""
     spec = run_to_completion(engine, _requests("spec"))
     engine.set_draft_lengths(0)
     plain = run_to_completion(engine, _requests("plain"))
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache.num_hits > 0
     return list(spec.values()), list(plain.values())
 
 
