@@ -2,11 +2,11 @@
 
 On tiny random-weight Llama (GQA) and Qwen2 (q/k/v biases) models, the co-located engine's greedy
 output with the target (and the draft) sharded over two ranks equals the TP = 1 engine's and HF's
-own greedy `generate`, token for token: prompts of 1-60 tokens batched together (two sharing a
-cached prefix) (so prefill runs
-in chunks beside decoding rows), with speculation on (L = 4) and off (L = 0). float64 models: the
-all-reduce sums partial products in another order than one GEMM, a difference float64 keeps far
-below any logit gap. Configs TP cannot run exactly are refused at load and at config validation.
+own greedy `generate`, token for token: prompts of 1-60 tokens batched together (so prefill runs in
+chunks beside decoding rows; two share a cached prefix), with speculation on (L = 4) and off
+(L = 0), under preemption. float64 models: the all-reduce sums partial products in another order
+than one GEMM, a difference float64 keeps far below any logit gap. Configs TP cannot run exactly are
+refused at load and at config validation.
 """
 
 from functools import partial
