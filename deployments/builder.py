@@ -6,12 +6,16 @@ import ray
 from ray.serve import Application
 from transformers import AutoConfig, AutoTokenizer
 
+from lanes.families import UnsupportedModelError
+from lanes.tensor_parallel import check_shardable
+
 from controller.actor import ControllerDeployment
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineDeployment
 from deployments.factories import build_engine, build_prompt_prefiller, build_verify_lane
 from deployments.ingress import IngressDeployment
 from deployments.prefill_replica import PrefillDeployment
+from deployments.tp_workers import start_shard_workers
 from deployments.verify_replica import VerifyDeployment
 
 
@@ -22,6 +26,7 @@ class ConfigError(ValueError):
 def build_app(args: dict | AppConfig | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     check_pair(cfg)
+    check_tensor_parallel(cfg)
     check_gpus(cfg)
     check_controller(cfg)
     verify = prefill = None
@@ -31,10 +36,11 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     if cfg.mode in ("pd", "pdv"):
         prefill = PrefillDeployment.options(**cfg.prefill_lane.deployment_options(cfg.kv_peer_access)).bind(
             partial(build_prompt_prefiller, cfg), cfg.mode, verify)
-    engine = EngineDeployment.options(**cfg.decode_lane.deployment_options(cfg.kv_peer_access)).bind(
+    size = cfg.tensor_parallel_size
+    engine = EngineDeployment.options(**cfg.decode_lane.deployment_options(cfg.kv_peer_access, size)).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify,
         stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s,
-        engine_process=cfg.engine_process)
+        engine_process=cfg.engine_process, start_workers=partial(start_shard_workers, cfg) if size > 1 else None)
     controller = None
     if cfg.controller.enabled:
         controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)
@@ -56,6 +62,16 @@ def check_pair(cfg: AppConfig) -> None:
         raise ConfigError(f"target has {target_vocab} logits, draft {draft_vocab}")
 
 
+def check_tensor_parallel(cfg: AppConfig) -> None:
+    """Refuse, from the model configs, a model its tensor_parallel_size cannot shard exactly."""
+    specs = [cfg.target] + ([cfg.draft_model] if cfg.shard_draft else [])
+    for spec in specs:
+        try:
+            check_shardable(AutoConfig.from_pretrained(spec.path), spec.tensor_parallel_size)
+        except UnsupportedModelError as exc:
+            raise ConfigError(f"{spec.path}: {exc}") from exc
+
+
 def check_controller(cfg: AppConfig) -> None:
     # Without a draft model every L is clamped to 0: the controller would push forever and change nothing.
     if cfg.controller.enabled and cfg.mode == "nospec":
@@ -64,15 +80,18 @@ def check_controller(cfg: AppConfig) -> None:
 
 def check_gpus(cfg: AppConfig) -> None:
     """A lane that asks for GPUs the cluster lacks would wait forever to be placed: fail now instead."""
-    wanted = [(lane, getattr(cfg, lane).num_gpus) for lane in cfg.lanes if getattr(cfg, lane).num_gpus > 0]
+    # A tensor-parallel engine replica takes its GPU share once per rank (pd and pdv refuse tensor parallelism).
+    ranks = {"decode_lane": cfg.tensor_parallel_size}
+    wanted = [(lane, getattr(cfg, lane).num_gpus, ranks.get(lane, 1)) for lane in cfg.lanes
+              if getattr(cfg, lane).num_gpus > 0]
     if not wanted or not cfg.require_gpus_present:
         return
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
     have = ray.cluster_resources().get("GPU", 0)
-    largest = max(g for _, g in wanted)
+    largest = max(g * n for _, g, n in wanted)
     if have == 0 or largest > have:
-        asks = ", ".join(f"{lane}.num_gpus={g}" for lane, g in wanted)
+        asks = ", ".join(f"{lane}.num_gpus={g}" + (f" on each of {n} ranks" if n > 1 else "") for lane, g, n in wanted)
         raise ConfigError(f"config asks for GPUs ({asks}) but the Ray cluster has {have:g} GPU(s). Set every "
                           "num_gpus to 0 to run on CPU, or require_gpus_present: false on an autoscaling cluster "
                           "whose GPU nodes start on demand.")

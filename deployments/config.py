@@ -48,6 +48,11 @@ class ModelSpec(_Strict):
                       "A relative directory is taken from the repository root (replicas need not share the "
                       "driver's working directory).")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(default="float32")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="Ranks the model's layers are sharded over "
+                                      "(column/row-parallel attention and MLP, KV pools by KV head; "
+                                      "lanes/tensor_parallel.py), one GPU each, in the placement group of the "
+                                      "lane's replica. Llama-family models (llama, mistral, qwen2) only; served "
+                                      "in modes unified, spec and nospec. A draft's is 1 or the target's.")
 
     @field_validator("path")
     @classmethod
@@ -113,17 +118,28 @@ class LaneConfig(_Strict):
         """Inside this lane's replica, before CUDA starts: the device to run on (and which GPUs it sees)."""
         return lane_device(self.num_gpus)
 
-    def deployment_options(self, peer_access: bool = False) -> dict:
+    def deployment_options(self, peer_access: bool = False, tensor_parallel_size: int = 1) -> dict:
+        """Serve options of the lane's deployment. With `tensor_parallel_size` N > 1 each replica owns a
+        placement group of N bundles on one node: its own (bundle 0) and one per worker rank, each
+        with the replica's GPUs and CPUs (deployments/tp_workers.py places the workers in them)."""
         actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if env_vars := peer_access_env(self.num_gpus, peer_access):
             actor["runtime_env"] = {"env_vars": env_vars}  # Ray merges these with the app's own env_vars
         opts = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor,
                 "health_check_period_s": self.health_check_period_s}
+        if tensor_parallel_size > 1:
+            opts["placement_group_bundles"] = [self.bundle] * tensor_parallel_size
+            opts["placement_group_strategy"] = "STRICT_PACK"  # NCCL within one node
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = self.autoscaling_config
         else:
             opts["num_replicas"] = self.num_replicas
         return opts
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One rank's resources in a placement group."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus} if self.num_gpus > 0 else {"CPU": self.num_cpus}
 
 
 class EngineArgs(_Strict):
@@ -215,7 +231,36 @@ class AppConfig(_Strict):
             raise ValueError("controller.max_draft_len must be <= engine.max_draft_len")
         if self.engine.max_model_len is None:
             self.engine.max_model_len = model_context(self.target.path)
+        self._check_tensor_parallel()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        draft = self.draft_model
+        if draft is not None and draft.tensor_parallel_size not in (1, size):
+            raise ValueError(f"draft.tensor_parallel_size must be 1 or the target's ({size}): a draft is "
+                             "sharded over the target's ranks or runs whole on rank 0")
+        if size == 1:
+            return
+        if self.mode in ("pd", "pdv"):
+            raise ValueError(f"target.tensor_parallel_size={size} is served in modes unified, spec and nospec; "
+                             f"in {self.mode!r} the prefill lane's KV hand-over does not yet write each shard's KV "
+                             "heads to the matching shard")
+        gpus = self.decode_lane.num_gpus
+        if gpus not in (0, 1):
+            raise ValueError(f"target.tensor_parallel_size={size} takes one whole GPU per rank: decode_lane.num_gpus "
+                             f"must be 1 (or 0 on the CPU, over gloo), not {gpus:g}")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks of the engine replica's group: the target's size (a draft's is 1 or the same)."""
+        return self.target.tensor_parallel_size
+
+    @property
+    def shard_draft(self) -> bool:
+        """Whether the draft model is sharded over the target's ranks (else it runs whole on rank 0)."""
+        draft = self.draft_model
+        return draft is not None and draft.tensor_parallel_size > 1
 
     @property
     def lanes(self) -> tuple[str, ...]:

@@ -57,9 +57,17 @@ def _lane_state(replies: list[str]) -> str:
 
 class EngineServer:
     def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0,
-                 max_stream_messages_per_s: float | None = None, engine_process: bool = False):
+                 max_stream_messages_per_s: float | None = None, engine_process: bool = False,
+                 start_workers=None):
+        """`start_workers()`: starts the worker ranks of a tensor-parallel engine in this replica's
+        placement group and returns (the address the ranks meet at, the workers); the engine, rank 0,
+        is built with `tp_address=` that address (deployments/tp_workers.py)."""
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
         self.lane = "decode" if mode in ("pd", "pdv") else "engine"
+        self.shard_workers = []  # held, so that the workers live as long as this replica
+        if start_workers is not None:
+            address, self.shard_workers = start_workers()
+            engine_factory = partial(engine_factory, tp_address=address)
         streams = dict(stream_interval_s=stream_interval_s, max_stream_messages_per_s=max_stream_messages_per_s)
         if engine_process and prefill is None and verify is None:
             self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)

@@ -16,6 +16,7 @@ from lanes.models import LoadedModel, Vocabulary, check_compatible, load_model, 
 from lanes.ngram import NgramProposer
 from lanes.prompt_prefiller import PromptPrefiller
 from lanes.streams import LaneStreams
+from lanes.tensor_parallel import init_group
 from lanes.verify import VerifyLane
 
 PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lane's scratch slots
@@ -58,14 +59,21 @@ def _engine_config(cfg: AppConfig, lane: LaneConfig) -> EngineConfig:
     return replace(config, gpu_memory_utilization=config.gpu_memory_utilization * share)
 
 
-def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None) -> EngineCore:
-    """The engine of the decode-lane replica (or of the only replica, in one-deployment modes)."""
+def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None,
+                 tp_address: str | None = None) -> EngineCore:
+    """The engine of the decode-lane replica (or of the only replica, in one-deployment modes).
+    `tp_address`: where the ranks of a tensor-parallel engine meet (deployments/tp_workers.py); the
+    engine is rank 0."""
     device = cfg.decode_lane.bind_device()
     config = _engine_config(cfg, cfg.decode_lane)
     if cfg.mode in ("unified", "spec", "nospec"):
-        return EngineCore.colocated(_target(cfg, device), _draft(cfg, device), config,
+        tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+        # A sharded model loads on the host; only its shard moves to the device (build_runners).
+        return EngineCore.colocated(_target(cfg, "cpu" if tp else device),
+                                    _draft(cfg, "cpu" if tp and cfg.shard_draft else device), config,
                                     proposer=build_proposer(cfg, device),
-                                    allow_tokenizer_mismatch=_allows_tokenizer_mismatch(cfg))
+                                    allow_tokenizer_mismatch=_allows_tokenizer_mismatch(cfg),
+                                    tp=tp, shard_draft=cfg.shard_draft)
     draft = _draft(cfg, device)
     placement = Placement.here(device)
     owner = f"decode-{uuid.uuid4().hex[:8]}"
@@ -88,6 +96,14 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     # The decode lane drafts (and in pd also verifies) on high-priority streams.
     return EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
                       draft_runner, verifier, prefiller, LaneStreams(model_device), build_proposer(cfg, model_device))
+
+
+def load_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, bool]]:
+    """What a tensor-parallel worker rank builds its shards from (`lanes.tp_worker.Loader`): the engine's
+    config and the models it shards, on the host (a draft that runs whole on rank 0 is not loaded)."""
+    draft = _draft(cfg, "cpu") if cfg.shard_draft else None
+    return (_engine_config(cfg, cfg.decode_lane), [_target(cfg, "cpu").model, draft.model if draft else None],
+            (True, cfg.shard_draft))
 
 
 def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:

@@ -46,10 +46,11 @@ def run_worker(rank: int, size: int, init_method: str, device: str, load: Loader
         close_group()
 
 
-def free_tcp_address() -> str:
+def free_port() -> int:
+    """A TCP port free on every interface of this host now (where the ranks meet)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -59,7 +60,7 @@ def worker_processes(size: int, load: Loader, devices: list[str] | None = None,
     `TPGroup`. `devices[r]`: rank r's device (default: all on the CPU, gloo). On exit the workers are
     stopped and joined."""
     devices = devices or ["cpu"] * size
-    address = free_tcp_address()
+    address = f"tcp://127.0.0.1:{free_port()}"
     spawn = torch.multiprocessing.get_context("spawn")
     workers = [spawn.Process(target=run_worker, args=(rank, size, address, devices[rank], load, timeout_s),
                              daemon=True) for rank in range(1, size)]

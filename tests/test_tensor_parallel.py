@@ -12,8 +12,11 @@ refused at load and at config validation.
 from functools import partial
 
 import pytest
+from pydantic import ValidationError
 from transformers import AutoConfig
 
+from deployments.builder import ConfigError, build_app
+from deployments.config import AppConfig
 from lanes.engine_core import EngineConfig, EngineCore
 from lanes.families import UnsupportedModelError
 from lanes.params import SamplingParams
@@ -87,3 +90,35 @@ def test_unshardable_models_are_refused(overrides, named):
     config = AutoConfig.for_model(**dict(ARCH_CONFIGS["llama"], **overrides))
     with pytest.raises(UnsupportedModelError, match=named):
         check_shardable(config, 2)
+
+
+def _app(mode: str = "unified", target_tp: int = 2, draft_tp: int = 2, **overrides) -> dict:
+    return {"mode": mode, "target": {"path": "models/vpd-target", "tensor_parallel_size": target_tp},
+            "draft": {"path": "models/vpd-draft", "tensor_parallel_size": draft_tp}, **overrides}
+
+
+@pytest.mark.parametrize("args, message", [
+    (_app("pd"), "served in modes unified, spec and nospec"),
+    (_app("pdv"), "prefill lane's KV hand-over"),
+    (_app(draft_tp=4), "draft.tensor_parallel_size must be 1 or the target's"),
+    (_app(target_tp=1, draft_tp=2), "draft.tensor_parallel_size must be 1 or the target's"),
+    (_app(decode_lane={"num_gpus": 0.5}), "one whole GPU per rank"),
+])
+def test_config_refuses_what_tensor_parallelism_cannot_serve(args, message):
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate(args)
+
+
+def test_tensor_parallel_replica_owns_a_placement_group_of_one_bundle_per_rank():
+    cfg = AppConfig.model_validate(_app("spec", draft_tp=1, decode_lane={"num_gpus": 1, "num_cpus": 2}))
+    opts = cfg.decode_lane.deployment_options(False, cfg.tensor_parallel_size)
+    assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}] * 2
+    assert opts["ray_actor_options"]["num_gpus"] == 1 and not cfg.shard_draft
+    assert "placement_group_bundles" not in AppConfig().decode_lane.deployment_options()
+
+
+def test_builder_refuses_a_model_whose_kv_heads_do_not_divide(pair_paths):
+    target, draft = pair_paths  # 2 KV heads
+    args = {"mode": "nospec", "target": {"path": target, "tensor_parallel_size": 4}, "draft": None}
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 not divisible by tensor_parallel_size=4"):
+        build_app(args)
