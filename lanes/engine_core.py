@@ -140,7 +140,7 @@ class EngineCore:
         tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None,
                                                     tp=tp, sharded=(True, shard_draft))
-        streams = LaneStreams(target_runner.device)
+        streams = LaneStreams(target_runner.device, separate=tp is None)
         prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
         eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
         return cls(config, target_runner.vocab_size, tokenizer, eos_ids, draft_runner,

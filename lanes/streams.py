@@ -25,11 +25,14 @@ def on(stream: torch.cuda.Stream | None):
 
 
 class LaneStreams:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, separate: bool = True):
+        """`separate=False`: every lane on the current stream. A tensor-parallel engine runs so: its
+        forwards all-reduce over one NCCL communicator, whose collectives must not run concurrently
+        from different streams (NCCL orders them by launch, and two in flight at once can deadlock)."""
         self.device = device
-        self.decode = lane_stream(device, DECODE_PRIORITY)
-        self.verify = lane_stream(device, VERIFY_PRIORITY)
-        self.prefill = lane_stream(device, PREFILL_PRIORITY)
+        self.decode, self.verify, self.prefill = (
+            (lane_stream(device, p) for p in (DECODE_PRIORITY, VERIFY_PRIORITY, PREFILL_PRIORITY)) if separate
+            else (None, None, None))
 
     def decode_after_current(self) -> None:
         """Prompt KV copied in from another process lands on the current stream (the engine writes it
