@@ -2,7 +2,7 @@
 
     mode: pdv
     model_name: vpd-python
-    target: {path: models/vpd-target, dtype: float32}
+    target: {path: models/vpd-target, dtype: float32}   # tensor_parallel_size: N shards it (unified, spec, nospec)
     draft:  {path: models/vpd-draft,  dtype: float32}   # or {method: ngram, prompt_lookup_max: 5}
     engine: {max_model_len: 1024, max_num_seqs: 16, num_speculative_tokens: 4}
     prefill_lane: {num_gpus: 0.2}

@@ -57,6 +57,7 @@ def init_group(rank: int, size: int, init_method: str, device: str | torch.devic
     `timeout_s`: how long a collective waits for a rank that does not come (a worker that died)."""
     device = torch.device(device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # "cuda": the rank's own GPU, first in its visible list
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=size, timeout=timedelta(seconds=timeout_s))
