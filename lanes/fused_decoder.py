@@ -25,13 +25,34 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that depend on t
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model` is a plain pre-norm Llama-style decoder this module computes exactly."""
-    text = model.config.get_text_config()
+    return unsupported_reason(model) is None
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """What of `model` this module does not compute (None: nothing)."""
+    reason = unsupported_config(model.config)
+    layers = getattr(model.get_decoder(), "layers", [])
+    if reason is None and not layers:
+        reason = "no decoder layers"
+    if (reason is None and model.config.get_text_config().model_type not in QK_NORM_TYPES
+            and any(hasattr(layer.self_attn, "q_norm") for layer in layers)):
+        reason = "q/k norms"
+    return reason
+
+
+def unsupported_config(config) -> str | None:
+    """What of a model config this module does not compute, read from the config alone (None: nothing)."""
+    text = config.get_text_config()
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     sliding = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
-    layers = getattr(model.get_decoder(), "layers", [])
-    return (text.model_type in SUPPORTED_TYPES and text.hidden_act == "silu" and not sliding
-            and rope.get("rope_type", "default") in STATIC_ROPE and len(layers) > 0
-            and (text.model_type in QK_NORM_TYPES or all(not hasattr(layer.self_attn, "q_norm") for layer in layers)))
+    if text.model_type not in SUPPORTED_TYPES:
+        return f"model_type={text.model_type!r}"
+    if text.hidden_act != "silu":
+        return f"hidden_act={text.hidden_act!r}"
+    if sliding:
+        return f"sliding_window={sliding}"
+    rope_type = rope.get("rope_type", "default")
+    return f"rope_type={rope_type!r}" if rope_type not in STATIC_ROPE else None
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

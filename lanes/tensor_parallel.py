@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lanes.families import UnsupportedModelError
-from lanes.fused_decoder import SUPPORTED_TYPES, supports
+from lanes.fused_decoder import SUPPORTED_TYPES, unsupported_config, unsupported_reason
 
 
 @dataclass
@@ -74,9 +74,8 @@ def check_shardable(config, size: int) -> None:
     if size == 1:
         return
     text = config.get_text_config()
-    if text.model_type not in SUPPORTED_TYPES:
-        raise UnsupportedModelError(f"{text.model_type}: tensor_parallel_size={size} runs the fused Llama-family "
-                                    f"layers only ({', '.join(SUPPORTED_TYPES)}); serve it with tensor_parallel_size=1")
+    if (reason := unsupported_config(config)) is not None:
+        raise _unfused(text.model_type, reason, size)
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     counts = {"num_attention_heads": text.num_attention_heads, "num_key_value_heads": kv_heads,
               "intermediate_size": text.intermediate_size}
@@ -91,10 +90,8 @@ def shard_model(model: torch.nn.Module, tp: TPGroup) -> None:
     decoder fuses the shards as it fuses whole weights). The model is a shard afterwards: its own
     forward no longer computes the model."""
     check_shardable(model.config, tp.size)
-    if not supports(model):
-        raise UnsupportedModelError(f"{model.config.model_type}: a feature of this model (sliding window, q/k "
-                                    "norms, a rotary type, the activation) is not run by the fused layers, the "
-                                    "only ones sharded across ranks")
+    if (reason := unsupported_reason(model)) is not None:
+        raise _unfused(model.config.model_type, reason, tp.size)
     for layer in model.get_decoder().layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
@@ -104,6 +101,13 @@ def shard_model(model: torch.nn.Module, tp: TPGroup) -> None:
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if tp.rank > 0 and head.weight.data_ptr() != embed.weight.data_ptr():
         head.weight.data = head.weight.data[:0]  # workers never run the head (see the module docstring)
+
+
+def _unfused(model_type: str, reason: str, size: int) -> UnsupportedModelError:
+    families = ", ".join(SUPPORTED_TYPES)
+    return UnsupportedModelError(
+        f"{model_type}: tensor_parallel_size={size} shards the fused Llama-family layers only ({families} without "
+        f"sliding windows), which do not compute {reason}; serve it with tensor_parallel_size=1")
 
 
 def _keep_rows(linear: torch.nn.Linear, tp: TPGroup) -> None:

@@ -12,15 +12,17 @@ refused at load and at config validation.
 from functools import partial
 
 import pytest
+import torch
 from pydantic import ValidationError
 from transformers import AutoConfig
 
 from deployments.builder import ConfigError, build_app
 from deployments.config import AppConfig
-from lanes.engine_core import EngineConfig, EngineCore
+from lanes.engine_core import EngineConfig, EngineCore, build_runners
 from lanes.families import UnsupportedModelError
 from lanes.params import SamplingParams
-from lanes.tensor_parallel import check_shardable
+from lanes.models import build_random_model
+from lanes.tensor_parallel import TPGroup, check_shardable
 from lanes.tp_worker import worker_processes
 from tests.conftest import ARCH_CONFIGS, VOCAB, make_pair
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
@@ -82,14 +84,19 @@ def test_tp2_equals_tp1_and_hf_without_speculation(outputs):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (dict(model_type="gpt_neox", rotary_pct=0.25), "gpt_neox"),
+    (dict(model_type="gpt_neox", rotary_pct=0.25), "model_type='gpt_neox'"),
+    (dict(model_type="mistral", sliding_window=24), "sliding_window=24"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(num_key_value_heads=1), "num_key_value_heads=1"),
     (dict(intermediate_size=127), "intermediate_size=127"),
 ])
-def test_unshardable_models_are_refused(overrides, named):
+def test_unshardable_models_are_refused_by_name(overrides, named):
     config = AutoConfig.for_model(**dict(ARCH_CONFIGS["llama"], **overrides))
     with pytest.raises(UnsupportedModelError, match=named):
         check_shardable(config, 2)
+    model = build_random_model(config)  # at load too, before any collective
+    with pytest.raises(UnsupportedModelError, match=named):
+        build_runners(CONFIG, model.model, tp=TPGroup(0, 2, torch.device("cpu")), sharded=(True,))
 
 
 def _app(mode: str = "unified", target_tp: int = 2, draft_tp: int = 2, **overrides) -> dict:
