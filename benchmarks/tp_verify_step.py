@@ -1,0 +1,139 @@
+"""Tensor parallelism against one device: greedy output and the verify step, TP = N against TP = 1.
+
+    python benchmarks/tp_verify_step.py --tp 2 --shape llama2-7b --out benchmarks/results/tp_h100x2   # N GPUs
+    python benchmarks/tp_verify_step.py --tp 2 --shape tiny --device cpu --out /tmp/tp_smoke          # gloo
+
+For each of TP = 1 and TP = N (ranks 1..N-1 spawned as processes, lanes/tp_worker.py): the nospec
+engine's greedy output for 8 random prompts (TP = N must equal TP = 1 token for token; in bf16 a
+near-tie may flip a token, so the count of equal prompts is reported, not asserted), then one verify
+step of 4 drafts over `batch` sequences of context 512 (random KV; the issue's goal: TP = 2 at batch
+64 ≤ 0.6× TP = 1). Random weights built on each rank's device from one seed. Writes tp_verify_step.json.
+"""
+
+import os
+
+# tests/conftest.py (imported for its model helpers) turns on Triton's CPU interpreter for the test
+# suite; on a GPU the kernels must compile.
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.gpu_check import LLAMA2_7B, fill_pool  # noqa: E402
+from lanes.engine_core import EngineConfig, EngineCore  # noqa: E402
+from lanes.models import LoadedModel, build_random_model  # noqa: E402
+from lanes.params import SamplingParams  # noqa: E402
+from lanes.tp_worker import worker_processes  # noqa: E402
+from lanes.verify import VerifyBatch, VerifyLane  # noqa: E402
+from tests.conftest import ARCH_CONFIGS  # noqa: E402
+from tests.engine_helpers import random_prompts, run_to_completion  # noqa: E402
+
+SHAPES = {"llama2-7b": LLAMA2_7B, "tiny": ARCH_CONFIGS["llama"]}
+CONTEXT = 512
+DRAFTS = 4
+BATCHES = (1, 8, 32, 64)
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=max(BATCHES), num_speculative_tokens=0,
+                        prefill_chunk_tokens=256, idle_prefill_tokens=1024)
+
+
+def build_target(shape: str, dtype: str, device: str) -> LoadedModel:
+    """The same random weights on every rank: built from one seed, on the rank's own device."""
+    with torch.device(device):
+        return build_random_model(SHAPES[shape], dtype=dtype, device=device, seed=0)
+
+
+def load_on_worker(shape: str, dtype: str, device_type: str):
+    """A worker's loader (lanes.tp_worker.Loader): its device is cuda:<rank> on GPUs."""
+    device = f"cuda:{dist.get_rank()}" if device_type == "cuda" else "cpu"
+    return engine_config(), [build_target(shape, dtype, device).model], (True,)
+
+
+def greedy_outputs(engine: EngineCore, vocab: int) -> list[list[int]]:
+    prompts = random_prompts(8, vocab, 16, 200, seed=7)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    return list(run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)}).values())
+
+
+def median_ms(fn, device: torch.device, repeats: int = 10) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def verify_step_ms(lane: VerifyLane, batch: int) -> float:
+    device, vocab = lane.runner.device, lane.runner.vocab_size
+    slots = fill_pool(lane.runner, batch, CONTEXT - 1)
+    drafts = torch.randint(0, vocab, (batch, DRAFTS), device=device)
+    vb = VerifyBatch(slots, [CONTEXT] * batch, [1] * batch, drafts, None, [DRAFTS] * batch,
+                     [SamplingParams(max_tokens=16, temperature=0.0)] * batch, list(range(batch)))
+
+    def step():
+        lane.pool.lengths[slots] = CONTEXT - 1
+        lane.verify(vb)
+
+    ms = median_ms(step, device)
+    for s in slots:
+        lane.pool.free(s)
+    return ms
+
+
+def measure(engine: EngineCore, vocab: int) -> dict:
+    outputs = greedy_outputs(engine, vocab)
+    lane = VerifyLane(engine.verifier.lane.runner)
+    return {"outputs": outputs, "verify_ms": {b: round(verify_step_ms(lane, b), 3) for b in BATCHES}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rank0 = "cuda:0" if args.device == "cuda" else "cpu"
+    one = measure(EngineCore.colocated(build_target(args.shape, args.dtype, rank0), None, engine_config()), vocab)
+    print("TP = 1 verify ms", one["verify_ms"], flush=True)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the TP = 1 engine is gone: give its memory back to rank 0's shard
+    devices = [f"cuda:{r}" if args.device == "cuda" else "cpu" for r in range(args.tp)]
+    with worker_processes(args.tp, partial(load_on_worker, args.shape, args.dtype, args.device), devices) as tp:
+        target = build_target(args.shape, args.dtype, rank0)
+        sharded = measure(EngineCore.colocated(target, None, engine_config(), tp=tp), vocab)
+    print(f"TP = {args.tp} verify ms", sharded["verify_ms"], flush=True)
+    result = {
+        "shape": args.shape, "dtype": args.dtype, "device": args.device, "tp": args.tp, "context": CONTEXT,
+        "drafts": DRAFTS, "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "greedy_prompts_equal": sum(a == b for a, b in zip(one["outputs"], sharded["outputs"])),
+        "greedy_prompts": len(one["outputs"]),
+        "verify_ms_tp1": one["verify_ms"], f"verify_ms_tp{args.tp}": sharded["verify_ms"],
+        "ratio": {b: round(sharded["verify_ms"][b] / one["verify_ms"][b], 3) for b in BATCHES},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tp_verify_step.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("verify_ms_tp1",)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
