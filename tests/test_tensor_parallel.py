@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU: TP = 2 over gloo, the worker a spawned process (lanes/tp_worker.py).
 
-On tiny random-weight Llama (GQA) and Qwen2 (q/k/v biases) models, the co-located engine's greedy
-output with the target (and the draft) sharded over two ranks equals the TP = 1 engine's and HF's
-own greedy `generate`, token for token: prompts of 1-60 tokens batched together (so prefill runs in
+On tiny random-weight Llama (GQA; and with attention and MLP biases, so that the row-parallel
+o_proj and down_proj biases must be added once) and Qwen2 (q/k/v biases) models, the co-located
+engine's greedy output with the target (and the draft) sharded over two ranks equals the TP = 1
+engine's and HF's own greedy `generate`, token for token: prompts of 1-60 tokens batched together (so prefill runs in
 chunks beside decoding rows; two share a cached prefix), with speculation on (L = 4) and off
 (L = 0), under preemption. float64 models: the all-reduce sums partial products in another order
 than one GEMM, a difference float64 keeps far below any logit gap. Configs TP cannot run exactly are
@@ -20,11 +21,11 @@ from deployments.builder import ConfigError, build_app
 from deployments.config import AppConfig
 from lanes.engine_core import EngineConfig, EngineCore, build_runners
 from lanes.families import UnsupportedModelError
+from lanes.models import LoadedModel, build_random_model
 from lanes.params import SamplingParams
-from lanes.models import build_random_model
 from lanes.tensor_parallel import TPGroup, check_shardable
 from lanes.tp_worker import worker_processes
-from tests.conftest import ARCH_CONFIGS, VOCAB, make_pair
+from tests.conftest import ARCH_CONFIGS, VOCAB, perturbed_copy
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
 
 MAX_NEW = 24
@@ -36,9 +37,24 @@ _PREFIX = random_prompts(1, VOCAB, 48, 48, seed=22)[0]  # three full blocks two 
 PROMPTS = [[5]] + random_prompts(5, VOCAB, 2, 60, seed=21) + [_PREFIX + [7, 8], _PREFIX + [9]]
 
 
+ARCHS = {**ARCH_CONFIGS, "llama_bias": dict(ARCH_CONFIGS["llama"], attention_bias=True, mlp_bias=True)}
+
+
+def _pair(arch: str) -> tuple[LoadedModel, LoadedModel]:
+    """A deterministic target and draft; their biases, zero at HF's initialisation, made random so
+    that sharding them is tested."""
+    target = build_random_model(ARCHS[arch], dtype="float64", seed=1)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in target.model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return target, perturbed_copy(target, 0.1, seed=2)
+
+
 def _load(arch: str, shard_draft: bool):
     """A worker's models: the same deterministic pair rank 0 builds."""
-    target, draft = make_pair(arch)
+    target, draft = _pair(arch)
     return CONFIG, [target.model, draft.model], (True, shard_draft)
 
 
@@ -47,40 +63,60 @@ def _requests(tag: str) -> dict:
     return {f"{tag}{i}": (p, params) for i, p in enumerate(PROMPTS)}
 
 
-def _generate(engine: EngineCore) -> tuple[list[list[int]], list[list[int]]]:
-    """Greedy outputs of every prompt, all batched together: with L = 4, then with speculation off.
-    Both preemption and the prefix cache (the second run's prompts were cached by the first) ran."""
+def _generate(engine: EngineCore) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """Greedy outputs of every prompt, all batched together: with L = 4, then with speculation off
+    (both preemption and the prefix cache, which holds the first run's prompts, ran); then the
+    target's logits of a probe."""
     spec = run_to_completion(engine, _requests("spec"))
     engine.set_draft_lengths(0)
     plain = run_to_completion(engine, _requests("plain"))
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache.num_hits > 0
-    return list(spec.values()), list(plain.values())
+    return list(spec.values()), list(plain.values()), _probe(engine.verifier.lane.runner)
 
 
-@pytest.fixture(scope="module", params=[("llama", True), ("qwen2", True), ("llama", False)],
-                ids=["llama-draft-sharded", "qwen2-draft-sharded", "llama-draft-whole"])
+def _probe(runner) -> list[torch.Tensor]:
+    """Logits of a 40-token prompt from position 0 (the maskless path), 20 tokens after it (masked),
+    then 5 after those (a verify-sized step): greedy equality cannot see a small error (a bias added
+    twice), logits can."""
+    ids = torch.tensor([random_prompts(1, VOCAB, 65, 65, seed=23)[0]])
+    slot = runner.pool.allocate()
+    runner.pool.reserve([slot], [65])
+    logits = [runner.forward(runner.rows([slot], [start]), ids[:, start:end]).clone()
+              for start, end in ((0, 40), (40, 60), (60, 65))]
+    runner.pool.free(slot)
+    return logits
+
+
+@pytest.fixture(scope="module", params=[("llama", True), ("qwen2", True), ("llama_bias", False)],
+                ids=["llama-draft-sharded", "qwen2-draft-sharded", "llama-biases-draft-whole"])
 def outputs(request):
     """(TP = 2 outputs, TP = 1 outputs, HF references) of one architecture."""
     arch, shard_draft = request.param
-    reference, _ = make_pair(arch)
+    reference, _ = _pair(arch)
     refs = [hf_greedy(reference, p, MAX_NEW) for p in PROMPTS]
-    one = _generate(EngineCore.colocated(*make_pair(arch), CONFIG))
+    one = _generate(EngineCore.colocated(*_pair(arch), CONFIG))
     with worker_processes(2, partial(_load, arch, shard_draft)) as tp:
-        target, draft = make_pair(arch)
+        target, draft = _pair(arch)
         two = _generate(EngineCore.colocated(target, draft, CONFIG, tp=tp, shard_draft=shard_draft))
     return two, one, refs
 
 
 def test_tp2_equals_tp1_and_hf_with_speculation(outputs):
-    (spec2, _), (spec1, _), refs = outputs
+    (spec2, _, _), (spec1, _, _), refs = outputs
     assert spec1 == refs
     assert spec2 == spec1
 
 
 def test_tp2_equals_tp1_and_hf_without_speculation(outputs):
-    (_, plain2), (_, plain1), refs = outputs
+    (_, plain2, _), (_, plain1, _), refs = outputs
     assert plain1 == refs
     assert plain2 == plain1
+
+
+def test_tp2_logits_equal_tp1_logits(outputs):
+    (_, _, probe2), (_, _, probe1), _ = outputs
+    for two, one in zip(probe2, probe1):  # float64 models, float32 logits: within float32's rounding
+        torch.testing.assert_close(two, one, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides, named", [
