@@ -12,7 +12,6 @@ import socket
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from lanes.engine_core import EngineConfig, build_runners
 from lanes.model_runner import ModelRunner
@@ -66,11 +65,12 @@ def worker_processes(size: int, load: Loader, devices: list[str] | None = None,
                              daemon=True) for rank in range(1, size)]
     for worker in workers:
         worker.start()
-    tp = init_group(0, size, address, devices[0], timeout_s)
+    tp = None
     try:
+        tp = init_group(0, size, address, devices[0], timeout_s)
         yield tp
     finally:
-        if dist.is_initialized():
+        if tp is not None:
             send_stop(tp)
         close_group()
         for worker in workers:
