@@ -12,8 +12,9 @@ What each rank holds (Megatron-LM's split, as vLLM shards the same layers):
   rank 0 samples, so a vocab-parallel head would have to gather [tokens, V] logits to it each step
   anyway; workers skip it (and drop its weight when it is not tied to the embeddings).
 
-Only the fused Llama-family path (lanes/fused_decoder.py) is sharded: every other family, or a model
-whose heads do not divide by the group size, is refused at load (`check_shardable`).
+Only the fused Llama-family path (lanes/fused_decoder.py) is sharded: every other family or feature
+it does not compute, and head or MLP sizes that do not divide by the group size, are refused by name
+at config validation and at load (`check_shardable`, `shard_model`).
 """
 
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ class TPGroup:
     device: torch.device  # where this rank's shard lives (cuda:k with NCCL, cpu with gloo)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)  # in place; NCCL's is captured by CUDA graphs like any kernel
+        # In place. Under CUDA-graph capture PyTorch's NCCL backend records it into the graph (the
+        # decode/verify graphs of a sharded runner hold theirs); not yet run on GPUs here.
+        dist.all_reduce(x)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
