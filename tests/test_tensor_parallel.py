@@ -14,11 +14,12 @@ from functools import partial
 
 import pytest
 import torch
+import yaml
 from pydantic import ValidationError
 from transformers import AutoConfig
 
 from deployments.builder import ConfigError, build_app
-from deployments.config import AppConfig
+from deployments.config import REPO_ROOT, AppConfig
 from lanes.engine_core import EngineConfig, EngineCore, build_runners
 from lanes.families import UnsupportedModelError
 from lanes.models import LoadedModel, build_random_model
@@ -153,9 +154,12 @@ def test_config_refuses_what_tensor_parallelism_cannot_serve(args, message):
 
 
 def test_tensor_parallel_replica_owns_a_placement_group_of_one_bundle_per_rank():
-    cfg = AppConfig.model_validate(_app("spec", draft_tp=1, decode_lane={"num_gpus": 1, "num_cpus": 2}))
+    """The shipped TP = 2 placement: one {GPU: 1, CPU: 2} bundle per rank, on one node."""
+    app = yaml.safe_load((REPO_ROOT / "configs/placements/e-unified-tp2.yaml").read_text())["applications"][0]
+    cfg = AppConfig.model_validate(app["args"])
     opts = cfg.decode_lane.deployment_options(False, cfg.tensor_parallel_size)
     assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}] * 2
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["ray_actor_options"]["num_gpus"] == 1 and not cfg.shard_draft
     assert "placement_group_bundles" not in AppConfig().decode_lane.deployment_options()
 
