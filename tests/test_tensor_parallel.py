@@ -96,7 +96,7 @@ def outputs(request):
     reference, _ = _pair(arch)
     refs = [hf_greedy(reference, p, MAX_NEW) for p in PROMPTS]
     one = _generate(EngineCore.colocated(*_pair(arch), CONFIG))
-    with worker_processes(2, partial(_load, arch, shard_draft)) as tp:
+    with worker_processes(2, partial(_load, arch, shard_draft), timeout_s=120) as tp:  # a dead worker fails fast
         target, draft = _pair(arch)
         two = _generate(EngineCore.colocated(target, draft, CONFIG, tp=tp, shard_draft=shard_draft))
     return two, one, refs
