@@ -51,7 +51,7 @@ class ModelSpec(_Strict):
     tensor_parallel_size: int = Field(default=1, ge=1, description="Ranks the model's layers are sharded over "
                                       "(column/row-parallel attention and MLP, KV pools by KV head; "
                                       "lanes/tensor_parallel.py), one GPU each, in the placement group of the "
-                                      "lane's replica. Llama-family models (llama, mistral, qwen2) only; served "
+                                      "lane's replica. Llama-family models (llama, mistral, qwen2, qwen3) only; served "
                                       "in modes unified, spec and nospec. A draft's is 1 or the target's.")
 
     @field_validator("path")

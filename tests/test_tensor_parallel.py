@@ -1,10 +1,11 @@
 """Tensor parallelism on the CPU: TP = 2 over gloo, the worker a spawned process (lanes/tp_worker.py).
 
 On tiny random-weight Llama (GQA; and with attention and MLP biases, so that the row-parallel
-o_proj and down_proj biases must be added once) and Qwen2 (q/k/v biases) models, the co-located
-engine's greedy output with the target (and the draft) sharded over two ranks equals the TP = 1
-engine's and HF's own greedy `generate`, token for token: prompts of 1-60 tokens batched together (so prefill runs in
-chunks beside decoding rows; two share a cached prefix), with speculation on (L = 4) and off
+o_proj and down_proj biases must be added once), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
+norms) models, the co-located engine's greedy output with the target (and the draft) sharded over
+two ranks equals the TP = 1 engine's and HF's own greedy `generate`, token for token: prompts of
+1-60 tokens batched together (so prefill runs in chunks beside decoding rows; two share a cached
+prefix), with speculation on (L = 4) and off
 (L = 0), under preemption. float64 models: the all-reduce sums partial products in another order
 than one GEMM, a difference float64 keeps far below any logit gap. Configs TP cannot run exactly are
 refused at load and at config validation.
@@ -38,7 +39,8 @@ _PREFIX = random_prompts(1, VOCAB, 48, 48, seed=22)[0]  # three full blocks two 
 PROMPTS = [[5]] + random_prompts(5, VOCAB, 2, 60, seed=21) + [_PREFIX + [7, 8], _PREFIX + [9]]
 
 
-ARCHS = {**ARCH_CONFIGS, "llama_bias": dict(ARCH_CONFIGS["llama"], attention_bias=True, mlp_bias=True)}
+ARCHS = {**ARCH_CONFIGS, "llama_bias": dict(ARCH_CONFIGS["llama"], attention_bias=True, mlp_bias=True),
+         "qwen3": dict(ARCH_CONFIGS["qwen2"], model_type="qwen3", head_dim=16)}  # per-head q/k norms
 
 
 def _pair(arch: str) -> tuple[LoadedModel, LoadedModel]:
@@ -88,8 +90,9 @@ def _probe(runner) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.fixture(scope="module", params=[("llama", True), ("qwen2", True), ("llama_bias", False)],
-                ids=["llama-draft-sharded", "qwen2-draft-sharded", "llama-biases-draft-whole"])
+@pytest.fixture(scope="module",
+                params=[("llama", True), ("qwen2", True), ("llama_bias", False), ("qwen3", True)],
+                ids=["llama-draft-sharded", "qwen2-draft-sharded", "llama-biases-draft-whole", "qwen3-draft-sharded"])
 def outputs(request):
     """(TP = 2 outputs, TP = 1 outputs, HF references) of one architecture."""
     arch, shard_draft = request.param
