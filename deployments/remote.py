@@ -13,8 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ray.exceptions import RayActorError, RayTaskError
+
+from lanes.backends import KVLost
 from lanes.grammar import compiled, first_token_bitmask
-from lanes.kv_pool import KVPool
+from lanes.kv_pool import KVPool, PoolFullError
 from lanes.logprobs import TokenLogprobs
 from lanes.prefill import PrefillChunk
 from lanes.prompt_prefiller import PrefillRequest
@@ -22,6 +25,7 @@ from lanes.scheduler import Scheduler
 from lanes.sequence import SeqStatus, Sequence
 from lanes.verify import VerifyBatch, VerifyResult
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
+from deployments.lease_router import LeaseGone
 from deployments.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
@@ -105,17 +109,35 @@ class RemoteVerifier:
         return await getattr(self.handle, method).remote(*args, **kwargs)
 
 
+def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:
+    """A failed call to the verify lane (`via_prefill`: a prefill call, whose replica called it) as the
+    engine reads it: KVLost where the verify replica that held or took the request's KV is gone (the
+    request is recomputed elsewhere), PoolFullError where it was out of blocks (requeued), else as is.
+
+    Gone means: the lease router no longer lists the replica (Serve stopped it on a scale-down, or saw
+    it die: LeaseGone), or it died during the call (RayActorError). Either way its pool went with it.
+    What a replica raises comes back wrapped (RayTaskError): from behind the prefill lane, a verify
+    replica's loss is its cause; a prefill replica that died itself is no verify loss."""
+    callee = exc.cause if via_prefill and isinstance(exc, RayTaskError) else None if via_prefill else exc
+    if isinstance(callee, LeaseGone) or (isinstance(callee, RayActorError) and not isinstance(callee, RayTaskError)):
+        return KVLost(f"{type(callee).__name__}: {callee}")
+    if PoolFullError.__name__ in str(exc):  # raised in the verify replica, and wrapped
+        return PoolFullError(str(exc))
+    return exc
+
+
 def merge_rows(num_rows: int, parts: list[tuple[list[int], VerifyResult | BaseException]]) -> VerifyResult:
     """One result in row order from the results of sub-batches (`rows`: each one's rows in the batch);
-    the rows of a sub-batch that failed carry its error."""
+    the rows of a sub-batch that failed carry its error (`lane_error`)."""
     tokens: list[list[int]] = [[] for _ in range(num_rows)]
     accepted = [0] * num_rows
     logprobs: list = [None] * num_rows
-    errors: list[str | None] = [None] * num_rows
+    errors: list[Exception | None] = [None] * num_rows
     for rows, result in parts:
+        error = lane_error(result) if isinstance(result, BaseException) else None
         for i, row in enumerate(rows):
-            if isinstance(result, BaseException):
-                errors[row] = f"verify failed: {type(result).__name__}: {result}"
+            if error is not None:
+                errors[row] = error
                 continue
             tokens[row], accepted[row] = result.tokens[i], result.num_accepted[i]
             logprobs[row] = result.logprobs[i] if result.logprobs is not None else None
@@ -194,7 +216,7 @@ class RemotePrefiller:
             await compiled(seq)  # structured output: its first token's mask goes with the prompt
             result = await self.handle.prefill.remote(self._job(seq))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
-            result = exc
+            result = lane_error(exc, via_prefill=True)
         with self._lock:
             self._done.append((seq, result, submitted_s, time.time()))
         if self.on_reply is not None:

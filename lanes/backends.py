@@ -20,6 +20,11 @@ from lanes.streams import on
 from lanes.verify import PendingVerify, VerifyBatch, VerifyLane, VerifyResult
 
 
+class KVLost(RuntimeError):
+    """A remote lane no longer holds a request's KV: the verify replica that owned it left (scaled
+    down) or died. The request keeps every token it has and is recomputed elsewhere (EngineCore)."""
+
+
 class PendingResult(Protocol):
     def result(self) -> VerifyResult:
         """Wait for the verify step (its device work or its remote call) and read what it accepted."""

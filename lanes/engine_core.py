@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from lanes.backends import LocalPrefiller, LocalVerifier, PendingResult, Prefiller, Verifier
+from lanes.backends import KVLost, LocalPrefiller, LocalVerifier, PendingResult, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
 from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer
@@ -62,6 +62,9 @@ class EngineConfig:
     # an engine without chunked prefill (vLLM V0's default). Prefill still runs in forwards of
     # idle_prefill_tokens, so a burst of prompts never becomes one forward of unbounded size.
     prefill_first: bool = False
+    # Times a request is recomputed on another replica when the verify replica holding its KV leaves
+    # or dies (KVLost); once more fails it. 0: such a request fails at once.
+    max_migrations: int = 3
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -72,6 +75,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs >= 1 and max_model_len >= 2 required")
         if self.block_size < 1 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("block_size >= 1 and 0 < gpu_memory_utilization <= 1 required")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
 
     @property
     def slot_capacity_tokens(self) -> int:
@@ -111,6 +116,7 @@ class EngineCore:
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
         self.step_profile = StepProfile()  # steps by what they launched (benchmarks/serving_overhead.py)
+        self.num_migrations = 0  # requests recomputed because a remote lane lost their KV
         # Set when a failed batch left the device unusable (lanes/device_fault.py): the loop that
         # steps this engine stops, and the replica's health check fails.
         self.device_fault: str | None = None
@@ -298,17 +304,33 @@ class EngineCore:
         errors = result.errors or [None] * len(running)
         for seq, num_draft, tokens, num_accepted, lp, error in zip(running, proposal.num_draft, result.tokens,
                                                                    result.num_accepted, logprobs, errors):
-            if error is not None and PoolFullError.__name__ in error:
+            if isinstance(error, PoolFullError):
                 self.scheduler.preempt(seq)  # a remote verify lane out of KV blocks: recompute it later
                 continue
-            if error is not None:  # its verifier failed (a remote one that died): this request only
+            if isinstance(error, KVLost) and self._migrate(seq, error):
+                continue
+            if error is not None:  # its verifier failed: this request only
                 self._finish(seq, "error")
-                outputs.append(self._output(seq, [], "", error=error))
+                outputs.append(self._output(seq, [], "", error=f"verify failed: {type(error).__name__}: {error}"))
                 continue
             seq.stats.observe(num_draft, num_accepted)
             self.total_stats.observe(num_draft, num_accepted)
             outputs.append(self._append(seq, tokens, lp))
         return outputs
+
+    def _migrate(self, seq: Sequence, lost: KVLost) -> bool:
+        """Recompute a request whose KV a remote lane lost (its verify replica was scaled down or
+        died) on whichever replica its next prefill reaches, as a preemption does: it keeps every token,
+        and its output goes on where it stopped. False once it has moved `max_migrations` times: a
+        request that kills each replica it lands on must not take the whole lane down."""
+        if seq.num_migrations >= self.config.max_migrations:
+            return False
+        seq.num_migrations += 1
+        self.num_migrations += 1
+        log.info("request %s: %s; recomputing it elsewhere (move %d of at most %d)", seq.request_id, lost,
+                 seq.num_migrations, self.config.max_migrations)
+        self.scheduler.preempt(seq)
+        return True
 
     def _propose(self, running: list[Sequence], draft_lens: list[int]) -> DraftProposal:
         if self.proposer is None or not any(draft_lens):
@@ -322,8 +344,10 @@ class EngineCore:
             if seq.resumed and not isinstance(first, BaseException):
                 seq.prompt_logprobs = None  # KV recomputed after a preemption: its next token is known already
                 continue
-            if isinstance(first, BaseException) and PoolFullError.__name__ in str(first):
+            if isinstance(first, PoolFullError):
                 self.scheduler.preempt(seq)  # a remote lane out of KV blocks: queued again, never failed
+                continue
+            if isinstance(first, KVLost) and self._migrate(seq, first):
                 continue
             if isinstance(first, BaseException):  # a remote prefill failed: this request only
                 self._finish(seq, "error")

@@ -54,10 +54,12 @@ def core_report(core: EngineCore) -> dict:
         "kv_slots_used": s.draft_pool.num_used if s.draft_pool is not None else None,
         "waiting": len(s.waiting), "prefilling": len(s.prefilling), "running": len(s.running),
         "max_num_seqs": core.config.max_num_seqs,
-        # KV blocks (free, total) of each pool this engine holds; requests preempted for want of them.
+        # KV blocks (free, total) of each pool this engine holds; requests preempted for want of them
+        # (or migrated: num_preemptions counts those too).
         "kv_blocks": {name.removesuffix("_slot"): (pool.num_free_blocks, pool.shape.num_blocks)
                       for pool, name in s.pools},
         "num_preemptions": s.num_preemptions,
+        "num_migrations": core.num_migrations,  # requests recomputed after their verify replica left or died
         "prefix_cache": ({"queries": s.prefix_cache.num_queries, "hits": s.prefix_cache.num_hits}
                          if s.prefix_cache is not None else None),
         "default_draft_len": core.default_draft_len,

@@ -66,9 +66,9 @@ class VerifyResult:
     num_accepted: list[int]
     # Per row, the logprobs of its tokens (None for a row that did not ask); None when no row asked.
     logprobs: list[TokenLogprobs | None] | None = None
-    # Per row, why it was not verified (its remote verifier failed: it has no tokens, and its request
-    # fails alone); None when every row was.
-    errors: list[str | None] | None = None
+    # Per row, why it was not verified (its remote verifier failed: it has no tokens); None when every
+    # row was. A KVLost or PoolFullError row is recomputed, any other fails its request alone.
+    errors: list[Exception | None] | None = None
 
 
 @dataclass
