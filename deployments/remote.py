@@ -25,7 +25,6 @@ from lanes.scheduler import Scheduler
 from lanes.sequence import SeqStatus, Sequence
 from lanes.verify import VerifyBatch, VerifyResult
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
-from deployments.lease_router import LeaseGone
 from deployments.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,9 @@ def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:
     What a replica raises comes back wrapped (RayTaskError): from behind the prefill lane, a verify
     replica's loss is its cause; a prefill replica that died itself is no verify loss."""
     callee = exc.cause if via_prefill and isinstance(exc, RayTaskError) else None if via_prefill else exc
-    if isinstance(callee, LeaseGone) or (isinstance(callee, RayActorError) and not isinstance(callee, RayTaskError)):
+    if isinstance(callee, KVLost):  # LeaseGone
+        return callee
+    if isinstance(callee, RayActorError) and not isinstance(callee, RayTaskError):
         return KVLost(f"{type(callee).__name__}: {callee}")
     if PoolFullError.__name__ in str(exc):  # raised in the verify replica, and wrapped
         return PoolFullError(str(exc))

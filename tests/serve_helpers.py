@@ -1,14 +1,20 @@
 """Starting Ray once per test module and deploying apps of every mode on the tiny pair."""
 
+import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 import ray
 from openai import OpenAI
 from ray import serve
+from ray.serve.context import _get_global_client
+from ray.serve.schema import ServeDeploySchema
 
 from deployments.builder import build_app
 
@@ -49,6 +55,24 @@ def deploy(apps: dict[str, dict]) -> None:
     """Deploy several apps at once (route prefix = name) and wait until every one answers."""
     serve.run_many([serve.RunTarget(build_app(config), name=name, route_prefix=f"/{name}")
                     for name, config in apps.items()], wait_for_applications_running=False)
+    wait_answering(apps)
+
+
+def declare(apps: dict[str, dict], deployments: dict[str, list[dict]] | None = None) -> None:
+    """Deploy apps as `serve deploy` of a config file does (import path + args), with per-deployment
+    options over the builder's (`deployments[app]`, e.g. [{"name": "VerifyLane", "num_replicas": 1}]).
+    Declaring the same args again with other deployment options changes only those deployments (Serve's
+    lightweight update: other replicas keep running); `serve.run`, or other args, replaces every replica."""
+    schema = ServeDeploySchema.model_validate({
+        "http_options": {"host": "127.0.0.1", "port": HTTP_PORT},
+        "applications": [{"name": name, "route_prefix": f"/{name}", "import_path": "deployments.builder:build_app",
+                          "args": config, "deployments": (deployments or {}).get(name, [])}
+                         for name, config in apps.items()]})
+    _get_global_client().deploy_apps(schema)
+
+
+def wait_answering(apps) -> None:
+    """Wait until every app (by name) answers /health."""
     deadline = time.monotonic() + 600
     pending = set(apps)
     while pending and time.monotonic() < deadline:
@@ -142,3 +166,57 @@ def record_stream(app: str, index: int, max_tokens: int, results: list, started:
         if not events:
             started.release()
     results[index] = (time.monotonic(), status, events)
+
+
+@dataclass
+class Streamed:
+    """One streamed greedy completion: its token ids, when each chunk arrived (monotonic s), its error."""
+
+    tokens: list[int] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def stall_s(self, after_s: float) -> float:
+        """The longest wait for a chunk that arrived after `after_s` (0 if none did)."""
+        return max((b - a for a, b in zip(self.times_s, self.times_s[1:]) if b >= after_s), default=0.0)
+
+
+async def stream_greedy(http: httpx.AsyncClient, app: str, prompt: list[int], max_tokens: int,
+                        first: asyncio.Event) -> Streamed:
+    """Stream a greedy completion of token ids; `first` is set at its first chunk (or at its end)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    out = Streamed()
+    try:
+        async with http.stream("POST", f"{base_url(app)}/completions", json=body) as response:
+            if response.status_code != 200:
+                out.error = f"HTTP {response.status_code}"
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = event["error"]["message"]
+                    continue
+                out.tokens += event["choices"][0].get("token_ids") or []
+                out.times_s.append(time.monotonic())
+                first.set()
+    finally:
+        first.set()
+    return out
+
+
+def streams_across(app: str, prompts: list[list[int]], max_tokens: int, action: Callable[[], object]
+                   ) -> tuple[object, float, list[Streamed]]:
+    """Stream greedy completions of `prompts`; once every one has its first token (its prompt's KV is
+    placed), run `action()` in a thread. Returns what it returned, when it began and every stream."""
+    async def run():
+        async with httpx.AsyncClient(timeout=600) as http:
+            firsts = [asyncio.Event() for _ in prompts]
+            tasks = [asyncio.create_task(stream_greedy(http, app, p, max_tokens, e)) for p, e in zip(prompts, firsts)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
+            acted_s = time.monotonic()
+            acted = await asyncio.to_thread(action)
+            return acted, acted_s, await asyncio.gather(*tasks)
+
+    return asyncio.run(run())

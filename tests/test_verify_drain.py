@@ -1,0 +1,132 @@
+"""Scaling pdv's verify lane while streams are in flight loses no request (CPU, tiny pair, a real
+Serve instance; issue 18, items 1 and 3).
+
+The app is deployed as `serve deploy` of a config file does (import path + args) with the verify
+lane's replica count in the config's `deployments:` section, and rescaled by declaring it again
+with another count: Serve's lightweight update, which stops or starts verify replicas and leaves
+every other replica running. On a scale-down from 3 to 1, the requests whose KV was in a stopped
+replica are recomputed on the survivor (lanes/engine_core.py `_migrate`): every stream completes
+with the target's greedy output, and no slot stays held in any lane. A scale-up from 1 to 3 moves
+nothing and loses nothing, and the new replicas take new requests.
+"""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from lanes.models import load_model
+from tests.engine_helpers import hf_greedy, random_prompts
+from tests.serve_helpers import (
+    MODEL, app_config, base_url, declare, lane_stats, start_ray, streams_across, wait_answering, wait_until_idle)
+
+APP = "drain"
+STREAMS = 12
+MAX_TOKENS = 400
+HEALTH_PERIOD_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def config(pair_paths) -> dict:
+    target, draft = pair_paths
+    lane = {"num_cpus": 0.05, "health_check_period_s": HEALTH_PERIOD_S}
+    config = app_config("pdv", target, draft, prefill_lane=lane, decode_lane={**lane, "num_replicas": 2},
+                        verify_lane=lane)
+    config["engine"].update(max_model_len=1024, max_num_seqs=8)
+    return config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def app(config):
+    start_ray()
+    try:
+        _scale_verify_lane(config, 3)
+        wait_answering([APP])
+        _wait_for_verify_replicas(3, 180)
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def streams(pair_paths) -> list[tuple[list[int], list[int]]]:
+    target = load_model(pair_paths[0])
+    prompts = random_prompts(STREAMS, len(target.tokenizer), 4, 24, seed=1818)
+    return [(p, hf_greedy(target, p, MAX_TOKENS)) for p in prompts]
+
+
+def _scale_verify_lane(config: dict, num_replicas: int) -> None:
+    declare({APP: config}, {APP: [{"name": "VerifyLane", "num_replicas": num_replicas}]})
+
+
+def _wait_for_verify_replicas(count: int, timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while len(stats := lane_stats(APP, "VerifyLane")) != count:
+        assert time.monotonic() < deadline, f"{len(stats)} verify replicas, not {count}"
+        time.sleep(0.5)
+    return stats
+
+
+def _decode_state() -> tuple[set[int], int]:
+    """The decode replicas' process ids and the requests they have migrated so far."""
+    stats = lane_stats(APP, "DecodeLane")
+    return {s["replica_pid"] for s in stats}, sum(s["num_migrations"] for s in stats)
+
+
+def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int):
+    """Stream `prompts`; once each has its first token, record where the KV is and rescale."""
+    def rescale():
+        held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
+        decode = _decode_state()
+        _scale_verify_lane(config, num_replicas)
+        return held, decode
+
+    return streams_across(APP, prompts, MAX_TOKENS, rescale)
+
+
+def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(config, streams):
+    wait_until_idle(APP, "pdv")
+    (held, (decode_pids, migrated_before)), scaled_s, results = _rescale_under(config, [p for p, _ in streams], 1)
+    survivors = {s["lease"] for s in _wait_for_verify_replicas(1, 120)}
+    decode_pids_after, migrated_after = _decode_state()
+    stopped = set(held) - survivors
+    stall_s = max(r.stall_s(scaled_s) for r in results)
+    print(f"verify 3 -> 1 under {STREAMS} streams: the 2 stopped replicas held {sum(held[l] for l in stopped)} of "
+          f"{sum(held.values())}; {migrated_after - migrated_before} requests recomputed; the longest wait for a "
+          f"chunk after the rescale began: {stall_s:.2f} s")
+    assert [r.error for r in results] == [None] * STREAMS
+    assert [r.tokens for r in results] == [ref for _, ref in streams]  # the target's greedy output
+    assert sum(held.values()) == STREAMS and survivors <= set(held) and len(stopped) == 2
+    assert sum(held[l] for l in stopped) > 0, held  # the stopped replicas held requests when asked to stop
+    assert migrated_after - migrated_before >= 1
+    assert decode_pids_after == decode_pids  # only the verify lane changed
+    wait_until_idle(APP, "pdv")  # no slot or block held in the decode lane or the surviving verify replica
+
+
+def test_scale_up_while_streaming_loses_nothing_and_new_replicas_take_new_requests(config, streams):
+    _wait_for_verify_replicas(1, 60)
+    wait_until_idle(APP, "pdv")
+    (held, (_, migrated_before)), _, results = _rescale_under(config, [p for p, _ in streams], 3)
+    assert [r.error for r in results] == [None] * STREAMS
+    assert [r.tokens for r in results] == [ref for _, ref in streams]
+    assert _decode_state()[1] == migrated_before  # adding replicas moves no request
+    before = {s["lease"]: s["rows_verified"] for s in _wait_for_verify_replicas(3, 180)}
+    new = set(before) - set(held)
+    assert len(new) == 2
+
+    async def burst():
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=300) as http:
+            answers = await asyncio.gather(*(http.post(f"{base_url(APP)}/completions", json={**body, "prompt": p})
+                                             for p, _ in streams * 2))
+        assert all(a.status_code == 200 for a in answers)
+
+    asyncio.run(burst())
+    rows = {s["lease"]: s["rows_verified"] - before[s["lease"]] for s in lane_stats(APP, "VerifyLane")}
+    print("rows verified per verify replica after the scale-up:", rows)
+    assert sum(rows[lease] for lease in new) > 0
+    wait_until_idle(APP, "pdv")
