@@ -78,19 +78,21 @@ def _decode_state() -> tuple[set[int], int]:
 
 
 def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int):
-    """Stream `prompts`; once each has its first token, record where the KV is and rescale."""
+    """Stream `prompts`; once each has its first token, record where the KV is, rescale, and wait until
+    the lane has its new size (returns when: the streams go on meanwhile)."""
     def rescale():
         held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
         decode = _decode_state()
         _scale_verify_lane(config, num_replicas)
-        return held, decode
+        _wait_for_verify_replicas(num_replicas, 180)
+        return held, decode, time.monotonic()
 
     return streams_across(APP, prompts, MAX_TOKENS, rescale)
 
 
 def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(config, streams):
     wait_until_idle(APP, "pdv")
-    (held, (decode_pids, migrated_before)), scaled_s, results = _rescale_under(config, [p for p, _ in streams], 1)
+    (held, (decode_pids, migrated_before), _), scaled_s, results = _rescale_under(config, [p for p, _ in streams], 1)
     survivors = {s["lease"] for s in _wait_for_verify_replicas(1, 120)}
     decode_pids_after, migrated_after = _decode_state()
     stopped = set(held) - survivors
@@ -110,7 +112,10 @@ def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(conf
 def test_scale_up_while_streaming_loses_nothing_and_new_replicas_take_new_requests(config, streams):
     _wait_for_verify_replicas(1, 60)
     wait_until_idle(APP, "pdv")
-    (held, (_, migrated_before)), _, results = _rescale_under(config, [p for p, _ in streams], 3)
+    (held, (_, migrated_before), grown_s), _, results = _rescale_under(config, [p for p, _ in streams], 3)
+    in_flight = sum(r.times_s[-1] > grown_s for r in results)
+    print(f"verify 1 -> 3: {in_flight} of {STREAMS} streams still in flight when the new replicas were running")
+    assert in_flight > 0  # the routers learned of new replicas while these requests ran
     assert [r.error for r in results] == [None] * STREAMS
     assert [r.tokens for r in results] == [ref for _, ref in streams]
     assert _decode_state()[1] == migrated_before  # adding replicas moves no request
