@@ -206,17 +206,28 @@ async def stream_greedy(http: httpx.AsyncClient, app: str, prompt: list[int], ma
     return out
 
 
-def streams_across(app: str, prompts: list[list[int]], max_tokens: int, action: Callable[[], object]
-                   ) -> tuple[object, float, list[Streamed]]:
+def streams_across(app: str, prompts: list[list[int]], max_tokens: int, action: Callable[[], object],
+                   repeat: bool = False) -> tuple[object, float, list[list[Streamed]]]:
     """Stream greedy completions of `prompts`; once every one has its first token (its prompt's KV is
-    placed), run `action()` in a thread. Returns what it returned, when it began and every stream."""
+    placed), run `action()` in a thread. With `repeat`, each prompt is streamed again as soon as its
+    stream ends, until `action` has returned, so that streams are in flight all the while. Returns
+    what `action` returned, when it began, and each prompt's streams."""
     async def run():
         async with httpx.AsyncClient(timeout=600) as http:
             firsts = [asyncio.Event() for _ in prompts]
-            tasks = [asyncio.create_task(stream_greedy(http, app, p, max_tokens, e)) for p, e in zip(prompts, firsts)]
+            acted = asyncio.Event()
+
+            async def streams_of(prompt: list[int], first: asyncio.Event) -> list[Streamed]:
+                out = [await stream_greedy(http, app, prompt, max_tokens, first)]
+                while repeat and not acted.is_set():
+                    out.append(await stream_greedy(http, app, prompt, max_tokens, asyncio.Event()))
+                return out
+
+            tasks = [asyncio.create_task(streams_of(p, e)) for p, e in zip(prompts, firsts)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
             acted_s = time.monotonic()
-            acted = await asyncio.to_thread(action)
-            return acted, acted_s, await asyncio.gather(*tasks)
+            result = await asyncio.to_thread(action)
+            acted.set()
+            return result, acted_s, await asyncio.gather(*tasks)
 
     return asyncio.run(run())

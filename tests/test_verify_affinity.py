@@ -109,8 +109,9 @@ def test_killed_verify_replica_loses_no_request_and_slots_are_freed(greedy_refs,
         os.kill(victim["replica_pid"], signal.SIGKILL)
         return held, victim, migrated, killed_s
 
-    (held, victim, migrated_before, killed_s), _, results = streams_across(
+    (held, victim, migrated_before, killed_s), _, streams = streams_across(
         APP, [p for p, _ in stream_refs], STREAM_TOKENS, kill)
+    results = [runs[0] for runs in streams]
     migrated = sum(s["num_migrations"] for s in lane_stats(APP, "DecodeLane")) - migrated_before
     stall_s = max(r.stall_s(killed_s) for r in results)
     print(f"killed a verify replica holding {victim['kv_slots_used']} of the "

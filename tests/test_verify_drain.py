@@ -77,9 +77,9 @@ def _decode_state() -> tuple[set[int], int]:
     return {s["replica_pid"] for s in stats}, sum(s["num_migrations"] for s in stats)
 
 
-def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int):
+def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int, repeat: bool = False):
     """Stream `prompts`; once each has its first token, record where the KV is, rescale, and wait until
-    the lane has its new size (returns when: the streams go on meanwhile)."""
+    the lane has its new size (returns when; `repeat`: streams start again until then)."""
     def rescale():
         held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
         decode = _decode_state()
@@ -87,12 +87,13 @@ def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int):
         _wait_for_verify_replicas(num_replicas, 180)
         return held, decode, time.monotonic()
 
-    return streams_across(APP, prompts, MAX_TOKENS, rescale)
+    return streams_across(APP, prompts, MAX_TOKENS, rescale, repeat)
 
 
 def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(config, streams):
     wait_until_idle(APP, "pdv")
-    (held, (decode_pids, migrated_before), _), scaled_s, results = _rescale_under(config, [p for p, _ in streams], 1)
+    (held, (decode_pids, migrated_before), _), scaled_s, runs = _rescale_under(config, [p for p, _ in streams], 1)
+    results = [r[0] for r in runs]
     survivors = {s["lease"] for s in _wait_for_verify_replicas(1, 120)}
     decode_pids_after, migrated_after = _decode_state()
     stopped = set(held) - survivors
@@ -112,12 +113,17 @@ def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(conf
 def test_scale_up_while_streaming_loses_nothing_and_new_replicas_take_new_requests(config, streams):
     _wait_for_verify_replicas(1, 60)
     wait_until_idle(APP, "pdv")
-    (held, (_, migrated_before), grown_s), _, results = _rescale_under(config, [p for p, _ in streams], 3)
-    in_flight = sum(r.times_s[-1] > grown_s for r in results)
-    print(f"verify 1 -> 3: {in_flight} of {STREAMS} streams still in flight when the new replicas were running")
-    assert in_flight > 0  # the routers learned of new replicas while these requests ran
-    assert [r.error for r in results] == [None] * STREAMS
-    assert [r.tokens for r in results] == [ref for _, ref in streams]
+    # The new replicas take a while to start: each prompt is streamed again and again until they run.
+    (held, (_, migrated_before), grown_s), grow_s, runs = _rescale_under(config, [p for p, _ in streams], 3,
+                                                                          repeat=True)
+    results = [r for rs in runs for r in rs]
+    refs = [ref for (_, ref), rs in zip(streams, runs) for _ in rs]
+    in_flight = sum(bool(r.times_s) and r.times_s[0] < grown_s < r.times_s[-1] for r in results)
+    print(f"verify 1 -> 3 in {grown_s - grow_s:.1f} s: {len(results)} streams, {in_flight} of them in flight "
+          "when the new replicas had started")
+    assert in_flight > 0  # the routers learned of the new replicas while these requests ran
+    assert [r.error for r in results] == [None] * len(results)
+    assert [r.tokens for r in results] == refs
     assert _decode_state()[1] == migrated_before  # adding replicas moves no request
     before = {s["lease"]: s["rows_verified"] for s in _wait_for_verify_replicas(3, 180)}
     new = set(before) - set(held)
