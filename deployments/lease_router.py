@@ -7,13 +7,15 @@ routes to. The contract, for every handle to the VerifyLane deployment:
 - a call with the keyword argument `lease=<id>` goes to replica `<id>` and nowhere else;
 - a call without one (`allocate_many`, `load_kv`, `stats`, ...) goes to the less loaded of two
   random replicas, as Serve's default router does;
-- a call whose lease names a replica that is gone fails at once with `LeaseGone` (its KV went with
-  the replica), and one naming a replica this router has never seen (started a moment ago) fails
-  after `UNKNOWN_LEASE_WAIT_S`.
+- a call whose lease names a replica that is gone (Serve stopped it on a scale-down, which drops it
+  from every router at once, or it died) fails at once with `LeaseGone`: its KV went with the
+  replica, and the decode replica recomputes the request on another one (EngineCore._migrate). One
+  naming a replica this router has never seen (started a moment ago) fails after
+  `UNKNOWN_LEASE_WAIT_S`.
 
 Why a router rather than pinning each decode replica to one verify replica: a decode replica's
 requests spread over every verify replica, so each verify replica merges rows of every decode
-replica into large batches, and the death of one verify replica fails only the requests whose KV it
+replica into large batches, and the loss of one verify replica touches only the requests whose KV it
 held.
 """
 
