@@ -103,7 +103,7 @@ def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(conf
           f"chunk after the rescale began: {stall_s:.2f} s")
     assert [r.error for r in results] == [None] * STREAMS
     assert [r.tokens for r in results] == [ref for _, ref in streams]  # the target's greedy output
-    assert sum(held.values()) == STREAMS and survivors <= set(held) and len(stopped) == 2
+    assert survivors <= set(held) and len(stopped) == 2  # (a stream may end before the stats are read)
     assert sum(held[l] for l in stopped) > 0, held  # the stopped replicas held requests when asked to stop
     assert migrated_after - migrated_before >= 1
     assert decode_pids_after == decode_pids  # only the verify lane changed
