@@ -3,7 +3,8 @@ unified, CPU): the `openai` SDK through its typed arguments, lm-eval's `local-co
 log-likelihoods equal those of the target loaded by transformers, within 1e-4; its generations equal the
 target's greedy output), langchain-openai's streaming `ChatOpenAI`, and aiperf's streamed chat and
 completions profiles with 0 errors. The clients are pinned in requirements-test.txt; aiperf, whose pins
-conflict with requirements.txt, lives in .venv-aiperf (requirements-aiperf.txt; `bash scripts/setup.sh --test` makes both)."""
+conflict with requirements.txt, lives in .venv-aiperf (requirements-aiperf.txt); `bash scripts/setup.sh
+--test` installs both."""
 
 import inspect
 import json
@@ -71,7 +72,8 @@ SDK_CHAT = dict(messages=CHAT, model=MODEL, frequency_penalty=0.1, logit_bias={"
                 parallel_tool_calls=False, presence_penalty=0.1, prompt_cache_key="k",
                 prompt_cache_options={"mode": "implicit"}, prompt_cache_retention="in_memory",
                 response_format={"type": "json_object"}, safety_identifier="s", seed=1, service_tier="auto",
-                stop=["\n"], store=False, stream=True, stream_options={"include_usage": True, "include_obfuscation": False},
+                stop=["\n"], store=False, stream=True,
+                stream_options={"include_usage": True, "include_obfuscation": False},
                 temperature=0.5, tool_choice="none", top_logprobs=2, top_p=0.9, user="u", verbosity="medium")
 # ... or refused with a 400 naming them.
 SDK_COMPLETION_REFUSED = dict(best_of=2, suffix="\n")
@@ -116,15 +118,14 @@ def test_every_typed_sdk_argument_is_served_or_refused_by_name(create, schema, s
         assert err.value.field == name
 
 
-
 def test_sdk_completions_take_every_typed_argument(tokenizer):
     """One typed call with every argument of `completions.create` the server serves, and the vLLM ones
     through extra_body: seeded samples reproduce, echo + logprobs cover prompt and output, usage adds up."""
     c = openai_client(APP)
     bias_id = tokenizer.convert_tokens_to_ids("Ġpass")
     args = dict(model=MODEL, prompt=PROMPTS, n=2, echo=True, logprobs=2, max_tokens=12, temperature=0.8, top_p=0.95,
-                seed=7, stop=["\n\n\n", "@@"], presence_penalty=0.3, frequency_penalty=0.2, logit_bias={str(bias_id): -5},
-                user="real-clients", best_of=1,
+                seed=7, stop=["\n\n\n", "@@"], presence_penalty=0.3, frequency_penalty=0.2,
+                logit_bias={str(bias_id): -100}, user="real-clients", best_of=1,
                 extra_body={"min_tokens": 4, "repetition_penalty": 1.1, "top_k": 50, "return_token_ids": True})
     out = c.completions.create(**args)
     assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
