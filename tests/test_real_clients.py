@@ -1,5 +1,5 @@
 """Real clients, as their users run them, against a real Serve instance of the shipped pair (models/,
-unified, CPU): the `openai` SDK through its typed arguments, lm-eval's `local-completions` (its
+unified and pdv, CPU): the `openai` SDK through its typed arguments, lm-eval's `local-completions` (its
 log-likelihoods equal those of the target loaded by transformers, within 1e-4; its generations equal the
 target's greedy output), langchain-openai's streaming `ChatOpenAI`, and aiperf's streamed chat and
 completions profiles with 0 errors. The clients are pinned in requirements-test.txt; aiperf, whose pins
@@ -28,7 +28,8 @@ TARGET_DIR = REPO / "models" / "vpd-target"
 DRAFT_DIR = REPO / "models" / "vpd-draft"
 TASKS_DIR = REPO / "tests" / "lm_eval_tasks"
 AIPERF = Path(os.environ.get("VPD_AIPERF", REPO / ".venv-aiperf" / "bin" / "aiperf"))
-APP = "shipped"
+APP = "unified"  # logprobs and echo are served here (pd and pdv refuse them by name)
+PDV = "pdv"  # the three lanes, two decode replicas: the streaming clients run here too
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "num_speculative_tokens": 4, "prefill_chunk_tokens": 64}
 PROMPTS = ["def parse_args(argv=None):\n", "class LRUCache:\n    def __init__(self, capacity):\n"]
 CHAT = [{"role": "system", "content": "You write Python."},
@@ -39,7 +40,7 @@ CHAT = [{"role": "system", "content": "You write Python."},
 
 @pytest.fixture(scope="module", autouse=True)
 def app():
-    with serving({APP: app_config("unified", str(TARGET_DIR), str(DRAFT_DIR), engine=ENGINE)}):
+    with serving({mode: app_config(mode, str(TARGET_DIR), str(DRAFT_DIR), engine=ENGINE) for mode in (APP, PDV)}):
         yield
 
 
@@ -276,11 +277,12 @@ def test_lm_eval_generate_until_equals_the_targets_greedy_text(lm_eval_run, toke
 # ---- langchain-openai --------------------------------------------------------------------------------
 
 
-def test_langchain_chat_openai_streams_the_same_text_as_the_sdk():
+@pytest.mark.parametrize("mode", [APP, PDV])
+def test_langchain_chat_openai_streams_the_same_text_as_the_sdk(mode):
     from langchain_core.messages import HumanMessage, SystemMessage
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=base_url(APP), api_key="unused", temperature=0, max_tokens=24,
+    llm = ChatOpenAI(model=MODEL, base_url=base_url(mode), api_key="unused", temperature=0, max_tokens=24,
                      streaming=True, stream_usage=True, max_retries=0)
     messages = [SystemMessage("You write Python."), HumanMessage("A function that adds two numbers.")]
     chunks = list(llm.stream(messages))
@@ -288,7 +290,7 @@ def test_langchain_chat_openai_streams_the_same_text_as_the_sdk():
     merged = chunks[0]
     for chunk in chunks[1:]:
         merged += chunk
-    ref = openai_client(APP).chat.completions.create(
+    ref = openai_client(mode).chat.completions.create(
         model=MODEL, temperature=0, max_completion_tokens=24,
         messages=[{"role": "system", "content": "You write Python."},
                   {"role": "user", "content": "A function that adds two numbers."}])
@@ -303,13 +305,13 @@ def test_langchain_chat_openai_streams_the_same_text_as_the_sdk():
 REQUESTS, OSL = 12, 16
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_aiperf_profiles_streams_with_no_errors(endpoint, tmp_path):
+@pytest.mark.parametrize(("endpoint", "mode"), [("chat", PDV), ("completions", APP)])
+def test_aiperf_profiles_streams_with_no_errors(endpoint, mode, tmp_path):
     """A short concurrent profile of synthetic prompts, as aiperf sends them: max_completion_tokens (chat),
     stream_options.include_usage, and on chat vLLM's continuous_usage_stats (--per-chunk-usage)."""
     assert AIPERF.exists(), f"{AIPERF} missing: bash scripts/setup.sh --test installs it"
     per_chunk = ["--per-chunk-usage", "--use-server-token-count"] if endpoint == "chat" else []
-    cmd = [str(AIPERF), "profile", "--model", MODEL, "--url", f"http://127.0.0.1:{HTTP_PORT}/{APP}",
+    cmd = [str(AIPERF), "profile", "--model", MODEL, "--url", f"http://127.0.0.1:{HTTP_PORT}/{mode}",
            "--endpoint-type", endpoint, "--streaming", *per_chunk, "--tokenizer", str(TARGET_DIR),
            "--request-count", str(REQUESTS), "--concurrency", "4", "--isl", "32", "--osl", str(OSL),
            "--extra-inputs", "ignore_eos:true", "--random-seed", "1", "--artifact-dir", str(tmp_path),
@@ -326,4 +328,4 @@ def test_aiperf_profiles_streams_with_no_errors(endpoint, tmp_path):
     assert len(records) == REQUESTS and not any(r.get("error") for r in records)
     # ignore_eos: every stream ran to max tokens, and its final usage says so
     assert all(r["metrics"]["usage_completion_tokens"]["value"] == OSL for r in records)
-    wait_until_idle(APP, "unified")
+    wait_until_idle(mode, mode)
