@@ -213,13 +213,12 @@ def test_sdk_chat_takes_every_typed_argument(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def lm_eval_run(tmp_path_factory):
+def lm_eval_run():
     """lm-eval's two tasks over tests/lm_eval_tasks/python_snippets.jsonl, through `local-completions`
     with the shipped tokenizer, 4 prompts a request; returns each task's samples."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("datasets"))
     cwd = os.getcwd()
     os.chdir(REPO)  # the task YAMLs name their JSONL from the repository root, as `lm_eval --include_path` does
     try:
