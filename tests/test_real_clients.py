@@ -29,7 +29,7 @@ DRAFT_DIR = REPO / "models" / "vpd-draft"
 TASKS_DIR = REPO / "tests" / "lm_eval_tasks"
 AIPERF = Path(os.environ.get("VPD_AIPERF", REPO / ".venv-aiperf" / "bin" / "aiperf"))
 APP = "unified"  # logprobs and echo are served here (pd and pdv refuse them by name)
-PDV = "pdv"  # the three lanes, two decode replicas: the streaming clients run here too
+PDV = "pdv"  # the three lanes (one replica each): the streaming clients run here too
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "num_speculative_tokens": 4, "prefill_chunk_tokens": 64}
 PROMPTS = ["def parse_args(argv=None):\n", "class LRUCache:\n    def __init__(self, capacity):\n"]
 CHAT = [{"role": "system", "content": "You write Python."},
@@ -40,7 +40,9 @@ CHAT = [{"role": "system", "content": "You write Python."},
 
 @pytest.fixture(scope="module", autouse=True)
 def app():
-    with serving({mode: app_config(mode, str(TARGET_DIR), str(DRAFT_DIR), engine=ENGINE) for mode in (APP, PDV)}):
+    one_replica = {"num_cpus": 0.05, "num_replicas": 1}
+    with serving({mode: app_config(mode, str(TARGET_DIR), str(DRAFT_DIR), engine=ENGINE, decode_lane=one_replica)
+                  for mode in (APP, PDV)}):
         yield
 
 
@@ -177,7 +179,8 @@ class Adder(BaseModel):
 
 def test_sdk_chat_takes_every_typed_argument(tokenizer):
     """Chat with system, developer and content-part messages and every typed argument the server serves;
-    streamed with include_usage and vLLM's continuous_usage_stats; json_object and json_schema (parse)."""
+    streamed with include_usage and vLLM's continuous_usage_stats; json_object and json_schema (parse); a
+    tool message."""
     c = openai_client(APP)
     args = dict(model=MODEL, messages=CHAT, n=2, max_completion_tokens=10, temperature=0.7, top_p=0.9, seed=3,
                 stop=["\n\n\n"], presence_penalty=0.2, frequency_penalty=0.1, logit_bias={"0": -100}, logprobs=True,
@@ -207,6 +210,11 @@ def test_sdk_chat_takes_every_typed_argument(tokenizer):
     parsed = c.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Adder, max_completion_tokens=64,
                                       temperature=0).choices[0].message.parsed
     assert isinstance(parsed, Adder)
+    # The tool role, which the shipped chat template renders as any other.
+    tool = c.chat.completions.create(model=MODEL, max_completion_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "add(1, 2)"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}])
+    assert tool.choices[0].message.content and tool.usage.completion_tokens <= 8
 
 
 # ---- lm-eval ---------------------------------------------------------------------------------------
