@@ -17,10 +17,11 @@ import openai
 import pytest
 import torch
 from pydantic import BaseModel, Field
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
+from lanes.models import load_model
 from lanes.params import ParamError
+from tests.engine_helpers import hf_greedy
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,20 +48,15 @@ def app():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(TARGET_DIR)
+def target():
+    """The shipped target as transformers loads it (`AutoModelForCausalLM`, sdpa), with its tokenizer, in
+    the dtype the app serves it in (float32)."""
+    return load_model(str(TARGET_DIR))
 
 
 @pytest.fixture(scope="module")
-def target():
-    """The shipped target as plain transformers loads it, in the dtype the app serves it in (float32)."""
-    return AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
-
-
-def hf_greedy(target, ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+def tokenizer(target):
+    return target.tokenizer
 
 
 # ---- the openai SDK --------------------------------------------------------------------------------
@@ -263,7 +259,7 @@ def test_lm_eval_loglikelihoods_equal_the_targets_in_transformers(lm_eval_run, t
         context_ids, continuation_ids = lm_eval_split(tokenizer, *sample["arguments"][0])
         ids = torch.tensor([context_ids + continuation_ids])
         with torch.no_grad():
-            logprobs = torch.log_softmax(target(ids).logits[0].double(), dim=-1)[len(context_ids) - 1:-1]
+            logprobs = torch.log_softmax(target.model(ids).logits[0].double(), dim=-1)[len(context_ids) - 1:-1]
         expected = logprobs.gather(1, torch.tensor(continuation_ids)[:, None]).sum().item()
         deltas.append(abs(loglik - expected))
         assert is_greedy == bool((logprobs.argmax(-1) == torch.tensor(continuation_ids)).all())
@@ -277,6 +273,8 @@ def test_lm_eval_generate_until_equals_the_targets_greedy_text(lm_eval_run, toke
     for sample in samples:
         context, gen_kwargs = sample["arguments"][0]
         ids = hf_greedy(target, tokenizer.encode(context, add_special_tokens=False), gen_kwargs["max_gen_toks"])
+        if tokenizer.eos_token_id in ids:  # the served request ends there (no ignore_eos)
+            ids = ids[:ids.index(tokenizer.eos_token_id)]
         expected = tokenizer.decode(ids, skip_special_tokens=True).split("\n")[0]
         assert sample["resps"][0][0] == expected
 
