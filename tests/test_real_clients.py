@@ -154,8 +154,8 @@ def test_sdk_completions_take_every_typed_argument(tokenizer):
 
 
 def test_sdk_stop_list_ends_the_text_at_the_first_stop_string():
-    """Stop strings taken from the greedy text, one spanning several tokens: the output ends before the
-    earliest, streamed or not."""
+    """Two stop strings cut from the middle of the greedy text (so not at token boundaries): the output ends
+    before the earlier one, streamed or not."""
     c = openai_client(APP)
     free = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0,
                                 extra_body={"ignore_eos": True}).choices[0].text
@@ -173,7 +173,7 @@ class Adder(BaseModel):
     arity: int = Field(ge=0, le=9)
 
 
-def test_sdk_chat_takes_every_typed_argument(tokenizer):
+def test_sdk_chat_takes_every_typed_argument():
     """Chat with system, developer and content-part messages and every typed argument the server serves;
     streamed with include_usage and vLLM's continuous_usage_stats; json_object and json_schema (parse); a
     tool message."""
