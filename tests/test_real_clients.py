@@ -29,8 +29,8 @@ TARGET_DIR = REPO / "models" / "vpd-target"
 DRAFT_DIR = REPO / "models" / "vpd-draft"
 TASKS_DIR = REPO / "tests" / "lm_eval_tasks"
 AIPERF = Path(os.environ.get("VPD_AIPERF", REPO / ".venv-aiperf" / "bin" / "aiperf"))
-APP = "unified"  # logprobs and echo are served here (pd and pdv refuse them by name)
-PDV = "pdv"  # the three lanes (one replica each): the streaming clients run here too
+APP = "unified"
+PDV = "pdv"  # the three lanes (one replica each)
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "num_speculative_tokens": 4, "prefill_chunk_tokens": 64}
 PROMPTS = ["def parse_args(argv=None):\n", "class LRUCache:\n    def __init__(self, capacity):\n"]
 CHAT = [{"role": "system", "content": "You write Python."},
@@ -216,10 +216,10 @@ def test_sdk_chat_takes_every_typed_argument():
 # ---- lm-eval ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def lm_eval_run():
+@pytest.fixture(scope="module", params=[APP, PDV])
+def lm_eval_run(request):
     """lm-eval's two tasks over tests/lm_eval_tasks/python_snippets.jsonl, through `local-completions`
-    with the shipped tokenizer, 4 prompts a request; returns each task's samples."""
+    with the shipped tokenizer, 4 prompts a request, against each app; returns each task's samples."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -228,8 +228,9 @@ def lm_eval_run():
     try:
         results = lm_eval.simple_evaluate(
             model="local-completions",
-            model_args={"model": MODEL, "base_url": f"{base_url(APP)}/completions", "tokenizer_backend": "huggingface",
-                        "tokenizer": str(TARGET_DIR), "batch_size": 4, "max_retries": 1},
+            model_args={"model": MODEL, "base_url": f"{base_url(request.param)}/completions",
+                        "tokenizer_backend": "huggingface", "tokenizer": str(TARGET_DIR), "batch_size": 4,
+                        "max_retries": 1},
             tasks=["vpd_python_loglik", "vpd_python_generate"], task_manager=TaskManager(include_path=str(TASKS_DIR)),
             log_samples=True)
     finally:
@@ -263,7 +264,7 @@ def test_lm_eval_loglikelihoods_equal_the_targets_in_transformers(lm_eval_run, t
         expected = logprobs.gather(1, torch.tensor(continuation_ids)[:, None]).sum().item()
         deltas.append(abs(loglik - expected))
         assert is_greedy == bool((logprobs.argmax(-1) == torch.tensor(continuation_ids)).all())
-    print(f"lm-eval against transformers: max |delta loglik| = {max(deltas):.2e} over {len(deltas)} pairs")
+    print(f"lm-eval against transformers ({len(deltas)} pairs): max |delta loglik| = {max(deltas):.2e}")
     assert max(deltas) < 1e-4, deltas
 
 
