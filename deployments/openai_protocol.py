@@ -49,7 +49,8 @@ MIN_TEMPERATURE = 1e-2
 # request that sets anything else is refused. None as "off" also accepts an explicit null.
 _REFUSED_COMMON: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (None, "vLLM's prompt_logprobs is not served; on /v1/completions send echo with logprobs"),
-    "best_of": (None, "best_of is not served"),
+    # 1 is OpenAI's default (one candidate per choice) and asks for nothing; the `openai` SDK sends it when typed.
+    "best_of": (1, "best_of > 1 is not served"),
     "use_beam_search": (False, "beam search is not served"),
     "length_penalty": (1.0, "beam search is not served"),
     "allowed_token_ids": (None, "allowed_token_ids is not served yet"),
@@ -75,6 +76,9 @@ _REFUSED_CHAT = {
     "chat_template": (None, "only the model's own chat template is served"),
     "reasoning_effort": (None, "reasoning effort is not served"),
     "web_search_options": (None, "web search is not served"),
+    "moderation": (None, "moderation is not served"),
+    # OpenAI's default; "low" and "high" ask reasoning models for shorter or longer answers.
+    "verbosity": ("medium", "verbosity is not served"),
 }
 _ALWAYS_OFF = {"none", "auto"}  # tool_choice values that call no tool when no tools are given
 
@@ -122,6 +126,8 @@ class _SamplingFields(_Open):
     store: bool | None = None
     metadata: dict | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # OpenAI's routing hint for its prompt cache; ours is keyed by the prompt
     add_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
     vllm_xargs: dict | None = None
@@ -241,6 +247,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
     logprobs: bool = Field(default=False, description="Return each output token's logprob (the target's raw "
                            "log_softmax)")
     top_logprobs: int | None = Field(default=None, description="With logprobs, this many most likely tokens per "

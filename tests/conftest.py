@@ -2,6 +2,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No test reaches a model hub: models are built here or shipped in models/, lm-eval's tasks read local JSONL.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Tests run on CPU: Triton kernels run in Triton's interpreter. Set before anything imports Triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
