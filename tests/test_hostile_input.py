@@ -126,13 +126,13 @@ HOSTILE = [
      400, "prompt"),
     ("a batch of 4 prompts times n 16", "completions", {**COMPLETION, "prompt": ["x"] * 4, "n": 16}, 200, None),
     ("an empty prompt in a batch", "completions", {**COMPLETION, "prompt": ["x", ""]}, 400, "prompt"),
-    # pdv refuses logprobs by name (served in unified, spec and nospec); the bounds are checked first.
-    ("logprobs 5", "completions", {**COMPLETION, "logprobs": 5}, 400, "logprobs"),
+    # Logprobs are served in pdv too (the prefill lane returns the first token's); bounds are refused by name.
+    ("logprobs 5", "completions", {**COMPLETION, "logprobs": 5}, 200, None),
     ("logprobs 21", "completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs"),
     ("logprobs past int64", "completions", {**COMPLETION, "logprobs": 10**30}, 400, "logprobs"),
     ("logprobs -1", "completions", {**COMPLETION, "logprobs": -1}, 400, "logprobs"),
-    ("logprobs and top_logprobs 20, chat", "chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 20}, 400,
-     "logprobs"),
+    ("logprobs and top_logprobs 20, chat", "chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 20}, 200,
+     None),
     ("echo of token ids outside the vocabulary", "completions", {**COMPLETION, "prompt": [-5, 3], "echo": True}, 400,
      "prompt"),
     ("top_logprobs 21, chat", "chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400,
