@@ -114,6 +114,15 @@ def lane_stats(app: str, deployment: str) -> list[dict]:
     return serve.get_deployment_handle(deployment, app_name=app).broadcast("stats").results(timeout_s=30)
 
 
+def wait_for_replicas(app: str, deployment: str, count: int, timeout_s: float) -> list[dict]:
+    """`lane_stats` once the deployment has exactly `count` replicas (after a rescale or a replacement)."""
+    deadline = time.monotonic() + timeout_s
+    while len(stats := lane_stats(app, deployment)) != count:
+        assert time.monotonic() < deadline, f"{len(stats)} {deployment} replicas, not {count}"
+        time.sleep(0.5)
+    return stats
+
+
 def _all_blocks_free(stats: dict) -> bool:
     """No KV block held in any pool a replica reports (cached blocks count as free)."""
     pools = list((stats.get("kv_blocks") or {}).values()) + [(stats.get("kv_blocks_free"), stats.get("kv_blocks_total"))]

@@ -21,7 +21,8 @@ from ray import serve
 from deployments.lease_router import UNKNOWN_LEASE_WAIT_S, LeaseGone
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, serving, streams_across, wait_until_idle
+from tests.serve_helpers import (MODEL, app_config, base_url, lane_stats, serving, streams_across,
+                                 wait_for_replicas, wait_until_idle)
 
 APP = "affinity"
 VERIFY_REPLICAS = 3
@@ -58,11 +59,7 @@ def stream_refs(pair_paths) -> list[tuple[list[int], list[int]]]:
 
 
 def _wait_for_verify_replicas(timeout_s: float) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while len(stats := lane_stats(APP, "VerifyLane")) != VERIFY_REPLICAS:
-        assert time.monotonic() < deadline, f"{len(stats)} verify replicas, not {VERIFY_REPLICAS}"
-        time.sleep(1)
-    return stats
+    return wait_for_replicas(APP, "VerifyLane", VERIFY_REPLICAS, timeout_s)
 
 
 async def _completions(prompts: list[list[int]]) -> list[list[int]]:

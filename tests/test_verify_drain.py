@@ -21,7 +21,8 @@ from ray import serve
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import (
-    MODEL, app_config, base_url, declare, lane_stats, start_ray, streams_across, wait_answering, wait_until_idle)
+    MODEL, app_config, base_url, declare, lane_stats, start_ray, streams_across, wait_answering, wait_for_replicas,
+    wait_until_idle)
 
 APP = "drain"
 STREAMS = 12
@@ -64,11 +65,7 @@ def _scale_verify_lane(config: dict, num_replicas: int) -> None:
 
 
 def _wait_for_verify_replicas(count: int, timeout_s: float) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while len(stats := lane_stats(APP, "VerifyLane")) != count:
-        assert time.monotonic() < deadline, f"{len(stats)} verify replicas, not {count}"
-        time.sleep(0.5)
-    return stats
+    return wait_for_replicas(APP, "VerifyLane", count, timeout_s)
 
 
 def _decode_state() -> tuple[set[int], int]:
