@@ -10,6 +10,10 @@ time. Plain counters, updated once a step; nothing here syncs with the device.
 
 from dataclasses import asdict, dataclass
 
+# A step this long is a stall, not a step: a CUDA graph captured or a kernel compiled on first use of
+# a shape. Counted apart so that one capture does not pass for a slow engine.
+STALL_STEP_MS = 200.0
+
 
 @dataclass
 class StepProfile:
@@ -19,10 +23,15 @@ class StepProfile:
     decode_rows: int = 0  # running requests, summed over steps
     decode_only_ms: float = 0.0  # time in steps that launched no prefill
     prefill_step_ms: float = 0.0  # time in steps that launched one
+    stall_steps: int = 0  # steps of STALL_STEP_MS or more (also counted above)
+    stall_ms: float = 0.0  # their time
 
     def observe(self, rows: int, prefill_tokens: int, step_ms: float) -> None:
         self.num_steps += 1
         self.decode_rows += rows
+        if step_ms >= STALL_STEP_MS:
+            self.stall_steps += 1
+            self.stall_ms += step_ms
         if prefill_tokens:
             self.num_prefill_steps += 1
             self.prefill_tokens += prefill_tokens
@@ -44,6 +53,8 @@ class StepProfile:
             "rows_mean": _ratio(self.decode_rows, self.num_steps),
             "decode_only_step_ms": _ratio(self.decode_only_ms, decode_only),
             "prefill_step_ms": _ratio(self.prefill_step_ms, self.num_prefill_steps),
+            "stall_steps": self.stall_steps,
+            "stall_ms": self.stall_ms,
         }
 
 
