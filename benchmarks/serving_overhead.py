@@ -52,7 +52,7 @@ from deployments.factories import build_proposer  # noqa: E402
 from lanes.engine_core import EngineCore  # noqa: E402
 from lanes.models import load_model  # noqa: E402
 from lanes.params import SamplingParams  # noqa: E402
-from lanes.step_profile import StepProfile  # noqa: E402
+from lanes.step_profile import STALL_STEP_MS, StepProfile  # noqa: E402
 from loadtest.arrivals import ClosedLoop  # noqa: E402
 from loadtest.records import RequestRecord  # noqa: E402
 from loadtest.runner import run_load  # noqa: E402
@@ -107,12 +107,18 @@ def run_engine(core: EngineCore, work: Work) -> tuple[list[RequestRecord], dict]
             live[rid] = (index, time.perf_counter() - origin, [None])
 
     profile_before = replace(core.step_profile)
+    stalls, captured = [], graph_captures(core)
     admit()
     while live:
-        start = time.perf_counter()
+        start, prefill_tokens, rows = time.perf_counter(), core.scheduler.num_prefill_tokens, len(core.scheduler.running)
         outputs = core.step()
         now = time.perf_counter()
         step_s.append(now - start)
+        if now - start >= STALL_STEP_MS / 1e3:  # say what the stall was: a capture, or something else
+            new = {k: round(v) for k, v in graph_captures(core).items() if k not in captured}
+            captured.update(new)
+            stalls.append({"step": len(step_s) - 1, "ms": round((now - start) * 1e3), "rows": rows,
+                           "prefill_tokens": core.scheduler.num_prefill_tokens - prefill_tokens, "captured_ms": new})
         for out in outputs:
             index, start_s, first = live[out.request_id]
             if out.token_ids and first[0] is None:
@@ -123,7 +129,18 @@ def run_engine(core: EngineCore, work: Work) -> tuple[list[RequestRecord], dict]
                                        "completed" if out.error is None else "failed", out.error))
         admit()
     return records, {"steps": len(step_s), "step_ms_mean": 1e3 * float(np.mean(step_s)),
-                     "profile": core.step_profile.since(profile_before).summary()}
+                     "profile": core.step_profile.since(profile_before).summary(), "stalls": stalls}
+
+
+def graph_captures(core: EngineCore) -> dict[str, float]:
+    """Every CUDA graph the engine's runners captured so far, with what its capture cost (ms)."""
+    runners = {"target": getattr(getattr(core.verifier, "lane", None), "runner", None), "draft": core.draft}
+    found = {}
+    for name, runner in runners.items():
+        for kind in ("graphs", "prefill_graphs"):
+            if (graphs := getattr(runner, kind, None)) is not None:
+                found.update({f"{name} {kind} {key}": ms for key, ms in graphs.capture_ms.items()})
+    return found
 
 
 def _record(index: int, work: Work, start_s: float, end_s: float, first_s: float | None, tokens: int,
@@ -299,6 +316,11 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(doc: dict, stem: Path) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+    stem.with_suffix(".md").write_text(markdown(doc))
+
+
 def breakdown(points: dict) -> dict:
     e, h, w = (points[k]["summary"].latency_ms["tpot_ms"].p50 for k in WAYS)
     step_e, step_w = points["engine"]["steps"]["step_ms_mean"], points["http"]["steps"].get("step_ms_mean")
@@ -335,6 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sample the process that steps the engine with py-spy for this long during the http run")
     parser.add_argument("--engine-runs", type=int, default=1,
                         help="run the work this many times in process on one engine; the last run counts")
+    parser.add_argument("--engine-only", action="store_true", help="measure in process only; serve nothing")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -378,6 +401,11 @@ def main(argv: list[str] | None = None) -> None:
             engine = engine_point(AppConfig.model_validate(app_config(mode, target, draft, args)), work, warmup,
                                   device, args.engine_runs)
             doc["earlier_engine_runs"][mode] = engine["earlier_runs"]
+            if args.engine_only:
+                doc["rows"].append(point_row(mode, "engine", engine, engine))
+                doc["step_profiles"].append({"mode": mode, "way": "engine", **engine["steps"]["profile"]})
+                write(doc, args.out / f"serving_overhead_{device}")
+                continue
             for rate, thread in variants(args):
                 config = app_config(mode, target, draft, args)
                 config["engine_process"] = not thread
@@ -405,9 +433,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                           else None)}
                 for row in doc["rows"][-3:]:
                     log(json.dumps(row))
-                stem = args.out / f"serving_overhead_{device}"
-                stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
-                stem.with_suffix(".md").write_text(markdown(doc))
+                write(doc, args.out / f"serving_overhead_{device}")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -22,9 +22,13 @@ Off CUDA (tests) a "graph" runs its forward eagerly on the same padded static bu
 bucketing and padding are tested where no GPU is.
 """
 
+import logging
+import time
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 PREFILL_WIDTHS = (32, 64, 128, 256, 512)  # prompt-length buckets of graphed prefill
@@ -58,6 +62,15 @@ class _Graph:
         return self.output
 
 
+def _capture(inputs: tuple[torch.Tensor, ...], forward: Callable, mempool, capture_ms: dict, key) -> _Graph:
+    start_s = time.perf_counter()
+    graph = _Graph(inputs, forward, mempool)
+    capture_ms[key] = (time.perf_counter() - start_s) * 1e3
+    if graph.graph is not None:
+        log.info("captured a CUDA graph for %s in %.0f ms", key, capture_ms[key])
+    return graph
+
+
 def _bucket(buckets: list[int] | tuple[int, ...], size: int) -> int | None:
     return next((b for b in buckets if b >= size), None)
 
@@ -74,6 +87,7 @@ class GraphedForward:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.mempool = _mempool(self.device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.capture_ms: dict[tuple[int, int], float] = {}  # what each first use cost (warm-up + capture)
 
     def __call__(self, slot_ids: torch.Tensor, kv_lens: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, Q, V]: a view into the graph's output, valid until the next replay."""
@@ -84,7 +98,8 @@ class GraphedForward:
             inputs = (torch.full((bucket,), self.pad_slot, dtype=torch.long, device=self.device),
                       torch.zeros(bucket, dtype=torch.int32, device=self.device),
                       torch.zeros(bucket, q_len, dtype=torch.long, device=self.device))
-            graph = self.graphs[(bucket, q_len)] = _Graph(inputs, self.forward, self.mempool)
+            graph = self.graphs[(bucket, q_len)] = _capture(inputs, self.forward, self.mempool, self.capture_ms,
+                                                             (bucket, q_len))
         slots, lens, ids = graph.inputs
         ids[:batch].copy_(input_ids, non_blocking=True)
         slots[:batch].copy_(slot_ids, non_blocking=True)
@@ -108,6 +123,7 @@ class GraphedPrefill:
         # theirs, so the two must never share activation memory.
         self.mempool = _mempool(self.device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.capture_ms: dict[tuple[int, int], float] = {}  # what each first use cost (warm-up + capture)
 
     def fits(self, batch: int, width: int) -> bool:
         bucket, padded = _bucket(self.batches, batch), _bucket(self.widths, width)
@@ -125,7 +141,7 @@ class GraphedPrefill:
                       torch.zeros(bucket, dtype=torch.int32, device=self.device),
                       torch.zeros(bucket, padded, dtype=torch.long, device=self.device),
                       torch.zeros(bucket, dtype=torch.long, device=self.device))
-            graph = self.graphs[key] = _Graph(inputs, self.forward, self.mempool)
+            graph = self.graphs[key] = _capture(inputs, self.forward, self.mempool, self.capture_ms, key)
         slots, _, ids, rows_keep = graph.inputs
         # Past a row's width the buffer keeps earlier prompts' tokens: valid ids, behind the causal mask.
         ids[:batch, :width].copy_(input_ids, non_blocking=True)
