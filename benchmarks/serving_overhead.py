@@ -4,7 +4,8 @@
     python3 benchmarks/serving_overhead.py --device cuda --shape tinyllama-7b --agreement 0.8 --out OUT
 
 Each mode's closed loop (C requests in flight, random token-id prompts, greedy, ignore_eos) runs
-three ways, one after another on the same machine:
+three ways, one after another on the same machine (the same request shapes; each way draws its own
+prompts, so that none reads another's prefix cache):
 
     engine   the lanes code without Ray or asyncio: EngineCore.step() in a loop in this process,
              a new request added as soon as one finishes (the engine's own speed). pd and pdv have
@@ -74,6 +75,7 @@ class Work:
     prompts: list[list[int]]
     output_len: int
     concurrency: int
+    vocab_size: int
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
@@ -85,7 +87,13 @@ class Work:
 def random_work(vocab_size: int, args: argparse.Namespace, count: int, seed: int) -> Work:
     rng = np.random.default_rng(seed)
     prompts = rng.integers(1, vocab_size, (count, args.prompt_len)).tolist()
-    return Work(prompts, args.output_len, args.concurrency)
+    return Work(prompts, args.output_len, args.concurrency, vocab_size)
+
+
+def reseeded(work: Work, seed: int) -> list[list[int]]:
+    """Prompts of the same count and lengths as `work`'s, drawn anew (no prefix shared with them)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, work.vocab_size, len(p)).tolist() for p in work.prompts]
 
 
 # ---- engine: no Ray, no asyncio ----------------------------------------------------------------
@@ -159,11 +167,13 @@ def engine_point(cfg: AppConfig, work: Work, warmup: Work, device: str, runs: in
     draft = load_model(spec.path, spec.dtype, device) if (spec := cfg.draft_model) is not None else None
     mode = cfg.mode if cfg.mode in ("nospec", "spec", "unified") else "unified"
     core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode), proposer=build_proposer(cfg, device))
+    core.capture_graphs()  # as a served engine does at start (deployments/factories.py)
     try:
         run_engine(core, warmup)
         earlier = []
         for run in range(runs):
-            records, steps = run_engine(core, work)
+            # Earlier runs get prompts of their own: repeated prompts would hit the prefix cache.
+            records, steps = run_engine(core, work if run == runs - 1 else replace(work, prompts=reseeded(work, 100 + run)))
             point = {"summary": summarize(records), "steps": steps, "spec": core.total_stats.to_dict()}
             log(f"in process, run {run + 1}/{runs}: {point['summary'].output_token_throughput_tps:.1f} tok/s, "
                 f"{json.dumps(steps)}")
@@ -236,7 +246,9 @@ def served_points(name: str, port: int, work: Work, warmup: Work, timeout_s: flo
             records = asyncio.run(run_handle(handle, work))
             summary = summarize(records)
         else:
-            result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work.workload(),
+            # Prompts drawn anew: the handle way's are still in the replica's prefix cache.
+            fresh = replace(work, prompts=reseeded(work, 2))
+            result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", fresh.workload(),
                                           ClosedLoop(work.concurrency), options=_options(), timeout_s=timeout_s,
                                           progress=False))
             summary = result.summary()

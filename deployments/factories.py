@@ -69,11 +69,13 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     if cfg.mode in ("unified", "spec", "nospec"):
         tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
         # A sharded model loads on the host; only its shard moves to the device (build_runners).
-        return EngineCore.colocated(_target(cfg, "cpu" if tp else device),
+        core = EngineCore.colocated(_target(cfg, "cpu" if tp else device),
                                     _draft(cfg, "cpu" if tp and cfg.shard_draft else device), config,
                                     proposer=build_proposer(cfg, device),
                                     allow_tokenizer_mismatch=_allows_tokenizer_mismatch(cfg),
                                     tp=tp, shard_draft=cfg.shard_draft)
+        core.capture_graphs()  # before the first request, not during it
+        return core
     draft = _draft(cfg, device)
     placement = Placement.here(device)
     owner = f"decode-{uuid.uuid4().hex[:8]}"
@@ -94,8 +96,10 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     prefiller = RemotePrefiller(prefill, loop, draft_runner.pool if draft_runner else None, target_pool, placement,
                                 owner)
     # The decode lane drafts (and in pd also verifies) on high-priority streams.
-    return EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
+    core = EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
                       draft_runner, verifier, prefiller, LaneStreams(model_device), build_proposer(cfg, model_device))
+    core.capture_graphs()
+    return core
 
 
 def load_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, bool]]:
@@ -116,8 +120,11 @@ def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
     config = _engine_config(cfg, cfg.prefill_lane)
     per_slot = -(-config.slot_capacity_tokens // config.block_size)
     config = replace(config, max_num_seqs=PREFILL_BATCH_MAX, num_kv_blocks=PREFILL_BATCH_MAX * per_slot)
-    return PromptPrefiller(*build_runners(config, target.model, draft.model if draft is not None else None),
-                           cfg.engine.idle_prefill_tokens, cfg.engine.enable_prefix_caching)
+    runners = build_runners(config, target.model, draft.model if draft is not None else None)
+    for runner in runners:
+        if runner is not None:
+            runner.capture_graphs((), prefill=True)  # whole-prompt graphs, before the first prompt
+    return PromptPrefiller(*runners, cfg.engine.idle_prefill_tokens, cfg.engine.enable_prefix_caching)
 
 
 def build_verify_lane(cfg: AppConfig) -> VerifyLane:
@@ -126,4 +133,6 @@ def build_verify_lane(cfg: AppConfig) -> VerifyLane:
     # replica with the fewest calls in flight, not the fewest slots in use): size its pool for all of them.
     replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)
     config = replace(config, max_num_seqs=config.max_num_seqs * replicas)
-    return VerifyLane(build_runner(_target(cfg, cfg.verify_lane.bind_device()).model, config))
+    runner = build_runner(_target(cfg, cfg.verify_lane.bind_device()).model, config)
+    runner.capture_graphs(range(1, config.num_speculative_tokens + 2), prefill=False)  # before the first verify
+    return VerifyLane(runner)

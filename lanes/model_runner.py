@@ -1,6 +1,7 @@
 """One batched forward of an HF causal LM over rows that each sit at their own length in the pool."""
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,32 @@ class ModelRunner:
             # Only the rows' last tokens need logits: skip the LM head on the rest (prefill, catch-up).
             hidden = hidden[index, keep]  # [B, H]
         return self._head(hidden)
+
+    def capture_graphs(self, q_lens: Iterable[int], prefill: bool) -> float:
+        """Capture now, on the pool's pad slot, the graphs that live steps would capture on first use:
+        the few-token forward of every batch bucket at each of `q_lens`, and with `prefill` every
+        whole-prompt (batch, width) bucket. A first use in a live step stalls it for the capture, and
+        for a Triton compile where the bucket's shape is new (0.9 s for a 7B verify graph on an H200,
+        benchmarks/results/serving_overhead_h200_engine_runs); vLLM captures at start for the same
+        reason. Through `forward`, so tensor-parallel workers capture theirs too. Returns the ms spent
+        (off CUDA, where tests force "graphs" on, they run eagerly on their padded buffers)."""
+        if self.graphs is None:
+            return 0.0
+        start_s, pad = time.perf_counter(), self.pool.pad_slot
+        shapes = [(b, q, False) for b in self.graphs.buckets for q in sorted(set(q_lens))
+                  if q <= GRAPH_MAX_Q and self._kernel_fits(q)]
+        if prefill and self.prefill_graphs is not None:
+            shapes += [(b, w, True) for b in self.prefill_graphs.batches for w in self.prefill_graphs.widths
+                       if self.prefill_graphs.fits(b, w)]
+        for batch, q_len, whole_prompt in shapes:
+            rows = Rows(torch.full((batch,), pad, dtype=torch.long, device=self.device),
+                        torch.zeros(batch, dtype=torch.long, device=self.device), 0)
+            ids = torch.zeros(batch, q_len, dtype=torch.long, device=self.device)
+            keep = torch.full((batch,), q_len - 1, dtype=torch.long, device=self.device) if whole_prompt else None
+            self.forward(rows, ids, keep=keep, prefill=whole_prompt)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start_s) * 1e3
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of hidden states [..., H], soft-capped as HF's forward does (in the model's dtype)."""

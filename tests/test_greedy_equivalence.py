@@ -38,19 +38,30 @@ def test_greedy_output_equals_target_greedy(pair, prompts_and_refs, draft_len):
     assert engine.verifier.lane.runner.pool.num_used == 0 and engine.draft.pool.num_used == 0
 
 
+@pytest.mark.parametrize("captured_at_start", [False, True])
 @pytest.mark.parametrize("draft_len", [0, 3])
-def test_prefill_replayed_in_width_buckets_keeps_greedy_output(pair, prompts_and_refs, draft_len):
+def test_prefill_replayed_in_width_buckets_keeps_greedy_output(pair, prompts_and_refs, draft_len, captured_at_start):
     """Whole-prompt prefill through GraphedPrefill (lanes/cuda_graphs.py): off CUDA its "graphs" run
     eagerly on the same padded static buffers, so this proves the padding to (batch, width) buckets
-    changes no token, in both models' caches."""
+    changes no token, in both models' caches. With `captured_at_start` every graph is captured on the
+    pad slot before the first request (EngineCore.capture_graphs, what serving does): no output
+    changes, and no live step captures one."""
     target, draft = pair
     prompts, refs = prompts_and_refs
     engine = small_engine(target, draft, num_speculative_tokens=draft_len, cuda_graphs=True)
+    runners = (engine.verifier.lane.runner, engine.draft)
+    if captured_at_start:
+        assert engine.capture_graphs() > 0
+        captured = [(set(r.graphs.graphs), set(r.prefill_graphs.graphs)) for r in runners]
+        assert all(prefill for _, prefill in captured)  # decode graphs need the Triton kernel (CUDA)
     requests = {str(i): (p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(prompts)}
     outputs = run_to_completion(engine, requests)
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
-    for runner in (engine.verifier.lane.runner, engine.draft):
+    for runner in runners:
         assert runner.prefill_graphs.graphs, "no prefill took the graphed path"
+    if captured_at_start:
+        assert [(set(r.graphs.graphs), set(r.prefill_graphs.graphs)) for r in runners] == captured, \
+            "a live step captured a graph that capture_graphs missed"
 
 
 def test_nospec_engine_equals_target_greedy(llama_pair):
