@@ -273,6 +273,8 @@ def _options():
 def app_config(mode: str, target: Path | None, draft: Path | None, args: argparse.Namespace) -> dict:
     engine = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.prompt_len + args.output_len + 64,
               "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8)}
+    if args.prefill_chunk_tokens is not None:
+        engine["prefill_chunk_tokens"] = args.prefill_chunk_tokens
     config = benchmark_app_args(mode, target, draft, dtype=args.dtype, engine=engine,
                                 lane_num_cpus=args.lane_num_cpus, max_ongoing=MAX_ONGOING,
                                 gpu_shares=GPU_SHARES[mode] if args.device == "cuda" else None)
@@ -369,6 +371,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sample the process that steps the engine with py-spy for this long during the http run")
     parser.add_argument("--engine-runs", type=int, default=1,
                         help="run the work this many times in process on one engine; the last run counts")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="engine.prefill_chunk_tokens (default: the app config's)")
     parser.add_argument("--engine-only", action="store_true", help="measure in process only; serve nothing")
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--out", type=Path, required=True)
