@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -56,8 +60,34 @@ def log(message: str) -> None:
     print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
 
 
+class Watchdog:
+    """A point that runs past its bound is stuck, not slow: dump every thread's stack (py-spy, where
+    installed) to `out` and end the run, keeping what was written."""
+
+    def __init__(self, bound_s: float, out: Path):
+        self.bound_s, self.out, self.deadline = bound_s, out, None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def arm(self) -> None:
+        self.deadline = time.monotonic() + self.bound_s
+
+    def disarm(self) -> None:
+        self.deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                log(f"a point ran past {self.bound_s:.0f} s: stacks in {self.out}")
+                if shutil.which("py-spy"):
+                    dump = subprocess.run(["py-spy", "dump", "--pid", str(os.getpid()), "--locals"],
+                                          capture_output=True, text=True, timeout=120)
+                    self.out.write_text(dump.stdout + dump.stderr)
+                os._exit(3)
+
+
 def mode_points(mode: str, cfg: AppConfig, works: dict[int, Work], chunks: list[int], device: str,
-                warmup: Work) -> list[dict]:
+                warmup: Work, watchdog: Watchdog, on_point) -> list[dict]:
     target = load_model(cfg.target.path, cfg.target.dtype, device)
     draft = load_model(spec.path, spec.dtype, device) if (spec := cfg.draft_model) is not None else None
     core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode), proposer=build_proposer(cfg, device))
@@ -72,13 +102,16 @@ def mode_points(mode: str, cfg: AppConfig, works: dict[int, Work], chunks: list[
                                   idle_prefill_tokens=max(chunk, core.config.idle_prefill_tokens))
             for concurrency, work in works.items():
                 spec_before = core.total_stats.to_dict()
+                watchdog.arm()
                 # Prompts of this point's own: an earlier budget's are in the prefix cache.
                 records, steps = run_engine(core, work if index == 0 else replace(work, prompts=reseeded(work, index)))
+                watchdog.disarm()
                 point = {"mode": mode, "concurrency": concurrency, "prefill_chunk_tokens": chunk,
                          "summary": summarize(records), "steps": steps,
                          "acceptance": _acceptance(spec_before, core.total_stats.to_dict())}
                 log(f"{mode} c{concurrency} chunk {chunk}: {json.dumps(row(point))}")
                 points.append(point)
+                on_point(point)
         return points
     finally:
         del core, target, draft
@@ -124,6 +157,10 @@ def markdown(doc: dict) -> str:
              "first use; 0 where graphs were captured at start).", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in COLUMNS) + " |" for r in doc["rows"]]
+    if doc.get("stalls"):
+        lines += ["", "## Stalls (steps of 200 ms or more: what they ran, and the graphs they captured)", ""]
+        lines += [f"- {s['mode']} c{s['concurrency']} chunk {s['prefill_chunk_tokens']}: {json.dumps(s['stalls'])}"
+                  for s in doc["stalls"]]
     return "\n".join(lines) + "\n"
 
 
@@ -140,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 on cuda, 64 on cpu")
     parser.add_argument("--output-len", type=int, default=None, help="default 128 on cuda, 64 on cpu")
     parser.add_argument("--draft-len", type=int, default=3)
+    parser.add_argument("--point-timeout-s", type=float, default=180.0,
+                        help="a point running longer is stuck: dump its stacks (py-spy) and stop")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -178,15 +217,22 @@ def main(argv: list[str] | None = None) -> None:
                    f"tokens, {args.output_len} output tokens, greedy, ignore_eos, L = {args.draft_len}, {args.dtype}"
                    + (f", constructed {args.shape} pair at agreement {args.agreement}" if target else ", shipped pair"),
            "rows": []}
-    points = []
-    for mode in args.modes:
-        log(f"{mode}: building")
-        points += mode_points(mode, AppConfig.model_validate(app_config(mode, target, draft, args)), works, chunks,
-                              args.device, warmup)
+    points, stem = [], args.out / f"engine_loads_{args.device}"
+
+    def on_point(point: dict) -> None:  # written at once: a later point may not end
+        points.append(point)
         doc["rows"] = table(points)
-        stem = args.out / f"engine_loads_{args.device}"
+        doc["stalls"] = [{"mode": p["mode"], "concurrency": p["concurrency"],
+                          "prefill_chunk_tokens": p["prefill_chunk_tokens"], "stalls": p["steps"]["stalls"]}
+                         for p in points if p["steps"]["stalls"]]
         stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
         stem.with_suffix(".md").write_text(markdown(doc))
+
+    watchdog = Watchdog(args.point_timeout_s, args.out / "stuck_stacks.txt")
+    for mode in args.modes:
+        log(f"{mode}: building")
+        mode_points(mode, AppConfig.model_validate(app_config(mode, target, draft, args)), works, chunks,
+                    args.device, warmup, watchdog, on_point)
     log("done")
 
 
