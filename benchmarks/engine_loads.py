@@ -87,12 +87,13 @@ class Watchdog:
 
 
 def mode_points(mode: str, cfg: AppConfig, works: dict[int, Work], chunks: list[int], device: str,
-                warmup: Work, watchdog: Watchdog, on_point) -> list[dict]:
+                warmup: Work, watchdog: Watchdog, on_point, capture: bool = True) -> list[dict]:
     target = load_model(cfg.target.path, cfg.target.dtype, device)
     draft = load_model(spec.path, spec.dtype, device) if (spec := cfg.draft_model) is not None else None
     core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode), proposer=build_proposer(cfg, device))
     try:
-        log(f"{mode}: graphs captured in {core.capture_graphs() / 1e3:.1f} s")
+        if capture:
+            log(f"{mode}: graphs captured in {core.capture_graphs() / 1e3:.1f} s")
         run_engine(core, warmup)
         points = []
         # Only unified prefills beside decoding steps that emit several tokens a row: nospec's prefill
@@ -179,6 +180,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--point-timeout-s", type=float, default=180.0,
                         help="a point running longer is stuck: dump its stacks (py-spy) and stop")
+    parser.add_argument("--no-capture", action="store_true", help="diagnosis: graphs captured on first use only")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=None,
+                        help="diagnosis: lanes.cuda_graphs.PREFILL_GRAPH_TOKENS (0: no prefill graphs)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -198,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.prefill_graph_tokens is not None:
+        import lanes.cuda_graphs
+
+        lanes.cuda_graphs.PREFILL_GRAPH_TOKENS = args.prefill_graph_tokens
     target = draft = None
     if args.device == "cuda":
         pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device)
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes:
         log(f"{mode}: building")
         mode_points(mode, AppConfig.model_validate(app_config(mode, target, draft, args)), works, chunks,
-                    args.device, warmup, watchdog, on_point)
+                    args.device, warmup, watchdog, on_point, capture=not args.no_capture)
     log("done")
 
 
