@@ -181,6 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--point-timeout-s", type=float, default=180.0,
                         help="a point running longer is stuck: dump its stacks (py-spy) and stop")
     parser.add_argument("--no-capture", action="store_true", help="diagnosis: graphs captured on first use only")
+    parser.add_argument("--one-stream", action="store_true", help="diagnosis: every lane on one CUDA stream")
     parser.add_argument("--prefill-graph-tokens", type=int, default=None,
                         help="diagnosis: lanes.cuda_graphs.PREFILL_GRAPH_TOKENS (0: no prefill graphs)")
     parser.add_argument("--out", type=Path, required=True)
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.one_stream:
+        import lanes.engine_core
+        from lanes.streams import LaneStreams
+
+        lanes.engine_core.LaneStreams = lambda device, separate=True: LaneStreams(device, separate=False)
     if args.prefill_graph_tokens is not None:
         import lanes.cuda_graphs
 

@@ -38,21 +38,25 @@ PREFILL_GRAPH_TOKENS = 1024
 
 
 class _Graph:
-    def __init__(self, inputs: tuple[torch.Tensor, ...], forward: Callable, mempool):
+    def __init__(self, inputs: tuple[torch.Tensor, ...], forward: Callable, mempool, stream):
+        """Captured on `stream`, its family's own capture stream. cuBLAS keys its workspace by
+        stream, and a graph keeps the workspace it was captured with: graphs captured on one stream
+        share it (pytorch/pytorch#193402). A prefill graph and a decode graph that shared it hung
+        the GPU when replayed at once on their lanes' streams (H200, prompts of 512 tokens and
+        more, whose GEMMs take workspace algorithms: benchmarks/results/engine_loads_h200/)."""
         self.inputs = inputs  # static buffers: filled before each replay
         self.forward = forward
         self.graph = None
         device = inputs[0].device
         if device.type != "cuda":
             return
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up: compiles Triton kernels, settles allocations
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up: compiles Triton kernels, settles allocations
             for _ in range(2):
                 forward(*inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool):
+        with torch.cuda.graph(self.graph, pool=mempool, stream=stream):
             self.output = forward(*inputs)
 
     def replay(self) -> torch.Tensor:
@@ -62,9 +66,9 @@ class _Graph:
         return self.output
 
 
-def _capture(inputs: tuple[torch.Tensor, ...], forward: Callable, mempool, capture_ms: dict, key) -> _Graph:
+def _capture(inputs: tuple[torch.Tensor, ...], forward: Callable, mempool, stream, capture_ms: dict, key) -> _Graph:
     start_s = time.perf_counter()
-    graph = _Graph(inputs, forward, mempool)
+    graph = _Graph(inputs, forward, mempool, stream)
     capture_ms[key] = (time.perf_counter() - start_s) * 1e3
     if graph.graph is not None:
         log.info("captured a CUDA graph for %s in %.0f ms", key, capture_ms[key])
@@ -79,6 +83,10 @@ def _mempool(device: torch.device):
     return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
 
+def _capture_stream(device: torch.device) -> torch.cuda.Stream | None:
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
 class GraphedForward:
     def __init__(self, forward: Callable, pad_slot: int, device, max_batch: int):
         self.forward = forward  # (slot_ids [B], kv_lens [B], input_ids [B, Q]) -> logits [B, Q, V]
@@ -86,6 +94,7 @@ class GraphedForward:
         self.device = torch.device(device)
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.mempool = _mempool(self.device)
+        self.capture_stream = _capture_stream(self.device)  # this family's own: see _Graph
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.capture_ms: dict[tuple[int, int], float] = {}  # what each first use cost (warm-up + capture)
 
@@ -98,8 +107,8 @@ class GraphedForward:
             inputs = (torch.full((bucket,), self.pad_slot, dtype=torch.long, device=self.device),
                       torch.zeros(bucket, dtype=torch.int32, device=self.device),
                       torch.zeros(bucket, q_len, dtype=torch.long, device=self.device))
-            graph = self.graphs[(bucket, q_len)] = _capture(inputs, self.forward, self.mempool, self.capture_ms,
-                                                             (bucket, q_len))
+            graph = self.graphs[(bucket, q_len)] = _capture(inputs, self.forward, self.mempool, self.capture_stream,
+                                                             self.capture_ms, (bucket, q_len))
         slots, lens, ids = graph.inputs
         ids[:batch].copy_(input_ids, non_blocking=True)
         slots[:batch].copy_(slot_ids, non_blocking=True)
@@ -122,6 +131,7 @@ class GraphedPrefill:
         # Its own memory pool: prefill replays on the prefill stream while decode graphs replay on
         # theirs, so the two must never share activation memory.
         self.mempool = _mempool(self.device)
+        self.capture_stream = _capture_stream(self.device)  # this family's own: see _Graph
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.capture_ms: dict[tuple[int, int], float] = {}  # what each first use cost (warm-up + capture)
 
@@ -141,7 +151,7 @@ class GraphedPrefill:
                       torch.zeros(bucket, dtype=torch.int32, device=self.device),
                       torch.zeros(bucket, padded, dtype=torch.long, device=self.device),
                       torch.zeros(bucket, dtype=torch.long, device=self.device))
-            graph = self.graphs[key] = _capture(inputs, self.forward, self.mempool, self.capture_ms, key)
+            graph = self.graphs[key] = _capture(inputs, self.forward, self.mempool, self.capture_stream, self.capture_ms, key)
         slots, _, ids, rows_keep = graph.inputs
         # Past a row's width the buffer keeps earlier prompts' tokens: valid ids, behind the causal mask.
         ids[:batch, :width].copy_(input_ids, non_blocking=True)

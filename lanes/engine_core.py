@@ -147,9 +147,6 @@ class EngineCore:
         target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None,
                                                     tp=tp, sharded=(True, shard_draft))
         streams = LaneStreams(target_runner.device, separate=tp is None)
-        for runner in (target_runner, draft_runner):
-            if runner is not None:
-                runner.prefill_graph_stream = streams.verify  # never two graphs at once (ModelRunner._replay_prefill)
         prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
         eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
         return cls(config, target_runner.vocab_size, tokenizer, eos_ids, draft_runner,

@@ -74,7 +74,6 @@ class ModelRunner:
                                               pool.shape.capacity_tokens)
                                if use_graphs and self.fused is not None else None)
         self._row_index = torch.arange(pool.shape.num_slots + 1, device=self.device)  # sliced, not rebuilt, per forward
-        self.prefill_graph_stream: torch.cuda.Stream | None = None  # see _replay_prefill
 
     def rows(self, slots: list[int], kv_lens: list[int]) -> Rows:
         """`Rows` from host lists, in one host-to-device copy."""
@@ -104,7 +103,7 @@ class ModelRunner:
         index = self._row_index[:batch]
         if (prefill and self.prefill_graphs is not None and keep is not None and rows.max_start == 0
                 and self.prefill_graphs.fits(batch, q_len)):
-            return self._replay_prefill(rows.slot_ids, input_ids, keep)  # [B, V]
+            return self.prefill_graphs(rows.slot_ids, input_ids, keep)  # [B, V], replayed
         if self.graphs is not None and not prefill and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
             logits = self.graphs(rows.slot_ids, rows.starts, input_ids)  # [B, Q, V], replayed
             return logits[index, keep] if keep is not None else logits
@@ -114,25 +113,6 @@ class ModelRunner:
             # Only the rows' last tokens need logits: skip the LM head on the rest (prefill, catch-up).
             hidden = hidden[index, keep]  # [B, H]
         return self._head(hidden)
-
-    def _replay_prefill(self, slot_ids: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Replay the whole-prompt graph, on `prefill_graph_stream` where one is set and differs from
-        the current stream. A prefill graph replayed on the prefill stream beside a verify graph on
-        the verify stream hung the GPU (H200, 4 prompts of 128 tokens beside a batch-8 verify:
-        benchmarks/results/engine_loads_h200/); eager prefill beside it did not. Decode and verify
-        graphs never overlap each other (verify waits for the draft), so ordering the prefill graph
-        after the verify leaves no two graphs running at once. Its launch cost stays off the host."""
-        stream = self.prefill_graph_stream
-        current = torch.cuda.current_stream(self.device) if stream is not None else None
-        if stream is None or stream == current:
-            return self.prefill_graphs(slot_ids, input_ids, keep)
-        stream.wait_stream(current)  # the inputs were made on the current stream
-        for tensor in (slot_ids, input_ids, keep):
-            tensor.record_stream(stream)  # not reused by the current stream before the graph read them
-        with torch.cuda.stream(stream):
-            logits = self.prefill_graphs(slot_ids, input_ids, keep)
-        current.wait_stream(stream)  # what the caller does next with the logits follows the replay
-        return logits
 
     def capture_graphs(self, q_lens: Iterable[int], prefill: bool) -> float:
         """Capture now, on the pool's pad slot, the graphs that live steps would capture on first use:
