@@ -105,7 +105,7 @@ def mode_points(mode: str, cfg: AppConfig, works: dict[int, Work], chunks: list[
                 spec_before = core.total_stats.to_dict()
                 watchdog.arm()
                 # Prompts of this point's own: an earlier budget's are in the prefix cache.
-                records, steps = run_engine(core, work if index == 0 else replace(work, prompts=reseeded(work, index)))
+                records, steps = run_engine(core, work if index == 0 else replace(work, prompts=reseeded(work, 1000 + index)))
                 watchdog.disarm()
                 point = {"mode": mode, "concurrency": concurrency, "prefill_chunk_tokens": chunk,
                          "summary": summarize(records), "steps": steps,

@@ -151,7 +151,7 @@ class EngineArgs(_Strict):
                               "memory reservation: KV memory is allocated in blocks as sequences grow).")
     num_speculative_tokens: int = Field(default=4, ge=0, description="Default draft length L.")
     max_draft_len: int = Field(default=8, ge=0, le=16, description="Bound on any request's L.")
-    prefill_chunk_tokens: int = Field(default=128, ge=1, description="Prefill tokens per step while decoding.")
+    prefill_chunk_tokens: int = Field(default=512, ge=1, description="Prefill tokens per step while decoding.")
     idle_prefill_tokens: int = Field(default=1024, ge=1, description="Prefill tokens per step when idle.")
     block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV-cache block.")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Share of the GPU's memory a "

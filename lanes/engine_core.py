@@ -48,7 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 32  # requests admitted at once (block-table rows); memory is in blocks
     num_speculative_tokens: int = 4  # default draft length L
     max_draft_len: int = 8  # bound on any request's L (sizes the pool's slack)
-    prefill_chunk_tokens: int = 256  # prefill budget per step while requests are decoding
+    prefill_chunk_tokens: int = 512  # prefill budget per step while requests are decoding
     idle_prefill_tokens: int = 2048  # prefill budget per step when nothing is decoding
     attention_kernel: bool | None = None  # in-place pool attention for decode/verify (None: on CUDA)
     cuda_graphs: bool | None = None  # replay decode/verify forwards as CUDA graphs (None: with the kernel on CUDA)
