@@ -14,7 +14,11 @@ can be captured in CUDA graphs; each program reads its row's length from device 
 over that row's keys only, so a step's attention costs what the sequences hold, not
 max_model_len (a static loop over the slot's capacity cost the same at any length). Q is a runtime
 argument, not a compile-time one: prefill chunks come in every width up to MAX_ROWS / group, and a
-compile per width (~1 s each) stalled serving. Runs on CPU under TRITON_INTERPRET=1 (tests).
+compile per width (~1 s each) stalled serving. The split count is a runtime value too (the grid's
+third axis): it follows the batch, and as a compile-time constant it compiled the kernel again for
+each new split count, such as an eager prefill chunk's new batch size. Eager chunks of new shapes
+stalled steps 0.4-1.2 s on an H200 (benchmarks/results/engine_loads_h200); this removes one cause
+of those compiles, not yet measured there. Runs on CPU under TRITON_INTERPRET=1 (tests).
 """
 
 import torch
@@ -32,11 +36,12 @@ def _split_kernel(
     stride_kb, stride_kh, stride_kn, stride_table,
     scale, Q, window, softcap,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    splits = tl.num_programs(2)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     kv_len = tl.load(kvlen_ptr + b)
     total = kv_len + Q  # keys in the slot after this step's writes
@@ -56,7 +61,7 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Each split takes an equal share of the keys this row has (whole key steps), so the splits
     # divide the row's real length, whatever max_model_len is.
-    keys_per_split = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    keys_per_split = tl.cdiv(tl.cdiv(total, splits), BLOCK_N) * BLOCK_N
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, total)
     table_row = table_ptr + slot * stride_table
@@ -88,7 +93,7 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    base = ((b * tl.num_programs(1) + kv_head) * SPLITS + split) * BLOCK_M
+    base = ((b * tl.num_programs(1) + kv_head) * splits + split) * BLOCK_M
     tl.store(max_ptr + base + rows, m_i)
     tl.store(sum_ptr + base + rows, l_i)
     tl.store(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
@@ -104,21 +109,21 @@ def _tanh(x):
 @triton.jit
 def _merge_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr,
-    stride_ob, stride_oq, stride_oh, Q,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+    stride_ob, stride_oq, stride_oh, Q, splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    first = (b * tl.num_programs(1) + kv_head) * SPLITS * BLOCK_M
+    first = (b * tl.num_programs(1) + kv_head) * splits * BLOCK_M
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(SPLITS):
+    for s in range(splits):
         m_all = tl.maximum(m_all, tl.load(max_ptr + first + s * BLOCK_M + rows))
     shift = tl.where(m_all == float("-inf"), 0.0, m_all)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s in range(SPLITS):
+    for s in range(splits):
         base = first + s * BLOCK_M
         w = tl.exp(tl.load(max_ptr + base + rows) - shift)
         total += w * tl.load(sum_ptr + base + rows)
@@ -166,12 +171,12 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         query.stride(0), query.stride(1), query.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         scale, q_len, window if window is not None else capacity + q_len, softcap or 1.0,
-        PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLITS=splits,
+        PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
     )
     _merge_kernel[(batch, kv_heads)](
-        acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, SPLITS=splits,
+        acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len, splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
     )
     return out
