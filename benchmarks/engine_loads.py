@@ -105,7 +105,8 @@ def mode_points(mode: str, cfg: AppConfig, works: dict[int, Work], chunks: list[
                 spec_before = core.total_stats.to_dict()
                 watchdog.arm()
                 # Prompts of this point's own: an earlier budget's are in the prefix cache.
-                records, steps = run_engine(core, work if index == 0 else replace(work, prompts=reseeded(work, 1000 + index)))
+                fresh = work if index == 0 else replace(work, prompts=reseeded(work, 1000 + index))
+                records, steps = run_engine(core, fresh)
                 watchdog.disarm()
                 point = {"mode": mode, "concurrency": concurrency, "prefill_chunk_tokens": chunk,
                          "summary": summarize(records), "steps": steps,
@@ -129,7 +130,8 @@ def row(point: dict, nospec_tok_s: float | None = None) -> dict:
     lat = s.latency_ms
     tok_s = s.output_token_throughput_tps
     values = {
-        "mode": point["mode"], "concurrency": point["concurrency"], "prefill_chunk_tokens": point["prefill_chunk_tokens"],
+        "mode": point["mode"], "concurrency": point["concurrency"],
+        "prefill_chunk_tokens": point["prefill_chunk_tokens"],
         "submitted": s.submitted, "completed": s.completed, "failed": s.failed, "output_tok_s": round(tok_s, 1),
         "x_nospec": round(tok_s / nospec_tok_s, 3) if nospec_tok_s else None,
         "tpot_p50_ms": _r(lat["tpot_ms"].p50), "tpot_p95_ms": _r(lat["tpot_ms"].p95),

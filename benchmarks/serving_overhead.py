@@ -118,7 +118,8 @@ def run_engine(core: EngineCore, work: Work) -> tuple[list[RequestRecord], dict]
     stalls, captured = [], graph_captures(core)
     admit()
     while live:
-        start, prefill_tokens, rows = time.perf_counter(), core.scheduler.num_prefill_tokens, len(core.scheduler.running)
+        start, rows = time.perf_counter(), len(core.scheduler.running)
+        prefill_tokens = core.scheduler.num_prefill_tokens
         outputs = core.step()
         now = time.perf_counter()
         step_s.append(now - start)
@@ -173,7 +174,8 @@ def engine_point(cfg: AppConfig, work: Work, warmup: Work, device: str, runs: in
         earlier = []
         for run in range(runs):
             # Earlier runs get prompts of their own: repeated prompts would hit the prefix cache.
-            records, steps = run_engine(core, work if run == runs - 1 else replace(work, prompts=reseeded(work, 100 + run)))
+            fresh = work if run == runs - 1 else replace(work, prompts=reseeded(work, 100 + run))
+            records, steps = run_engine(core, fresh)
             point = {"summary": summarize(records), "steps": steps, "spec": core.total_stats.to_dict()}
             log(f"in process, run {run + 1}/{runs}: {point['summary'].output_token_throughput_tps:.1f} tok/s, "
                 f"{json.dumps(steps)}")

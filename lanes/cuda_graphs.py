@@ -1,4 +1,5 @@
-"""CUDA graphs of the engine's forwards, captured on first use per shape bucket and replayed after.
+"""CUDA graphs of the engine's forwards, one per shape bucket, replayed after their capture. Lanes
+capture them before serving (ModelRunner.capture_graphs); a bucket missed there is captured on first use.
 
 - `GraphedForward`: the few-token forward (decode: Q = 1 or 2, verify: Q = L + 1), one graph per
   (batch bucket, Q).
@@ -151,7 +152,8 @@ class GraphedPrefill:
                       torch.zeros(bucket, dtype=torch.int32, device=self.device),
                       torch.zeros(bucket, padded, dtype=torch.long, device=self.device),
                       torch.zeros(bucket, dtype=torch.long, device=self.device))
-            graph = self.graphs[key] = _capture(inputs, self.forward, self.mempool, self.capture_stream, self.capture_ms, key)
+            graph = self.graphs[key] = _capture(inputs, self.forward, self.mempool, self.capture_stream,
+                                                self.capture_ms, key)
         slots, _, ids, rows_keep = graph.inputs
         # Past a row's width the buffer keeps earlier prompts' tokens: valid ids, behind the causal mask.
         ids[:batch, :width].copy_(input_ids, non_blocking=True)
