@@ -16,6 +16,9 @@ from lanes.tensor_parallel import TPGroup, row_parallel_linear
 
 KV_BOUND_MULTIPLE = 64  # round the gathered length up so shapes repeat (fewer allocator / kernel variants)
 GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer inputs are prefill
+# Eager chunk widths run once at start (ModelRunner.capture_graphs): each side of the attention
+# kernel's row tiles (16, 32, 64, 128), multiples of 16 and not, which Triton compiles apart.
+EAGER_CHUNK_WIDTHS = (15, 16, 24, 32, 48, 64, 100, 128)
 
 
 @dataclass(frozen=True)
@@ -124,21 +127,33 @@ class ModelRunner:
         (off CUDA, where tests force "graphs" on, they run eagerly on their padded buffers)."""
         if self.graphs is None:
             return 0.0
-        start_s, pad = time.perf_counter(), self.pool.pad_slot
+        start_s = time.perf_counter()
         shapes = [(b, q, False) for b in self.graphs.buckets for q in sorted(set(q_lens))
                   if q <= GRAPH_MAX_Q and self._kernel_fits(q)]
         if prefill and self.prefill_graphs is not None:
             shapes += [(b, w, True) for b in self.prefill_graphs.batches for w in self.prefill_graphs.widths
                        if self.prefill_graphs.fits(b, w)]
         for batch, q_len, whole_prompt in shapes:
-            rows = Rows(torch.full((batch,), pad, dtype=torch.long, device=self.device),
-                        torch.zeros(batch, dtype=torch.long, device=self.device), 0)
-            ids = torch.zeros(batch, q_len, dtype=torch.long, device=self.device)
-            keep = torch.full((batch,), q_len - 1, dtype=torch.long, device=self.device) if whole_prompt else None
-            self.forward(rows, ids, keep=keep, prefill=whole_prompt)
+            self._pad_forward(batch, 0, q_len, keep_last=whole_prompt, prefill=whole_prompt)
+        if prefill and self.prefill_graphs is not None:
+            # Chunks that start past position 0 (a prompt's rest after a prefix-cache hit, a long
+            # prompt's later chunks) run eagerly; their first use of a kernel specialisation compiled
+            # it mid-step (0.4-1.2 s stalls on an H200). Widths either side of each attention tile
+            # size, multiples of 16 and not, compile those now. Not yet measured on a GPU.
+            for q_len in EAGER_CHUNK_WIDTHS:
+                if self.pool.shape.block_size + q_len <= self.pool.shape.capacity_tokens:
+                    self._pad_forward(1, self.pool.shape.block_size, q_len, keep_last=True, prefill=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return (time.perf_counter() - start_s) * 1e3
+
+    def _pad_forward(self, batch: int, start: int, q_len: int, keep_last: bool, prefill: bool) -> None:
+        """A forward of `batch` rows on the pool's pad slot (writes only its pad block)."""
+        rows = Rows(torch.full((batch,), self.pool.pad_slot, dtype=torch.long, device=self.device),
+                    torch.full((batch,), start, dtype=torch.long, device=self.device), start)
+        ids = torch.zeros(batch, q_len, dtype=torch.long, device=self.device)
+        keep = torch.full((batch,), q_len - 1, dtype=torch.long, device=self.device) if keep_last else None
+        self.forward(rows, ids, keep=keep, prefill=prefill)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of hidden states [..., H], soft-capped as HF's forward does (in the model's dtype)."""
