@@ -135,8 +135,12 @@ def merge_rows(num_rows: int, parts: list[tuple[list[int], VerifyResult | BaseEx
     logprobs: list = [None] * num_rows
     errors: list[Exception | None] = [None] * num_rows
     for rows, result in parts:
-        error = lane_error(result) if isinstance(result, BaseException) else None
+        failed = lane_error(result) if isinstance(result, BaseException) else None
+        # A sub-batch that ran may still carry errors of its own rows (a verify replica out of
+        # blocks sheds some rows and verifies the rest).
+        row_errors = result.errors if failed is None else None
         for i, row in enumerate(rows):
+            error = failed or (row_errors[i] if row_errors is not None else None)
             if error is not None:
                 errors[row] = error
                 continue

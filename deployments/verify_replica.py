@@ -12,6 +12,7 @@ from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from deployments.lease_router import LeaseRouter, replica_lease
+from deployments.remote import merge_rows
 from deployments.slot_owners import SlotOwners
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
@@ -48,6 +49,7 @@ class VerifyServer:
         self.lease = replica_lease()
         self.rows_verified = 0  # rows of this replica's slots verified here
         self.stale_rows = 0  # rows refused: another replica's slots
+        self.rows_shed = 0  # rows not verified for want of KV blocks (their requests are recomputed)
         self.stale_releases = 0  # slots of another replica whose release was ignored
         self.owners = SlotOwners(self._free_slots)
 
@@ -157,8 +159,21 @@ class VerifyServer:
     async def _forward(self, batches: list[VerifyBatch]) -> list[VerifyResult]:
         merged = merge_batches(batches)
         start = time.perf_counter()
-        timed = TIMELINE.timed("verify", self.lane.verify, rows=len(merged.target_slots), calls=len(batches))
-        result = await self.worker.run(timed, merged)
+        rows = len(merged.target_slots)
+        timed = TIMELINE.timed("verify", self.lane.verify, rows=rows, calls=len(batches))
+        fit = self.lane.rows_that_fit(merged)
+        if len(fit) == rows:
+            result = await self.worker.run(timed, merged)
+        else:  # out of blocks for some rows: verify the rest, and have the decode replicas recompute these
+            kept = set(fit)
+            shed = [row for row in range(rows) if row not in kept]
+            self.rows_shed += len(shed)
+            log.info("verify: %d of %d rows shed, no free KV blocks for their drafts", len(shed), rows)
+            parts = [(shed, PoolFullError(f"no free KV blocks for this row's drafts ({len(shed)} of {rows} "
+                                          "rows shed)"))]
+            if fit:
+                parts.append((fit, await self.worker.run(timed, merged.select(fit))))
+            result = merge_rows(rows, parts)
         self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(merged.target_slots))
         pool = self.lane.pool
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
@@ -178,7 +193,7 @@ class VerifyServer:
                 "kv_blocks_free": self.lane.pool.num_free_blocks, "kv_blocks_total": self.lane.pool.shape.num_blocks,
                 "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
                 "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
-                "stale_rows": self.stale_rows, "stale_releases": self.stale_releases}
+                "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
@@ -221,8 +236,11 @@ def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:
 def split_result(result: VerifyResult, rows: list[int]) -> list[VerifyResult]:
     out, start = [], 0
     for n in rows:
-        out.append(VerifyResult(result.tokens[start : start + n], result.num_accepted[start : start + n],
-                                None if result.logprobs is None else result.logprobs[start : start + n]))
+        part = slice(start, start + n)
+        errors = None if result.errors is None else result.errors[part]
+        out.append(VerifyResult(result.tokens[part], result.num_accepted[part],
+                                None if result.logprobs is None else result.logprobs[part],
+                                errors if errors is not None and any(e is not None for e in errors) else None))
         start += n
     return out
 

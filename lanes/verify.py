@@ -94,6 +94,23 @@ class VerifyLane:
     def pool(self):
         return self.runner.pool
 
+    def rows_that_fit(self, batch: VerifyBatch) -> list[int]:
+        """The rows, in order, whose drafts the pool's free blocks can back now (`launch` reserves
+        them all or none). A merged batch too big for the pool then verifies these and sheds the
+        rest, instead of failing whole. Host-side; one vector sum unless the pool is short."""
+        pool = self.pool
+        wanted = -(-np.add(batch.num_tokens, batch.num_draft) // pool.block_size)
+        need = np.maximum(wanted - pool.num_held[batch.target_slots], 0)
+        free = pool.num_free_blocks
+        if need.sum() <= free:
+            return list(range(len(need)))
+        fit = []
+        for row, blocks in enumerate(need.tolist()):  # first come, first served
+            if blocks <= free:
+                fit.append(row)
+                free -= blocks
+        return fit
+
     def verify(self, batch: VerifyBatch) -> VerifyResult:
         """Score [last token, drafts...] of every row in one forward, accept by the rejection rule,
         and roll the target cache back to the committed tokens. With no drafts this is one

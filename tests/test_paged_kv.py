@@ -282,3 +282,30 @@ def test_a_verify_lane_out_of_blocks_requeues_its_rows_instead_of_failing_them(l
     for i, p in enumerate(prompts):
         assert outputs[str(i)] == hf_greedy(target, p, 20)
     _assert_no_leaks(engine)
+
+
+def test_a_verify_lane_short_of_blocks_picks_the_rows_it_can_back_first_come(llama_pair):
+    """VerifyLane.rows_that_fit: every row while the free blocks cover the batch; else, in row order,
+    each row whose drafts still fit (a later, smaller row may fit where an earlier one did not)."""
+    from lanes.verify import VerifyBatch
+
+    target, draft = llama_pair
+    engine = small_engine(target, draft, block_size=4, num_kv_blocks=30, max_model_len=40)
+    lane = engine.verifier.lane
+    pool = lane.pool
+    slots = [pool.allocate() for _ in range(3)]
+    for slot in slots:
+        pool.reserve([slot], [8])  # 2 blocks each
+        pool.lengths[slot] = 8
+    pool.reserve([pool.allocate()], [72])  # 18 blocks held elsewhere: 6 of 30 left
+
+    def batch(num_tokens: list[int], num_draft: list[int]) -> VerifyBatch:
+        rows = len(num_tokens)
+        return VerifyBatch(slots[:rows], num_tokens, [1] * rows, torch.zeros(rows, max(num_draft), dtype=torch.long),
+                           None, num_draft, [SamplingParams()] * rows, [0] * rows)
+
+    assert lane.rows_that_fit(batch([9, 9, 9], [3, 3, 3])) == [0, 1, 2]  # 12 tokens: 1 more block each
+    # Rows want 4 + 1 + 2 more blocks against 6 free: the first two fit, the third does not.
+    assert lane.rows_that_fit(batch([9, 9, 9], [15, 3, 7])) == [0, 1]
+    assert lane.rows_that_fit(batch([9, 9, 9], [27, 3, 3])) == [1, 2]  # the first wants 7
+    assert pool.num_free_blocks == 6  # it only counts; launch reserves

@@ -57,3 +57,21 @@ def test_results_by_lease_merge_back_in_row_order_and_a_failed_lease_fails_its_r
 def test_merged_rows_without_a_failure_carry_no_errors():
     merged = merge_rows(2, [([1], VerifyResult([[5]], [0])), ([0], VerifyResult([[6, 2]], [1]))])
     assert merged.tokens == [[6, 2], [5]] and merged.errors is None
+
+
+def test_rows_a_verify_replica_shed_keep_their_errors_through_split_and_merge():
+    """A verify replica out of KV blocks verifies the rows that fit and sheds the rest with
+    PoolFullError (VerifyServer._forward): each caller's part keeps its rows' errors, and the decode
+    replica's merge by lease keeps them too, so it recomputes only those rows."""
+    from lanes.kv_pool import PoolFullError
+
+    shed = PoolFullError("no free KV blocks")
+    replica = merge_rows(4, [([1, 3], shed), ([0, 2], VerifyResult([[1], [2, 3]], [0, 1]))])
+    first, second = split_result(replica, [2, 2])
+    assert first.tokens == [[1], []] and first.errors[0] is None and first.errors[1] is shed
+    assert second.tokens == [[2, 3], []] and second.errors == [None, shed]
+    assert split_result(VerifyResult([[1], [2]], [0, 0]), [1, 1])[0].errors is None
+
+    decode = merge_rows(3, [([2, 0], second), ([1], VerifyResult([[9]], [0]))])
+    assert decode.tokens == [[], [9], [2, 3]] and decode.num_accepted == [0, 0, 1]
+    assert decode.errors == [shed, None, None]
