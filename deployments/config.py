@@ -163,6 +163,9 @@ class EngineArgs(_Strict):
                                       "max_num_seqs sequences of max_model_len.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse the KV of full prompt blocks that "
                                         "earlier requests computed (both models' pools).")
+    cuda_graphs: bool | None = Field(default=None, description="Replay decode, verify and whole-prompt "
+                                     "prefill forwards as CUDA graphs, captured at replica start. None: on "
+                                     "CUDA. false: eager forwards and no capture (vLLM's enforce_eager).")
     max_migrations: int = Field(default=3, ge=0, description="pdv: times a request is recomputed on another "
                                 "verify replica when the one holding its KV is scaled down or dies (its "
                                 "output goes on where it stopped); once more, it fails. 0: it fails at once.")

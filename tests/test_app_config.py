@@ -21,3 +21,11 @@ def test_max_model_len_defaults_to_the_targets_context_and_an_explicit_value_win
 def test_an_unreadable_target_config_asks_for_max_model_len(tmp_path):
     with pytest.raises(ValidationError, match="set engine.max_model_len"):
         AppConfig(mode="nospec", target={"path": str(tmp_path)})  # a directory with no config.json
+
+
+def test_cuda_graphs_can_be_turned_off_by_config(pair_paths):
+    target, draft = pair_paths
+    models = {"target": {"path": target}, "draft": {"path": draft}}
+    assert AppConfig(mode="spec", **models).engine.engine_config("spec").cuda_graphs is None  # on where CUDA is
+    off = AppConfig(mode="spec", engine={"cuda_graphs": False}, **models)
+    assert off.engine.engine_config("spec").cuda_graphs is False
