@@ -151,7 +151,7 @@ class VerifyServer:
         self._set_queue_depth(rows)
         try:
             result = await self.batcher.submit(batch)
-            self.rows_verified += rows
+            self.rows_verified += rows - sum(error is not None for error in result.errors or [])  # less those shed
             return result
         finally:
             self._set_queue_depth(-rows)
