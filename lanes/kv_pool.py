@@ -117,10 +117,14 @@ class KVPool:
 
     # ---- blocks -----------------------------------------------------------------------------
 
+    def blocks_short(self, slots: list[int], num_tokens) -> np.ndarray:
+        """Per slot, the new blocks needed to back the first `num_tokens[i]` positions of `slots[i]`."""
+        wanted = -(-np.asarray(num_tokens, dtype=np.int64) // self.block_size)
+        return np.maximum(wanted - self.num_held[slots], 0)
+
     def blocks_needed(self, slots: list[int], num_tokens) -> int:
         """New blocks needed to back the first `num_tokens[i]` positions of `slots[i]`."""
-        wanted = -(-np.asarray(num_tokens, dtype=np.int64) // self.block_size)
-        return int(np.maximum(wanted - self.num_held[slots], 0).sum())
+        return int(self.blocks_short(slots, num_tokens).sum())
 
     def reserve(self, slots: list[int], num_tokens) -> None:
         """Back the first `num_tokens[i]` positions of `slots[i]` with blocks, all or none (raises

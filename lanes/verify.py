@@ -98,10 +98,8 @@ class VerifyLane:
         """The rows, in order, whose drafts the pool's free blocks can back now (`launch` reserves
         them all or none). A merged batch too big for the pool then verifies these and sheds the
         rest, instead of failing whole. Host-side; one vector sum unless the pool is short."""
-        pool = self.pool
-        wanted = -(-np.add(batch.num_tokens, batch.num_draft) // pool.block_size)
-        need = np.maximum(wanted - pool.num_held[batch.target_slots], 0)
-        free = pool.num_free_blocks
+        need = self.pool.blocks_short(batch.target_slots, np.add(batch.num_tokens, batch.num_draft))
+        free = self.pool.num_free_blocks
         if need.sum() <= free:
             return list(range(len(need)))
         fit = []
