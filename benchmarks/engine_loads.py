@@ -36,13 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.gpu_modes import free_device_memory, save_pair  # noqa: E402
+from benchmarks.gpu_modes import save_pair  # noqa: E402
 from benchmarks.serving import git_commit, load_average, machine  # noqa: E402
-from benchmarks.serving_overhead import Work, app_config, reseeded, run_engine  # noqa: E402
+from benchmarks.serving_overhead import Work, app_config, colocated_engine, reseeded, run_engine  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
-from deployments.factories import build_proposer  # noqa: E402
-from lanes.engine_core import EngineCore  # noqa: E402
-from lanes.models import load_model  # noqa: E402
 from loadtest.summary import summarize  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -87,15 +84,10 @@ class Watchdog:
 
 
 def mode_points(mode: str, cfg: AppConfig, works: dict[int, Work], chunks: list[int], device: str,
-                warmup: Work, watchdog: Watchdog, on_point, capture: bool = True) -> list[dict]:
-    target = load_model(cfg.target.path, cfg.target.dtype, device)
-    draft = load_model(spec.path, spec.dtype, device) if (spec := cfg.draft_model) is not None else None
-    core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode), proposer=build_proposer(cfg, device))
-    try:
-        if capture:
-            log(f"{mode}: graphs captured in {core.capture_graphs() / 1e3:.1f} s")
+                warmup: Work, watchdog: Watchdog, on_point, capture: bool = True) -> None:
+    """Every (prefill budget, concurrency) point of one mode, each handed to `on_point` as it ends."""
+    with colocated_engine(cfg, device, capture) as core:
         run_engine(core, warmup)
-        points = []
         # Only unified prefills beside decoding steps that emit several tokens a row: nospec's prefill
         # keeps up at one prompt a step, and spec prefills before decoding (in idle_prefill_tokens).
         for index, chunk in enumerate(chunks if mode == "unified" else chunks[:1]):
@@ -112,12 +104,7 @@ def mode_points(mode: str, cfg: AppConfig, works: dict[int, Work], chunks: list[
                          "summary": summarize(records), "steps": steps,
                          "acceptance": _acceptance(spec_before, core.total_stats.to_dict())}
                 log(f"{mode} c{concurrency} chunk {chunk}: {json.dumps(row(point))}")
-                points.append(point)
                 on_point(point)
-        return points
-    finally:
-        del core, target, draft
-        free_device_memory()
 
 
 def _acceptance(before: dict, after: dict) -> float | None:

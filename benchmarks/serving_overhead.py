@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -143,9 +145,8 @@ def run_engine(core: EngineCore, work: Work) -> tuple[list[RequestRecord], dict]
 
 def graph_captures(core: EngineCore) -> dict[str, float]:
     """Every CUDA graph the engine's runners captured so far, with what its capture cost (ms)."""
-    runners = {"target": getattr(getattr(core.verifier, "lane", None), "runner", None), "draft": core.draft}
     found = {}
-    for name, runner in runners.items():
+    for name, runner in core.local_runners().items():
         for kind in ("graphs", "prefill_graphs"):
             if (graphs := getattr(runner, kind, None)) is not None:
                 found.update({f"{name} {kind} {key}": ms for key, ms in graphs.capture_ms.items()})
@@ -160,16 +161,28 @@ def _record(index: int, work: Work, start_s: float, end_s: float, first_s: float
                          ttft_ms, tpot_ms, [], tokens, error=error)
 
 
-def engine_point(cfg: AppConfig, work: Work, warmup: Work, device: str, runs: int = 1) -> dict:
-    """The co-located engine of the mode's config (unified's lanes for pd and pdv), warmed up first.
-    With `runs` > 1 the work runs again on the same engine and the last run counts; the others are
-    kept under "earlier_runs", so a first run that paid for captures shows itself."""
+@contextlib.contextmanager
+def colocated_engine(cfg: AppConfig, device: str, capture: bool = True) -> Iterator[EngineCore]:
+    """The co-located engine of the mode's config (unified's lanes for pd and pdv), its graphs
+    captured as a served engine's are at start (deployments/factories.py); freed on exit."""
     target = load_model(cfg.target.path, cfg.target.dtype, device)
     draft = load_model(spec.path, spec.dtype, device) if (spec := cfg.draft_model) is not None else None
     mode = cfg.mode if cfg.mode in ("nospec", "spec", "unified") else "unified"
     core = EngineCore.colocated(target, draft, cfg.engine.engine_config(mode), proposer=build_proposer(cfg, device))
-    core.capture_graphs()  # as a served engine does at start (deployments/factories.py)
     try:
+        if capture:
+            log(f"{cfg.mode}: graphs captured in {core.capture_graphs() / 1e3:.1f} s")
+        yield core
+    finally:
+        del core, target, draft
+        free_device_memory()
+
+
+def engine_point(cfg: AppConfig, work: Work, warmup: Work, device: str, runs: int = 1) -> dict:
+    """The co-located engine of the mode's config, warmed up first. With `runs` > 1 the work runs
+    again on the same engine and the last run counts; the others are kept under "earlier_runs", so a
+    first run that paid for captures shows itself."""
+    with colocated_engine(cfg, device) as core:
         run_engine(core, warmup)
         earlier = []
         for run in range(runs):
@@ -183,9 +196,6 @@ def engine_point(cfg: AppConfig, work: Work, warmup: Work, device: str, runs: in
         point["earlier_runs"] = [{"output_tok_s": p["summary"].output_token_throughput_tps, "steps": p["steps"]}
                                  for p in earlier[:-1]]
         return point
-    finally:
-        del core, target, draft
-        free_device_memory()
 
 
 # ---- served ------------------------------------------------------------------------------------

@@ -152,6 +152,12 @@ class EngineCore:
         return cls(config, target_runner.vocab_size, tokenizer, eos_ids, draft_runner,
                    LocalVerifier(VerifyLane(target_runner)), prefiller, streams, proposer)
 
+    def local_runners(self) -> dict[str, ModelRunner]:
+        """The runners whose forwards run in this process: the target's where it verifies here
+        (unified, spec, nospec, pd), and the draft's."""
+        target = getattr(getattr(self.verifier, "lane", None), "runner", None)
+        return {name: r for name, r in (("target", target), ("draft", self.draft)) if r is not None}
+
     def capture_graphs(self) -> float:
         """Capture the CUDA graphs of this engine's own forwards before it serves, so that no live
         step stalls on a first use (ModelRunner.capture_graphs): the target's forward at 1 to L + 1
@@ -159,13 +165,13 @@ class EngineCore:
         2-token forwards, and whole-prompt prefill where prompts are prefilled here. Remote lanes
         capture their own; a draft length the controller raises past L captures on first use. Returns
         the ms spent."""
-        target = getattr(getattr(self.verifier, "lane", None), "runner", None)
+        runners = self.local_runners()
         prefill_here = isinstance(self.prefiller, LocalPrefiller)
         spent_ms = 0.0
-        if target is not None:
+        if (target := runners.get("target")) is not None:
             spent_ms += target.capture_graphs(range(1, self.default_draft_len + 2), prefill=prefill_here)
-        if self.draft is not None:
-            spent_ms += self.draft.capture_graphs({1, 2}, prefill=prefill_here)
+        if (draft := runners.get("draft")) is not None:
+            spent_ms += draft.capture_graphs({1, 2}, prefill=prefill_here)
         if spent_ms:
             log.info("captured the engine's CUDA graphs in %.1f s", spent_ms / 1e3)
         return spent_ms
