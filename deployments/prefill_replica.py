@@ -1,6 +1,7 @@
 """Prefill lane deployment: prompts of many requests prefilled together, KV handed to the owners."""
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -15,9 +16,11 @@ from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from lanes.streams import PREFILL_PRIORITY
 from deployments.metrics import LaneMetrics
-from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob
+from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
 from deployments.timeline import TIMELINE, replica_report
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,12 +86,29 @@ class PrefillServer:
             out.done.target_lease, out.done.target_slot = await asyncio.wait_for(
                 self.verify.load_kv.remote(out.verify_kv, job.owner), PEER_CALL_TIMEOUT_S)
         elif out.committed is not None:
-            await asyncio.wait_for(asyncio.shield(out.committed), PEER_CALL_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(asyncio.shield(out.committed), PEER_CALL_TIMEOUT_S)
+            except TimeoutError as exc:
+                # The decode replica never learns this slot (it recomputes the request elsewhere): a
+                # verify replica that answers late must not keep it.
+                asyncio.ensure_future(self._release_once_settled(out))
+                raise replica_silent(out.done.target_lease) from exc
         self.handed_over[out.draft] += 1
         TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target,
                         draft=out.draft, target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
                         received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
         return out.done
+
+    async def _release_once_settled(self, out: Prefilled) -> None:
+        """Free a slot whose commit did not answer in time, after the commit (a release that overtook
+        it would leave the slot's owner recorded on a free slot)."""
+        await asyncio.wait([out.committed])
+        if out.committed.cancelled() or out.committed.exception() is not None:
+            return  # not committed: the replica is gone, with its pool
+        try:
+            await self.verify.release.remote([out.done.target_slot], lease=out.done.target_lease)
+        except Exception as exc:  # noqa: BLE001 - it went since: its pool with it
+            log.info("release of a late-committed verify slot failed: %s", exc)
 
     async def _forward(self, jobs: list[PrefillJob]) -> list[Prefilled]:
         batch_s = time.time()

@@ -66,6 +66,16 @@ class PrefillDone:
     prompt_logprobs: TokenLogprobs | None = None  # echo: the prompt tokens', when asked
 
 
+def replica_silent(lease: str) -> KVLost:
+    """The verify replica `lease`, asked by name, did not answer within PEER_CALL_TIMEOUT_S: taken as
+    gone, so its requests are recomputed on a replica that answers (at most `max_migrations` times).
+    A stopping replica can be silent so while the routers have not yet learnt that it stops: on a
+    busy 2-core host, a 3 -> 1 scale-down failed one stream with this timeout before it was taken as
+    a loss (tests/test_verify_drain.py). A call that names no replica and times out means no verify
+    replica answered at all: it fails as it is."""
+    return KVLost(f"verify replica {lease} did not answer in {PEER_CALL_TIMEOUT_S:g} s")
+
+
 class RemoteVerifier:
     """The verify lane of pdv. A batch's rows may hold KV in different verify replicas: each replica
     gets its own rows (one call each, all at once), and the results come back in row order. A call
@@ -96,7 +106,12 @@ class RemoteVerifier:
         return merge_rows(len(batch.target_slots), list(zip(by_lease.values(), results)))
 
     async def _verify_rows(self, batch: VerifyBatch, lease: str | None) -> VerifyResult:
-        return await asyncio.wait_for(self._call("verify", batch, lease=lease), self.timeout_s)
+        try:
+            return await asyncio.wait_for(self._call("verify", batch, lease=lease), self.timeout_s)
+        except TimeoutError as exc:
+            if lease is None:
+                raise
+            raise replica_silent(lease) from exc
 
     def allocate(self) -> int | None:
         return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane

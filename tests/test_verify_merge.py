@@ -1,9 +1,12 @@
 """Verify calls from several decode replicas merge into one batch and split back per caller; a decode
 replica's batch splits by verify replica (lease) and its results merge back in row order."""
 
+import asyncio
+
 import torch
 
-from deployments.remote import merge_rows
+from deployments.remote import RemoteVerifier, merge_rows
+from lanes.backends import KVLost
 from deployments.verify_replica import merge_batches, split_result
 from lanes.params import SamplingParams
 from lanes.verify import VerifyBatch, VerifyResult
@@ -75,3 +78,25 @@ def test_rows_a_verify_replica_shed_keep_their_errors_through_split_and_merge():
     decode = merge_rows(3, [([2, 0], second), ([1], VerifyResult([[9]], [0]))])
     assert decode.tokens == [[], [9], [2, 3]] and decode.num_accepted == [0, 0, 1]
     assert decode.errors == [shed, None, None]
+
+
+class _SilentLane:
+    """A verify lane whose calls never answer (what a caller sees of a stopping replica whose
+    refusals its router keeps retrying)."""
+
+    class _Method:
+        def remote(self, *args, **kwargs):
+            return asyncio.get_running_loop().create_future()
+
+    verify = _Method()
+
+
+def test_a_replica_asked_by_name_that_never_answers_is_taken_as_gone():
+    # Rows leased to a silent replica are recomputed elsewhere (KVLost); rows that name no replica
+    # fail with the timeout as they are.
+    batch = _batch(3, 2, True)
+    batch.target_leases = ["a", None, "a"]
+    verifier = RemoteVerifier(_SilentLane(), loop=None, timeout_s=0.05)
+    merged = asyncio.run(verifier._verify_by_lease(batch))
+    assert isinstance(merged.errors[0], KVLost) and merged.errors[0] is merged.errors[2]
+    assert isinstance(merged.errors[1], TimeoutError)
