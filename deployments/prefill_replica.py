@@ -202,8 +202,10 @@ class PrefillServer:
         lease, slots, blocks = await asyncio.wait_for(self.verify.allocate_many.remote(lengths), PEER_CALL_TIMEOUT_S)
         try:
             pool = await self._verify_pool(lease)
-        except BaseException:
+        except BaseException as exc:
             self.verify.release.remote(slots, lease=lease)
+            if isinstance(exc, TimeoutError):
+                raise replica_silent(lease) from exc
             raise
         if pool is None:  # out of reach: copy through Ray instead
             self.verify.release.remote(slots, lease=lease)
