@@ -60,14 +60,14 @@ class EngineServer:
                  max_stream_messages_per_s: float | None = None, engine_process: bool = False,
                  start_workers=None):
         """`start_workers()`: starts the worker ranks of a tensor-parallel engine in this replica's
-        placement group and returns (the address the ranks meet at, the workers); the engine, rank 0,
-        is built with `tp_address=` that address (deployments/tp_workers.py)."""
+        placement group (deployments/tp_workers.py `ShardWorkers`); the engine, rank 0, is built with
+        `tp_address=` the address they meet at."""
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
         self.lane = "decode" if mode in ("pd", "pdv") else "engine"
-        self.shard_workers = []  # held, so that the workers live as long as this replica
+        self.shard_workers = None  # held, so that the workers live as long as this replica
         if start_workers is not None:
-            address, self.shard_workers = start_workers()
-            engine_factory = partial(engine_factory, tp_address=address)
+            self.shard_workers = start_workers()
+            engine_factory = partial(engine_factory, tp_address=self.shard_workers.address)
         streams = dict(stream_interval_s=stream_interval_s, max_stream_messages_per_s=max_stream_messages_per_s)
         if engine_process and prefill is None and verify is None:
             self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)
@@ -80,6 +80,18 @@ class EngineServer:
             self.engine, self.placement_ = self._start_thread(engine_factory, prefill, verify, streams)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
         self.peers = {"prefill": prefill, "verify": verify}
+        self._stopping = False
+        if self.shard_workers is not None:
+            # Serve runs the constructor on the replica's event loop.
+            self._worker_watch = asyncio.get_event_loop().create_task(self._watch_workers())
+
+    async def _watch_workers(self) -> None:
+        """On the first worker rank to end, fail what the engine holds (rank 0 would wait on it in a
+        collective) and fail the health check, so that Serve replaces this replica and its workers."""
+        reason = await self.shard_workers.first_loss()
+        if not self._stopping:
+            log.error("%s: failing the requests this replica holds, and its health check", reason)
+            self.engine.lose(reason)
 
     def _start_process(self, engine_factory, streams: dict) -> ProcessEngine:
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
@@ -114,6 +126,11 @@ class EngineServer:
     async def pid(self) -> int:
         """This replica's process id (operators, fault tests); the engine's own is in `stats()`."""
         return os.getpid()
+
+    async def shard_pids(self) -> list[int]:
+        """The process ids of this replica's tensor-parallel worker ranks 1..N-1 (none at TP = 1)."""
+        actors = self.shard_workers.actors if self.shard_workers is not None else []
+        return list(await asyncio.gather(*(actor.pid.remote() for actor in actors)))
 
     async def lane_health(self) -> dict[str, str]:
         """This lane's state and, in pd and pdv, whether the other lanes answer: "ok" or why not."""
@@ -154,6 +171,7 @@ class EngineServer:
         self.metrics.on_step(snap, step_ms, batch_size)
 
     def __del__(self):
+        self._stopping = True  # its workers stop with the engine: no loss
         self.engine.shutdown()
 
 

@@ -5,10 +5,18 @@ for it (`LaneConfig.deployment_options`, `placement_group_bundles`); worker rank
 so all N ranks sit on one node (STRICT_PACK) with a GPU each. Each worker runs
 `lanes.tp_worker.run_worker`: it loads the models on the host, keeps its shard on its device and
 repeats the engine's forwards until the engine stops it. The actors are the replica's: Ray ends them
-when it ends, and a worker that dies leaves the engine waiting in a collective, which stalls its steps
-and fails the replica's health check (Serve then replaces the replica and its workers).
+when it ends.
+
+A worker that dies leaves rank 0 waiting in a collective that never completes (NCCL waits out its
+timeout; gloo may fail the step instead). The replica does not wait for that: it awaits each
+worker's `run` call, which ends only when the worker does, and on the first to end fails every
+request it holds and every new one at once, and fails Serve's health check, so that Serve replaces
+the replica and its workers (`ShardWorkers.first_loss`, `EngineServer._watch_workers`).
 """
 
+import asyncio
+import os
+from dataclasses import dataclass
 from functools import partial
 
 import ray
@@ -21,28 +29,56 @@ from deployments.gpu_binding import lane_device
 from lanes.tp_worker import Loader, free_port, run_worker
 
 
-@ray.remote
+@ray.remote(max_concurrency=2)  # `pid` answers while `run` runs
 class ShardWorker:
     """One worker rank; `run` lasts as long as the engine."""
 
     def run(self, rank: int, size: int, address: str, num_gpus: float, load: Loader) -> None:
         run_worker(rank, size, address, lane_device(num_gpus), load)
 
+    def pid(self) -> int:
+        """This rank's process id (operators, fault tests)."""
+        return os.getpid()
 
-def start_shard_workers(cfg: AppConfig) -> tuple[str, list]:
-    """In the engine replica: start ranks 1..N-1 in its placement group. Returns the address (tcp://)
-    at which all ranks meet, for rank 0's `build_engine(..., tp_address=)`, and the actors (the
-    replica keeps their handles: an actor whose handles are all gone is ended)."""
+
+@dataclass
+class ShardWorkers:
+    """Ranks 1..N-1 of a replica's tensor-parallel group."""
+
+    address: str  # tcp://host:port at which all ranks meet, for rank 0's `build_engine(..., tp_address=)`
+    actors: list  # held by the replica: an actor whose handles are all gone is ended
+    runs: list[ray.ObjectRef]  # each rank's `run` call, which ends only when the rank does
+
+    async def first_loss(self) -> str:
+        """Wait until a worker rank ends (it does only when it dies, fails, or is stopped) and say
+        which and how."""
+        watches = [asyncio.ensure_future(_ended(rank, run)) for rank, run in enumerate(self.runs, start=1)]
+        done, pending = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+        for watch in pending:
+            watch.cancel()
+        return done.pop().result()
+
+
+async def _ended(rank: int, run: ray.ObjectRef) -> str:
+    try:
+        await run
+    except Exception as exc:  # noqa: BLE001 - what ended it is the report
+        return f"tensor-parallel worker rank {rank} is gone ({type(exc).__name__})"
+    return f"tensor-parallel worker rank {rank} stopped"
+
+
+def start_shard_workers(cfg: AppConfig) -> ShardWorkers:
+    """In the engine replica: start ranks 1..N-1 in its placement group."""
     size, lane = cfg.tensor_parallel_size, cfg.decode_lane
     group = get_current_placement_group()
     if group is None:
         raise RuntimeError("a tensor-parallel replica needs its placement group (placement_group_bundles)")
     address = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
-    workers = []
+    workers = ShardWorkers(address, [], [])
     for rank in range(1, size):
         worker = ShardWorker.options(
             num_cpus=lane.num_cpus, num_gpus=lane.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)).remote()
-        worker.run.remote(rank, size, address, lane.num_gpus, partial(load_shards, cfg))
-        workers.append(worker)
-    return address, workers
+        workers.runs.append(worker.run.remote(rank, size, address, lane.num_gpus, partial(load_shards, cfg)))
+        workers.actors.append(worker)
+    return workers

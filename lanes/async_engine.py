@@ -99,6 +99,7 @@ class StreamingFront:
         self.progress_s = time.monotonic()  # when the engine last stepped or last reported itself idle
         self._streams: dict[str, _Stream] = {}
         self.device_fault: str | None = None  # a failed step left the device unusable (lanes/device_fault.py)
+        self.lost: str | None = None  # a part the engine cannot step without is gone (`lose`)
 
     def problem(self, stall_s: float) -> str | None:
         """Why this engine cannot serve (None when it can): a failed step left its device unusable, its
@@ -106,6 +107,8 @@ class StreamingFront:
         kernel, a deadlock)."""
         if self.device_fault is not None:
             return f"the device is unusable after a failed step ({self.device_fault})"
+        if self.lost is not None:
+            return self.lost
         if not self.loop_alive():
             return "the engine loop has exited"
         quiet_s = time.monotonic() - self.progress_s
@@ -126,6 +129,8 @@ class StreamingFront:
         shared by every stream asks for it). Leaving the iteration early (client
         gone, task cancelled) aborts the request and frees its KV slots.
         """
+        if self.lost is not None:
+            raise EngineLost(self.lost)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         self._start(request_id, prompt, params, stream, time.time())
@@ -175,9 +180,20 @@ class StreamingFront:
         for request_id in list(self._streams):
             self._fail(request_id, exc)
 
+    def lose(self, reason: str) -> None:
+        """A part the engine cannot step without is gone (a tensor-parallel worker rank died): every
+        request it holds fails now and every new one at once, and `problem()` says so, instead of
+        waiting on a step that never ends. The engine is not stopped: it may be stuck in that step."""
+        self.lost = reason
+        self._fail_all(EngineLost(reason))
+
 
 class EngineDeviceFault(RuntimeError):
     """The engine's device is unusable (a sticky CUDA error): every request it held fails with this."""
+
+
+class EngineLost(RuntimeError):
+    """A part the engine cannot step without is gone: every request it held fails with this."""
 
 
 class AsyncEngine(StreamingFront):
@@ -209,7 +225,9 @@ class AsyncEngine(StreamingFront):
             self._streams[request_id] = stream
             self._fail(request_id, EngineDeviceFault(f"the engine's device is unusable: {self.device_fault}"))
             return
-        # The engine thread takes it in at its next step boundary.
+        # The engine thread takes it in at its next step boundary; the stream is held from now, so
+        # that `lose` reaches it even if that boundary never comes.
+        self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, prompt, params, stream, arrival_s))
 
     def abort(self, request_id: str) -> None:
@@ -245,7 +263,8 @@ class AsyncEngine(StreamingFront):
         self._wake.set()
 
     def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
-        self._streams[request_id] = stream
+        if request_id not in self._streams:
+            return  # failed or aborted while it waited in the inbox
         try:
             self.core.add_request(request_id, prompt, params, arrival_s)
         except Exception as exc:  # bad input fails this request only

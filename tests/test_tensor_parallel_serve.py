@@ -2,15 +2,24 @@
 group of two bundles, its worker rank is a Ray actor in the second (deployments/tp_workers.py), and
 the ranks meet over gloo. Greedy output over HTTP equals HF's greedy `generate` of the whole target.
 (A replica whose worker never came would not answer /health: rank 0 waits in the group's rendezvous
-for every rank before it builds its shards.)"""
+for every rank before it builds its shards.) A worker rank killed under load fails its replica's
+streams at once and the replica is replaced."""
 
+import os
+import signal
+import threading
+import time
+
+import httpx
 import pytest
+from ray import serve
 
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.serve_helpers import MODEL, app_config, openai_client, serving
+from tests.serve_helpers import HTTP_PORT, MODEL, app_config, greedy_choice, openai_client, record_stream, serving
 
 MODES = ("unified", "nospec")
+STREAMS = 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,7 +27,8 @@ def apps(pair_paths):
     target, draft = pair_paths
     configs = {}
     for mode in MODES:
-        configs[mode] = app_config(mode, target, draft)
+        configs[mode] = app_config(mode, target, draft,
+                                   decode_lane={"num_cpus": 0.05, "health_check_period_s": 1.0})
         configs[mode]["target"]["tensor_parallel_size"] = 2
         configs[mode]["draft"]["tensor_parallel_size"] = 2
     with serving(configs):
@@ -33,3 +43,39 @@ def test_greedy_output_of_a_tp2_replica_equals_target_greedy(mode, pair_paths):
         out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
                                    extra_body={"ignore_eos": True, "return_token_ids": True})
         assert out.choices[0].token_ids == hf_greedy(target, prompt, 16)
+
+
+def test_a_dead_worker_rank_fails_its_replicas_requests_at_once_and_serve_replaces_the_replica():
+    # Runs last in the module: it kills nospec's worker rank (SIGKILL) while streams are in flight.
+    # Rank 0 would wait on the dead rank in a collective; the replica fails its streams instead
+    # (deployments/tp_workers.py), and its health check, and Serve starts a new replica and workers.
+    app = "nospec"
+    before = greedy_choice(app, "def add(a, b):")["text"]
+    decode = serve.get_deployment_handle("DecodeLane", app_name=app)
+    replica_pid = decode.pid.remote().result(timeout_s=30)
+    [worker_pid] = decode.shard_pids.remote().result(timeout_s=30)
+    results: list = [None] * STREAMS
+    started = threading.Semaphore(0)
+    threads = [threading.Thread(target=record_stream, args=(app, i, 200, results, started)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=120)
+    killed_s = time.monotonic()
+    os.kill(worker_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    for ended_s, status, events in results:
+        if status == 200 and events[-1] == "[DONE]" and '"error"' not in events[-2]:
+            continue  # finished before the kill
+        assert ended_s - killed_s < 10.0, f"ended {ended_s - killed_s:.1f} s after the kill"
+        assert status == 200 and events[-1] == "[DONE]" and '"error"' in events[-2], (status, events[-3:])
+    deadline = time.monotonic() + 180
+    while httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{app}/health", timeout=10).status_code != 200 or \
+            decode.pid.remote().result(timeout_s=30) == replica_pid:
+        assert time.monotonic() < deadline, "the replica with the dead worker was not replaced"
+        time.sleep(1)
+    print(f"worker rank killed: {STREAMS} streams ended, replica replaced {time.monotonic() - killed_s:.1f} s "
+          "after the kill")
+    assert greedy_choice(app, "def add(a, b):")["text"] == before
