@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lanes.fused_decoder import FusedDecoder, supports
-from lanes.fused_ops import add_rms_norm, rope_store, silu_and_mul
+from lanes.fused_ops import add_gemma_rms_norm, add_rms_norm, gelu_tanh_and_mul, rope_store, silu_and_mul
 from lanes.kv_pool import KVPool, PoolShape
 from lanes.models import build_random_model
 from lanes.params import SamplingParams
@@ -42,6 +42,43 @@ def test_add_rms_norm_matches_hf_rounding(with_residual, dtype):
         tol = KERNEL_TOL[dtype] if use_triton else dict(rtol=0, atol=0)
         torch.testing.assert_close(new_res, summed, **tol)
         torch.testing.assert_close(out, norm(new_res), **tol)  # the norm of the stream it returned
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_gemma_rms_norm_matches_hf_gemma_norms(with_residual, dtype):
+    """Gemma's norm scales by (1 + w) in float32 and rounds once (Llama's rounds before the weight):
+    the same in Gemma-2's and Gemma-3's modules."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    x, res = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = (0.3 * torch.randn(96, generator=gen)).to(dtype)
+    summed = res + x if with_residual else x
+    residual = res if with_residual else None
+    for norm_type in (Gemma2RMSNorm, Gemma3RMSNorm):
+        norm = norm_type(96, eps=1e-6).to(dtype)
+        norm.weight.data = weight
+        for use_triton in (False, True):
+            out, new_res = add_gemma_rms_norm(x, residual, norm.weight, 1e-6, use_triton)
+            tol = KERNEL_TOL[dtype] if use_triton else dict(rtol=0, atol=0)
+            torch.testing.assert_close(new_res, summed, **tol)
+            torch.testing.assert_close(out, norm(new_res), **tol)
+    # Not Llama's rounding: the two norms differ wherever bf16 rounds (the test would pass either way otherwise).
+    if dtype == torch.bfloat16:
+        llama, _ = add_rms_norm(x, residual, 1 + weight, 1e-6, False)
+        assert not torch.equal(llama, add_gemma_rms_norm(x, residual, weight, 1e-6, False)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_kernel_matches_hf_gemma_activation(dtype):
+    from transformers.activations import ACT2FN
+
+    gate_up = (3 * torch.randn(7, 2 * 300, generator=torch.Generator().manual_seed(6))).to(dtype)
+    ref = ACT2FN["gelu_pytorch_tanh"](gate_up[:, :300]) * gate_up[:, 300:]
+    assert torch.equal(gelu_tanh_and_mul(gate_up, False), ref)
+    torch.testing.assert_close(gelu_tanh_and_mul(gate_up, True), ref, **KERNEL_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
