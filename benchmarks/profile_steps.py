@@ -28,7 +28,7 @@ from lanes.sequence import Sequence  # noqa: E402
 from lanes.verify import VerifyBatch, VerifyLane  # noqa: E402
 
 KINDS = (("attention (pool kernel)", ("_split_kernel", "_merge_kernel")), ("GEMM", ("gemm", "Gemm", "sm90", "cutlass", "nvjet")),
-         ("fused norm / rotary+KV write / SiLU-mul", ("_add_rms_norm_kernel", "_rope_store_kernel", "_silu_mul_kernel")),
+         ("fused norm / rotary+KV write / act-mul", ("_add_rms_norm_kernel", "_rope_store_kernel", "_act_mul_kernel")),
          ("KV write (index_put)", ("index_put", "indexing")), ("elementwise / norm / rotary", ("elementwise", "reduce", "vectorized")),
          ("copies", ("Memcpy", "copy")))
 

@@ -1,7 +1,7 @@
 """Which model families the engine runs exactly, decided from the config alone (before any weight loads).
 
 The engine runs HF's own decoder modules over its KV pool (lanes/pool_cache.py, lanes/attention.py),
-or its fused layers for plain Llama-style models (lanes/fused_decoder.py). That is exact when every
+or its fused layers for Llama-family and Gemma-2/3 models (lanes/fused_decoder.py). That is exact when every
 attention call goes through HF's AttentionInterface with features the pool attention implements
 (causal, sliding window, soft-capping) and when a token's rotary table depends on its position only.
 Anything else is refused here with the feature and the config value that triggered it: a config the
@@ -36,11 +36,11 @@ def check_supported(config: PretrainedConfig, max_positions: int | None = None) 
     if getattr(text, "use_bidirectional_attention", False):
         raise UnsupportedModelError(f"{text.model_type}: use_bidirectional_attention=True is not causal decoding")
     positions = max_positions or text.max_position_embeddings
-    for rope in _rope_parameter_sets(text):
+    for rope in rope_parameter_sets(text):
         _check_rope(text, rope, positions)
 
 
-def _rope_parameter_sets(text: PretrainedConfig) -> list[dict]:
+def rope_parameter_sets(text: PretrainedConfig) -> list[dict]:
     """The rotary parameters of each layer type (Gemma-3 keys them by layer type)."""
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):

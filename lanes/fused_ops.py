@@ -1,5 +1,6 @@
 """The elementwise work of a Llama-family layer as one kernel each: residual add + RMSNorm,
-rotary embedding + KV-pool write, SiLU-and-multiply.
+rotary embedding + KV-pool write, SiLU-and-multiply; and Gemma's variants of the norm (scaled by
+1 + w) and of the activation (tanh-approximated GELU).
 
 Unfused, HF spends ~35 small kernels a layer on these (norms alone are six), which on a small draft
 model costs as much GPU time as the GEMMs (benchmarks/profile_steps.py). Each function has a Triton
@@ -14,13 +15,14 @@ import triton.language as tl
 from transformers.models.llama.modeling_llama import rotate_half
 
 from lanes.pool_cache import block_positions
+from lanes.triton_attention import tanh
 
 
 # ---- residual add + RMSNorm --------------------------------------------------------------------
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, hidden,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -32,9 +34,12 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, hidde
         tl.store(res_out_ptr + row * hidden + cols, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+    if UNIT_OFFSET:  # Gemma scales by (1 + w) in float32 and rounds once, at the end
+        out = xf * rstd * (1.0 + w)
+    else:  # Llama rounds the normalised value to the model dtype before the weight
+        out = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -46,12 +51,29 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         variance = summed.float().pow(2).mean(-1, keepdim=True)
         normed = (summed.float() * torch.rsqrt(variance + eps)).to(summed.dtype)
         return weight * normed, summed
+    return _add_rms_norm_triton(x, residual, weight, eps, unit_offset=False)
+
+
+def add_gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm with Gemma's norm: RMSNorm(x + residual) * (1 + weight), all in float32 and rounded
+    to the model dtype once (HF's Gemma2RMSNorm / Gemma3RMSNorm; float32 for a float64 model too)."""
+    if not use_triton:
+        summed = x if residual is None else residual + x
+        xf = summed.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (1.0 + weight.float())).to(summed.dtype), summed
+    return _add_rms_norm_triton(x, residual, weight, eps, unit_offset=True)
+
+
+def _add_rms_norm_triton(x, residual, weight, eps: float, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
     rows, hidden = x.shape
     out = torch.empty_like(x)
     res_out = x if residual is None else torch.empty_like(x)
     _add_rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out, eps, hidden,
-                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+                                  HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+                                  BLOCK=triton.next_power_of_2(hidden))
     return out, res_out
 
 
@@ -129,17 +151,23 @@ def _rope_store_torch(qkv, cos, sin, block_table, slot_ids, starts, k_pool, v_po
     return query * cos_full + rotate_half(query) * sin_full
 
 
-# ---- SiLU and multiply ----------------------------------------------------------------------------
+# ---- activation and multiply (SiLU: Llama family; tanh-approximated GELU: Gemma) --------------------
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _act_mul_kernel(gate_up_ptr, out_ptr, inter, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     gate = tl.load(gate_up_ptr + row * 2 * inter + cols, mask=ok, other=0.0)
     up = tl.load(gate_up_ptr + row * 2 * inter + inter + cols, mask=ok, other=0.0).to(tl.float32)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # HF rounds the activation first
+    if GELU_TANH:
+        # HF's gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). A literal, not a
+        # named global: Triton's interpreter cannot scale a tensor by a global constexpr.
+        act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(gate.dtype).to(tl.float32)  # HF rounds the activation first
     tl.store(out_ptr + row * inter + cols, (act * up).to(gate.dtype), mask=ok)
 
 
@@ -148,9 +176,23 @@ def silu_and_mul(gate_up: torch.Tensor, use_triton: bool) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     if not use_triton:
         return torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    return _act_mul_triton(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    """gate_up [T, 2I] (gate, then up) -> gelu_tanh(gate) * up [T, I]: Gemma's GeGLU
+    (hidden_activation gelu_pytorch_tanh)."""
+    inter = gate_up.shape[-1] // 2
+    if not use_triton:
+        return torch.nn.functional.gelu(gate_up[..., :inter], approximate="tanh") * gate_up[..., inter:]
+    return _act_mul_triton(gate_up, gelu_tanh=True)
+
+
+def _act_mul_triton(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     assert gate_up.is_contiguous()
+    inter = gate_up.shape[-1] // 2
     rows = gate_up.numel() // (2 * inter)
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    _act_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, GELU_TANH=gelu_tanh, BLOCK=block)
     return out

@@ -62,7 +62,7 @@ class ModelRunner:
         self.attention_kernel = self.device.type == "cuda" if attention_kernel is None else attention_kernel
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self._neg = torch.finfo(model.dtype).min
-        # Llama-family models run our fused layers (Triton on CUDA, torch on CPU); others run HF's modules.
+        # Llama-family and Gemma models run our fused layers (Triton on CUDA, torch on CPU); others HF's modules.
         use_fused = supports(model) if fused_layers is None else fused_layers
         if tp is not None and not use_fused:
             raise ValueError("tensor parallelism runs the fused Llama-family layers only (engine.fused_layers)")

@@ -12,8 +12,9 @@ What each rank holds (Megatron-LM's split, as vLLM shards the same layers):
   rank 0 samples, so a vocab-parallel head would have to gather [tokens, V] logits to it each step
   anyway; workers skip it (and drop its weight when it is not tied to the embeddings).
 
-Only the fused Llama-family path (lanes/fused_decoder.py) is sharded: every other family or feature
-it does not compute, and head or MLP sizes that do not divide by the group size, are refused by name
+Only the fused Llama-family path (lanes/fused_decoder.py) is sharded, without sliding windows: every
+other family or feature (Gemma and sliding windows too, which the fused path computes but which are
+not tested sharded), and head or MLP sizes that do not divide by the group size, are refused by name
 at config validation and at load (`check_shardable`, `shard_model`).
 """
 
@@ -25,7 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lanes.families import UnsupportedModelError
-from lanes.fused_decoder import SUPPORTED_TYPES, unsupported_config, unsupported_reason
+from lanes.fused_decoder import sliding_window, unsupported_config, unsupported_reason
+
+TP_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the fused families that shard
 
 
 @dataclass
@@ -77,7 +80,7 @@ def check_shardable(config, size: int) -> None:
     if size == 1:
         return
     text = config.get_text_config()
-    if (reason := unsupported_config(config)) is not None:
+    if (reason := _unshardable(config)) is not None:
         raise _unfused(text.model_type, reason, size)
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     counts = {"num_attention_heads": text.num_attention_heads, "num_key_value_heads": kv_heads,
@@ -106,8 +109,18 @@ def shard_model(model: torch.nn.Module, tp: TPGroup) -> None:
         head.weight.data = head.weight.data[:0]  # workers never run the head (see the module docstring)
 
 
+def _unshardable(config) -> str | None:
+    """What of a config the sharded fused layers do not compute (None: nothing)."""
+    text = config.get_text_config()
+    if text.model_type not in TP_TYPES:
+        return f"model_type={text.model_type!r}"
+    if window := sliding_window(text):
+        return f"sliding_window={window}"
+    return unsupported_config(config)
+
+
 def _unfused(model_type: str, reason: str, size: int) -> UnsupportedModelError:
-    families = ", ".join(SUPPORTED_TYPES)
+    families = ", ".join(TP_TYPES)
     return UnsupportedModelError(
         f"{model_type}: tensor_parallel_size={size} shards the fused Llama-family layers only ({families} without "
         f"sliding windows), which do not compute {reason}; serve it with tensor_parallel_size=1")

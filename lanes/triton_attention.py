@@ -79,7 +79,7 @@ def _split_kernel(
         # The cast comes after the scale: under torch.compile a Python-float scale arrives as fp64.
         s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+            s = softcap * tanh(s / softcap)
         visible = (key_ok[None, :] & (keys[None, :] <= row_last_key[:, None])
                    & (keys[None, :] > row_last_key[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
@@ -100,7 +100,7 @@ def _split_kernel(
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
     # tl has no tanh that the interpreter also runs; exp of a non-positive argument cannot overflow.
     t = tl.exp(-2.0 * tl.abs(x))
     return tl.where(x >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t)

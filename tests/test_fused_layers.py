@@ -1,11 +1,12 @@
-"""The fused Llama-family layers: each Triton kernel (run by Triton's interpreter) against the torch
-path and HF's modules, the whole decoder against HF's hidden states, and the HF path kept working."""
+"""The fused layers (Llama family, Gemma-2/3): each Triton kernel (run by Triton's interpreter) against
+the torch path and HF's modules, the whole decoder against HF's hidden states, and the HF path kept
+working."""
 
 import pytest
 import torch
 
-from lanes.fused_decoder import FusedDecoder, supports
-from lanes.fused_ops import add_rms_norm, rope_store, silu_and_mul
+from lanes.fused_decoder import FusedDecoder, supports, unsupported_reason
+from lanes.fused_ops import add_gemma_rms_norm, add_rms_norm, gelu_tanh_and_mul, rope_store, silu_and_mul
 from lanes.kv_pool import KVPool, PoolShape
 from lanes.models import build_random_model
 from lanes.params import SamplingParams
@@ -42,6 +43,43 @@ def test_add_rms_norm_matches_hf_rounding(with_residual, dtype):
         tol = KERNEL_TOL[dtype] if use_triton else dict(rtol=0, atol=0)
         torch.testing.assert_close(new_res, summed, **tol)
         torch.testing.assert_close(out, norm(new_res), **tol)  # the norm of the stream it returned
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_gemma_rms_norm_matches_hf_gemma_norms(with_residual, dtype):
+    """Gemma's norm scales by (1 + w) in float32 and rounds once (Llama's rounds before the weight):
+    the same in Gemma-2's and Gemma-3's modules."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    x, res = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = (0.3 * torch.randn(96, generator=gen)).to(dtype)
+    summed = res + x if with_residual else x
+    residual = res if with_residual else None
+    for norm_type in (Gemma2RMSNorm, Gemma3RMSNorm):
+        norm = norm_type(96, eps=1e-6).to(dtype)
+        norm.weight.data = weight
+        for use_triton in (False, True):
+            out, new_res = add_gemma_rms_norm(x, residual, norm.weight, 1e-6, use_triton)
+            tol = KERNEL_TOL[dtype] if use_triton else dict(rtol=0, atol=0)
+            torch.testing.assert_close(new_res, summed, **tol)
+            torch.testing.assert_close(out, norm(new_res), **tol)
+    # Not Llama's rounding: the two norms differ wherever bf16 rounds (the test would pass either way otherwise).
+    if dtype == torch.bfloat16:
+        llama, _ = add_rms_norm(x, residual, 1 + weight, 1e-6, False)
+        assert not torch.equal(llama, add_gemma_rms_norm(x, residual, weight, 1e-6, False)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_kernel_matches_hf_gemma_activation(dtype):
+    from transformers.activations import ACT2FN
+
+    gate_up = (3 * torch.randn(7, 2 * 300, generator=torch.Generator().manual_seed(6))).to(dtype)
+    ref = ACT2FN["gelu_pytorch_tanh"](gate_up[:, :300]) * gate_up[:, 300:]
+    assert torch.equal(gelu_tanh_and_mul(gate_up, False), ref)
+    torch.testing.assert_close(gelu_tanh_and_mul(gate_up, True), ref, **KERNEL_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,14 +125,26 @@ def test_rope_store_kernel_matches_torch_path_and_writes_only_the_new_positions(
     assert (k_pool.abs().sum((1, 3)) > 0).eq(written).all()
 
 
-# Qwen3: per-head q/k RMSNorms before the rotary, and a head_dim other than hidden / heads.
-QWEN3 = dict(ARCH_CONFIGS["qwen2"], model_type="qwen3", head_dim=32)
+_GEMMA = dict(ARCH_CONFIGS["llama"], head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False)
+CONFIGS = {
+    **ARCH_CONFIGS,
+    # Qwen3: per-head q/k RMSNorms before the rotary, and a head_dim other than hidden / heads.
+    "qwen3": dict(ARCH_CONFIGS["qwen2"], model_type="qwen3", head_dim=32),
+    # Sandwich (1 + w) norms, GELU, query_pre_attn_scalar, a window of 4 on layers 0 and 2; Gemma-2
+    # soft-caps its scores, Gemma-3 norms q/k heads and rotates sliding layers with a local base.
+    "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
+    "gemma3": dict(_GEMMA, model_type="gemma3_text"),
+}
 
 
 @pytest.mark.parametrize(("arch", "use_triton"), [("llama", False), ("qwen2", False), ("qwen3", False),
-                                                  ("qwen3", True)])
+                                                  ("qwen3", True), ("gemma2", False), ("gemma2", True),
+                                                  ("gemma3", False), ("gemma3", True)])
 def test_fused_decoder_equals_hf_hidden_states_and_shares_the_weights(arch, use_triton):
-    model = build_random_model(QWEN3 if arch == "qwen3" else ARCH_CONFIGS[arch], dtype="float64", seed=3).model
+    model = build_random_model(CONFIGS[arch], dtype="float64", seed=3).model
+    if arch == "gemma2":  # HF's SDPA path drops Gemma-2's soft-cap; its eager softmax runs in float32
+        model.set_attn_implementation("eager")
     assert supports(model)
     bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
     pool = KVPool(PoolShape.for_model(model.config, 2, 64, block_size=3), model.dtype, "cpu")
@@ -114,15 +164,21 @@ def test_fused_decoder_equals_hf_hidden_states_and_shares_the_weights(arch, use_
                              pool.block_table_device)
     with torch.inference_mode():
         ref = model.get_decoder()(input_ids=ids).last_hidden_state
-        # The Triton kernels compute in float32 whatever the model's dtype: float32's tolerance there.
-        torch.testing.assert_close(decoder(ids, meta), ref, **(dict(rtol=1e-4, atol=1e-5) if use_triton else {}))
+        # The Triton kernels compute in float32 whatever the model's dtype, as does HF's eager softmax:
+        # float32's tolerance there.
+        float32 = use_triton or arch == "gemma2"
+        torch.testing.assert_close(decoder(ids, meta), ref, **(dict(rtol=1e-4, atol=1e-5) if float32 else {}))
 
 
 def test_unsupported_architectures_keep_the_hf_modules():
     gpt2 = build_random_model(dict(model_type="gpt2", vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).model
     assert not supports(gpt2)
-    windowed = build_random_model({**ARCH_CONFIGS["qwen2"], "use_sliding_window": True, "sliding_window": 16}).model
-    assert not supports(windowed)
+    windowed = dict(CONFIGS["qwen3"], use_sliding_window=True, sliding_window=16)  # a window not tested fused
+    assert unsupported_reason(build_random_model(windowed).model) == "sliding_window=16"
+    erf_gelu = build_random_model(dict(CONFIGS["gemma2"], hidden_activation="gelu")).model  # exact GELU, not tanh
+    assert unsupported_reason(erf_gelu) == "hidden_activation='gelu'"
+    assert supports(build_random_model({**ARCH_CONFIGS["qwen2"], "use_sliding_window": True,
+                                        "sliding_window": 16}).model)
 
 
 def test_hf_module_path_still_decodes_greedy_equal(llama_pair):

@@ -1,7 +1,8 @@
 """Every family in docs/model_families.md: engine greedy output == HF's own greedy `generate`, token
 for token, on a tiny random-weight config of that family, for batched prompts of 1-150 tokens at
-draft lengths 0, 2 and 4 (the draft a perturbed copy of the target). Families or features the
-engine cannot run exactly must be refused when the model is built, before anything is served."""
+draft lengths 0, 2 and 4 (the draft a perturbed copy of the target), on the path (fused layers or
+HF's modules) the table says. Families or features the engine cannot run exactly must be refused when
+the model is built, before anything is served."""
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ WINDOW = 24  # sliding window, in tokens: shorter than most prompts, so it matte
 _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=1024, initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 _ALTERNATING = ["sliding_attention", "full_attention"]
+_GEMMA3_TEXT = dict(_SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                    layer_types=_ALTERNATING, tie_word_embeddings=False)
 
 FAMILIES = {
     # Llama-3: GQA, llama3 rope scaling, tied embeddings, a head_dim other than hidden / heads.
@@ -30,6 +33,9 @@ FAMILIES = {
                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=64)),
     "qwen2": dict(_SMALL, model_type="qwen2", num_key_value_heads=2),  # q/k/v biases
+    # Layers from max_window_layers on slide: layer 0 attends to everything, layer 1 to a window.
+    "qwen2_window": dict(_SMALL, model_type="qwen2", num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=WINDOW, max_window_layers=1),
     "qwen3": dict(_SMALL, model_type="qwen3", num_key_value_heads=2, head_dim=16),  # q/k norms
     "mistral": dict(_SMALL, model_type="mistral", num_key_value_heads=2, sliding_window=None),
     "mistral_window": dict(_SMALL, model_type="mistral", num_key_value_heads=2, sliding_window=WINDOW),
@@ -38,14 +44,32 @@ FAMILIES = {
                    sliding_window=WINDOW, layer_types=_ALTERNATING, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0, tie_word_embeddings=False),
     # q/k norms, a local rope base on sliding layers.
-    "gemma3": dict(_SMALL, model_type="gemma3_text", num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-                   sliding_window=WINDOW, layer_types=_ALTERNATING, tie_word_embeddings=False),
+    "gemma3": dict(_GEMMA3_TEXT, model_type="gemma3_text"),
+    # Gemma-3 as its checkpoints ship it: the text model inside the image-text model (a tiny vision
+    # tower that no test prompt reaches).
+    "gemma3_multimodal": dict(model_type="gemma3", text_config=dict(_GEMMA3_TEXT, model_type="gemma3_text"),
+                              vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                                 patch_size=14),
+                              mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2,
+                              eoi_token_index=VOCAB - 3, tie_word_embeddings=False),
     "phi3": dict(_SMALL, model_type="phi3", num_key_value_heads=2),  # fused qkv and gate_up projections
     # Partial rotary (a quarter of each head), parallel residual, LayerNorm, biases, no GQA.
     "gpt_neox": dict(_SMALL, model_type="gpt_neox", rotary_pct=0.25, use_parallel_residual=True),
 }
 
-FUSED = {"llama3", "qwen2", "qwen3", "mistral"}  # the rest run HF's decoder modules over the pool (docs/model_families.md)
+FAMILIES["gemma2_hf_modules"] = FAMILIES["gemma2"]  # a fused family run on HF's modules (FORCED_HF_MODULES)
+
+# The rows that take the fused path; the rest run HF's decoder modules over the pool (docs/model_families.md).
+FUSED = {"llama3", "qwen2", "qwen2_window", "qwen3", "mistral", "mistral_window", "gemma2", "gemma3",
+         "gemma3_multimodal"}
+# Rows of a fused family run with EngineConfig.fused_layers=False, so that HF's modules stay tested on
+# sliding windows and soft-capping.
+FORCED_HF_MODULES = {"gemma2_hf_modules"}
+
+
+def _fused_layers(name: str) -> bool | None:
+    return False if name in FORCED_HF_MODULES else None
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -69,9 +93,11 @@ def test_runner_logits_equal_hf_logits(family):
     sampling can: the runner's logits must be HF's, for a whole prompt from position 0 (the maskless
     path) and then for its tail written after the head (the masked path)."""
     name, target, _, prompts, _, hf_logits = family
-    assert supports(target.model) == (name in FUSED), f"{name} takes the path the table does not say"
+    assert supports(target.model) == (name in FUSED | FORCED_HF_MODULES), f"{name}: supports() disagrees with the table"
     prompt, split = torch.tensor([prompts[-1]]), 100
-    runner = build_runner(target.model, EngineConfig(max_model_len=320, max_num_seqs=2))
+    runner = build_runner(target.model, EngineConfig(max_model_len=320, max_num_seqs=2,
+                                                     fused_layers=_fused_layers(name)))
+    assert (runner.fused is not None) == (name in FUSED), f"{name} takes the path the table does not say"
     slot = runner.pool.allocate()
     runner.pool.reserve([slot], [prompt.shape[1]])
     whole = runner.forward(runner.rows([slot], [0]), prompt)[0]  # [T, V]
@@ -84,7 +110,9 @@ def test_runner_logits_equal_hf_logits(family):
 @pytest.mark.parametrize("draft_len", [0, 2, 4])
 def test_engine_greedy_equals_hf_greedy(family, draft_len):
     name, target, draft, prompts, refs, _ = family
-    engine = small_engine(target, draft, num_speculative_tokens=draft_len)
+    engine = small_engine(target, draft, num_speculative_tokens=draft_len, fused_layers=_fused_layers(name))
+    for runner in (engine.verifier.lane.runner, engine.draft):
+        assert (runner.fused is not None) == (name in FUSED), f"{name} takes the path the table does not say"
     requests = {str(i): (p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(prompts)}
     outputs = run_to_completion(engine, requests)
     for i, ref in enumerate(refs):
@@ -95,16 +123,19 @@ def test_engine_greedy_equals_hf_greedy(family, draft_len):
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (name, stats.acceptance_rate)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral_window"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma2_hf_modules", "gemma3", "mistral_window"])
 def test_engine_with_the_kernel_equals_hf_greedy(name):
     """The in-place Triton kernel (on CPU under TRITON_INTERPRET) honours sliding windows and
-    soft-capping too; float32, as the kernel has no float64 dot."""
+    soft-capping too, on either path; the fused rows run every fused-layer kernel (Gemma's norm and
+    GELU included) too. float32, as the kernel has no float64 dot."""
     target = build_random_model(FAMILIES[name], dtype="float32", seed=1)
     draft = perturbed_copy(target, 0.3, seed=2)
     prompts = random_prompts(3, VOCAB, 30, 70, seed=5)  # past the window before the first output token
     target.model.set_attn_implementation("eager")
     refs = [hf_greedy(target, p, 8) for p in prompts]
-    engine = small_engine(target, draft, attention_kernel=True, num_speculative_tokens=3)
+    engine = small_engine(target, draft, attention_kernel=True, num_speculative_tokens=3,
+                          fused_layers=_fused_layers(name))
+    assert (engine.verifier.lane.runner.fused is not None) == (name in FUSED)
     outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=8, ignore_eos=True))
                                          for i, p in enumerate(prompts)})
     assert [outputs[str(i)] for i in range(len(prompts))] == refs

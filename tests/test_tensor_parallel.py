@@ -126,6 +126,9 @@ def test_tp2_logits_equal_tp1_logits(outputs):
 @pytest.mark.parametrize("overrides, named", [
     (dict(model_type="gpt_neox", rotary_pct=0.25), "model_type='gpt_neox'"),
     (dict(model_type="mistral", sliding_window=24), "sliding_window=24"),
+    # Fused on one rank, not tested sharded.
+    (dict(model_type="gemma2", head_dim=16), "model_type='gemma2'"),
+    (dict(model_type="gemma3_text", head_dim=16), "model_type='gemma3_text'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(num_key_value_heads=1), "num_key_value_heads=1"),
     (dict(intermediate_size=127), "intermediate_size=127"),
