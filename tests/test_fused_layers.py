@@ -177,6 +177,9 @@ def test_unsupported_architectures_keep_the_hf_modules():
     assert unsupported_reason(build_random_model(windowed).model) == "sliding_window=16"
     erf_gelu = build_random_model(dict(CONFIGS["gemma2"], hidden_activation="gelu")).model  # exact GELU, not tanh
     assert unsupported_reason(erf_gelu) == "hidden_activation='gelu'"
+    # Each family takes the activation it is tested with only: a Llama with Gemma's GELU stays on HF's modules.
+    gelu_llama = build_random_model(dict(ARCH_CONFIGS["llama"], hidden_act="gelu_pytorch_tanh")).model
+    assert unsupported_reason(gelu_llama) == "hidden_act='gelu_pytorch_tanh'"
     assert supports(build_random_model({**ARCH_CONFIGS["qwen2"], "use_sliding_window": True,
                                         "sliding_window": 16}).model)
 
