@@ -64,6 +64,13 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def greedy_references(model: LoadedModel, count: int, max_new_tokens: int, seed: int
+                      ) -> list[tuple[list[int], list[int]]]:
+    """`count` random prompts of 4-24 tokens, each with the model's greedy continuation."""
+    prompts = random_prompts(count, len(model.tokenizer), 4, 24, seed=seed)
+    return [(p, hf_greedy(model, p, max_new_tokens)) for p in prompts]
+
+
 def small_engine(target: LoadedModel, draft: LoadedModel | None, **overrides) -> EngineCore:
     config = dict(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
                   prefill_chunk_tokens=32, idle_prefill_tokens=64)

@@ -3,6 +3,8 @@
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -123,6 +125,12 @@ def wait_for_replicas(app: str, deployment: str, count: int, timeout_s: float) -
     return stats
 
 
+def decode_state(app: str) -> tuple[set[int], int]:
+    """The decode replicas' process ids and the requests they have migrated so far."""
+    stats = lane_stats(app, "DecodeLane")
+    return {s["replica_pid"] for s in stats}, sum(s["num_migrations"] for s in stats)
+
+
 def _all_blocks_free(stats: dict) -> bool:
     """No KV block held in any pool a replica reports (cached blocks count as free)."""
     pools = list((stats.get("kv_blocks") or {}).values()) + [(stats.get("kv_blocks_free"), stats.get("kv_blocks_total"))]
@@ -175,6 +183,26 @@ def record_stream(app: str, index: int, max_tokens: int, results: list, started:
         if not events:
             started.release()
     results[index] = (time.monotonic(), status, events)
+
+
+def kill_under_streams(app: str, pid: int, count: int, max_tokens: int) -> tuple[float, list]:
+    """Start `count` greedy streams (`record_stream`), SIGKILL process `pid` once each has its first
+    chunk, and wait for every stream to end (none may hang). Returns when the kill was (monotonic s)
+    and each stream's (ended monotonic s, HTTP status, SSE data events)."""
+    results: list = [None] * count
+    started = threading.Semaphore(0)
+    threads = [threading.Thread(target=record_stream, args=(app, i, max_tokens, results, started))
+               for i in range(count)]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every stream is under way (or was refused)
+        assert started.acquire(timeout=120)
+    killed_s = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    return killed_s, results
 
 
 @dataclass

@@ -2,15 +2,12 @@
 error event and [DONE], /health says 503, Serve's health check replaces the replica, and the app
 then serves the same greedy output again without a redeploy."""
 
-import os
-import signal
-import threading
 import time
 
 import httpx
 import pytest
 
-from tests.serve_helpers import HTTP_PORT, app_config, greedy_choice, lane_stats, record_stream, serving
+from tests.serve_helpers import HTTP_PORT, app_config, greedy_choice, kill_under_streams, lane_stats, serving
 from tests.tiny_pair import save_tiny_pair
 
 APP = "faults"
@@ -37,19 +34,7 @@ def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
     [stats] = lane_stats(APP, "DecodeLane")
     engine_pid = stats["pid"]
 
-    results: list = [None] * 6
-    started = threading.Semaphore(0)
-    threads = [threading.Thread(target=record_stream, args=(APP, i, 2000, results, started))
-               for i in range(len(results))]
-    for t in threads:
-        t.start()
-    for _ in threads:  # every stream has its first chunk
-        assert started.acquire(timeout=60)
-    killed_s = time.monotonic()
-    os.kill(engine_pid, signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a stream hung"
+    killed_s, results = kill_under_streams(APP, engine_pid, 6, 2000)
     for ended_s, _, events in results:
         assert ended_s - killed_s < 10.0
         # Each stream ends with an error event, then [DONE].

@@ -9,8 +9,6 @@ redeploy: the decode replica finds the new prefill or verify replica by itself, 
 frees a slot of the dead verify replica in the new one (the verify lane's lease).
 """
 
-import os
-import signal
 import threading
 import time
 
@@ -19,7 +17,8 @@ import pytest
 from ray import serve
 
 from tests.serve_helpers import (
-    HTTP_PORT, app_config, base_url, greedy_choice, lane_stats, record_stream, serving, wait_until_idle)
+    HTTP_PORT, app_config, base_url, greedy_choice, kill_under_streams, lane_stats, record_stream, serving,
+    wait_until_idle)
 from tests.tiny_pair import save_tiny_pair
 
 MODES = ("pdv", "pd")  # each mode's app is named after it
@@ -67,18 +66,7 @@ def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(mode, de
     _wait_healthy(mode, 120)
     wait_until_idle(mode, mode)
     pid = _replica_pid(mode, deployment)
-    results: list = [None] * STREAMS
-    started = threading.Semaphore(0)
-    threads = [threading.Thread(target=record_stream, args=(mode, i, 600, results, started)) for i in range(STREAMS)]
-    for t in threads:
-        t.start()
-    for _ in threads:  # every stream is under way (or was refused)
-        assert started.acquire(timeout=120)
-    killed_s = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a stream hung"
+    killed_s, results = kill_under_streams(mode, pid, STREAMS, 600)
 
     completed = failed = 0
     for ended_s, status, events in results:

@@ -5,9 +5,6 @@ the ranks meet over gloo. Greedy output over HTTP equals HF's greedy `generate` 
 for every rank before it builds its shards.) A worker rank killed under load fails its replica's
 streams at once and the replica is replaced."""
 
-import os
-import signal
-import threading
 import time
 
 import httpx
@@ -16,7 +13,7 @@ from ray import serve
 
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.serve_helpers import HTTP_PORT, MODEL, app_config, greedy_choice, openai_client, record_stream, serving
+from tests.serve_helpers import HTTP_PORT, MODEL, app_config, greedy_choice, kill_under_streams, openai_client, serving
 
 MODES = ("unified", "nospec")
 STREAMS = 4
@@ -54,18 +51,7 @@ def test_a_dead_worker_rank_fails_its_replicas_requests_at_once_and_serve_replac
     decode = serve.get_deployment_handle("DecodeLane", app_name=app)
     replica_pid = decode.pid.remote().result(timeout_s=30)
     [worker_pid] = decode.shard_pids.remote().result(timeout_s=30)
-    results: list = [None] * STREAMS
-    started = threading.Semaphore(0)
-    threads = [threading.Thread(target=record_stream, args=(app, i, 200, results, started)) for i in range(STREAMS)]
-    for t in threads:
-        t.start()
-    for _ in threads:
-        assert started.acquire(timeout=120)
-    killed_s = time.monotonic()
-    os.kill(worker_pid, signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a stream hung"
+    killed_s, results = kill_under_streams(app, worker_pid, STREAMS, 200)
     for ended_s, status, events in results:
         if status == 200 and events[-1] == "[DONE]" and '"error"' not in events[-2]:
             continue  # finished before the kill

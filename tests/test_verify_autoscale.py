@@ -14,9 +14,9 @@ import ray
 from ray import serve
 
 from lanes.models import load_model
-from tests.engine_helpers import hf_greedy, random_prompts
+from tests.engine_helpers import greedy_references
 from tests.serve_helpers import (
-    app_config, deploy, lane_stats, start_ray, streams_across, wait_for_replicas, wait_until_idle)
+    app_config, decode_state, deploy, lane_stats, start_ray, streams_across, wait_for_replicas, wait_until_idle)
 
 APP = "autoscale"
 STREAMS = 12
@@ -53,14 +53,7 @@ def app(pair_paths, target_file):
 
 @pytest.fixture(scope="module")
 def streams(pair_paths) -> list[tuple[list[int], list[int]]]:
-    target = load_model(pair_paths[0])
-    prompts = random_prompts(STREAMS, len(target.tokenizer), 4, 24, seed=1919)
-    return [(p, hf_greedy(target, p, MAX_TOKENS)) for p in prompts]
-
-
-def _decode_state() -> tuple[set[int], int]:
-    stats = lane_stats(APP, "DecodeLane")
-    return {s["replica_pid"] for s in stats}, sum(s["num_migrations"] for s in stats)
+    return greedy_references(load_model(pair_paths[0]), STREAMS, MAX_TOKENS, seed=1919)
 
 
 def test_the_autoscaler_shrinks_the_verify_lane_under_streams_and_loses_none(streams, target_file):
@@ -68,7 +61,7 @@ def test_the_autoscaler_shrinks_the_verify_lane_under_streams_and_loses_none(str
 
     def scale_down():
         held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
-        decode = _decode_state()
+        decode = decode_state(APP)
         target_file.write_text("1")
         wait_for_replicas(APP, "VerifyLane", 1, 180)
         return held, decode
@@ -77,7 +70,7 @@ def test_the_autoscaler_shrinks_the_verify_lane_under_streams_and_loses_none(str
                                                                      scale_down)
     results = [r[0] for r in runs]
     survivors = {s["lease"] for s in wait_for_replicas(APP, "VerifyLane", 1, 120)}
-    decode_pids_after, migrated_after = _decode_state()
+    decode_pids_after, migrated_after = decode_state(APP)
     stopped = set(held) - survivors
     print(f"autoscaler 3 -> 1 under {STREAMS} streams: the stopped replicas held {sum(held[l] for l in stopped)} "
           f"of {sum(held.values())}; {migrated_after - migrated_before} requests recomputed")

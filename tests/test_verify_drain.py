@@ -19,10 +19,10 @@ import ray
 from ray import serve
 
 from lanes.models import load_model
-from tests.engine_helpers import hf_greedy, random_prompts
+from tests.engine_helpers import greedy_references
 from tests.serve_helpers import (
-    MODEL, app_config, base_url, declare, lane_stats, start_ray, streams_across, wait_answering, wait_for_replicas,
-    wait_until_idle)
+    MODEL, app_config, base_url, declare, decode_state, lane_stats, start_ray, streams_across, wait_answering,
+    wait_for_replicas, wait_until_idle)
 
 APP = "drain"
 STREAMS = 12
@@ -55,9 +55,7 @@ def app(config):
 
 @pytest.fixture(scope="module")
 def streams(pair_paths) -> list[tuple[list[int], list[int]]]:
-    target = load_model(pair_paths[0])
-    prompts = random_prompts(STREAMS, len(target.tokenizer), 4, 24, seed=1818)
-    return [(p, hf_greedy(target, p, MAX_TOKENS)) for p in prompts]
+    return greedy_references(load_model(pair_paths[0]), STREAMS, MAX_TOKENS, seed=1818)
 
 
 def _scale_verify_lane(config: dict, num_replicas: int) -> None:
@@ -68,18 +66,12 @@ def _wait_for_verify_replicas(count: int, timeout_s: float) -> list[dict]:
     return wait_for_replicas(APP, "VerifyLane", count, timeout_s)
 
 
-def _decode_state() -> tuple[set[int], int]:
-    """The decode replicas' process ids and the requests they have migrated so far."""
-    stats = lane_stats(APP, "DecodeLane")
-    return {s["replica_pid"] for s in stats}, sum(s["num_migrations"] for s in stats)
-
-
 def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int, repeat: bool = False):
     """Stream `prompts`; once each has its first token, record where the KV is, rescale, and wait until
     the lane has its new size (returns when; `repeat`: streams start again until then)."""
     def rescale():
         held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
-        decode = _decode_state()
+        decode = decode_state(APP)
         _scale_verify_lane(config, num_replicas)
         _wait_for_verify_replicas(num_replicas, 180)
         return held, decode, time.monotonic()
@@ -92,7 +84,7 @@ def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(conf
     (held, (decode_pids, migrated_before), _), scaled_s, runs = _rescale_under(config, [p for p, _ in streams], 1)
     results = [r[0] for r in runs]
     survivors = {s["lease"] for s in _wait_for_verify_replicas(1, 120)}
-    decode_pids_after, migrated_after = _decode_state()
+    decode_pids_after, migrated_after = decode_state(APP)
     stopped = set(held) - survivors
     stall_s = max(r.stall_s(scaled_s) for r in results)
     print(f"verify 3 -> 1 under {STREAMS} streams: the 2 stopped replicas held {sum(held[l] for l in stopped)} of "
@@ -121,7 +113,7 @@ def test_scale_up_while_streaming_loses_nothing_and_new_replicas_take_new_reques
     assert in_flight > 0  # the routers learned of the new replicas while these requests ran
     assert [r.error for r in results] == [None] * len(results)
     assert [r.tokens for r in results] == refs
-    assert _decode_state()[1] == migrated_before  # adding replicas moves no request
+    assert decode_state(APP)[1] == migrated_before  # adding replicas moves no request
     before = {s["lease"]: s["rows_verified"] for s in _wait_for_verify_replicas(3, 180)}
     new = set(before) - set(held)
     assert len(new) == 2
