@@ -151,11 +151,12 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
 
 
 
-def timelines(app: str, mode: str, start_s: float) -> list[dict]:
+def timelines(app: str, mode: str, start_s: float, deployments: tuple[str, ...] | None = None) -> list[dict]:
     """Every lane replica's timeline() since `start_s` (where it runs, its busy intervals), one
-    dict per replica with its events as rows, fetched page by page."""
+    dict per replica with its events as rows, fetched page by page (`deployments`: these instead of
+    the mode's lanes, e.g. the Ingress)."""
     merged: dict[str, dict] = {}
-    for deployment in LANE_DEPLOYMENTS[mode]:
+    for deployment in deployments or LANE_DEPLOYMENTS[mode]:
         handle = serve.get_deployment_handle(deployment, app_name=app)
         offset, more = 0, True
         while more:

@@ -48,6 +48,7 @@ from transformers import AutoConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.gpu_modes import GPU_SHARES, MAX_ONGOING, free_device_memory, save_pair  # noqa: E402
+from benchmarks.ttft_hops import hops_table, ttft_hops  # noqa: E402
 from benchmarks.serving import (ALL_MODES, benchmark_app_args, deploy, git_commit,  # noqa: E402
                                 load_average, machine, start_cluster)
 from deployments.config import AppConfig  # noqa: E402
@@ -260,10 +261,12 @@ def served_points(name: str, port: int, work: Work, warmup: Work, timeout_s: flo
         else:
             # Prompts drawn anew: the handle way's are still in the replica's prefix cache.
             fresh = replace(work, prompts=reseeded(work, 2))
+            start_s = time.time()
             result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", fresh.workload(),
                                           ClosedLoop(work.concurrency), options=_options(), timeout_s=timeout_s,
                                           progress=False))
             summary = result.summary()
+            points["ttft_hops"] = ttft_hops(name, result.records, start_s)
         after = replica_counters(handle)
         if profiler is not None:
             profiler.wait(timeout=60)
@@ -328,7 +331,8 @@ def markdown(doc: dict) -> str:
     for mode, b in doc["breakdown"].items():
         lines.append(f"| {mode} | {b['engine_tpot_ms']} | {b['handoff_ms']} | {b['ingress_proxy_ms']} | "
                      f"{b['step_ratio']} |")
-    lines += ["", "## Engine steps by what they launched", "",
+    lines += [""] + hops_table(doc.get("ttft_hops", {}))
+    lines += ["## Engine steps by what they launched", "",
               "Counted by the engine itself (lanes/step_profile.py): the share of steps that launched a prefill "
               "forward, the prompt tokens each ran, running requests per step, and the mean time of each kind of step.",
               "", "| mode | way | steps | prefill steps share | prefill tokens per prefill step | rows mean | "
@@ -421,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
            "work": f"{args.requests} requests, {args.concurrency} in flight (closed loop), prompts of "
                    f"{args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
                    f"L = {args.draft_len}, {args.dtype}",
-           "rows": [], "breakdown": {}, "step_profiles": [], "spec": {}, "errors": {}, "earlier_engine_runs": {}}
+           "rows": [], "breakdown": {}, "ttft_hops": {}, "step_profiles": [], "spec": {}, "errors": {},
+           "earlier_engine_runs": {}}
     port = start_cluster({"TRITON_INTERPRET": "0"} if device == "cuda" else None)
     try:
         for mode in args.modes:
@@ -455,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
                     free_device_memory()
                 doc["rows"] += [point_row(label, way, points[way], engine) for way in WAYS]
                 doc["breakdown"][label] = breakdown(points)
+                doc["ttft_hops"][label] = points["ttft_hops"]
                 doc["step_profiles"] += [{"mode": label, "way": way, **points[way]["steps"]["profile"]} for way in WAYS]
                 doc["spec"][label] = {"engine": engine["spec"], "http": (asdict(points["http"]["summary"].spec_decode)
                                                                           if points["http"]["summary"].spec_decode

@@ -112,11 +112,16 @@ class EngineServer:
                        ) -> AsyncIterator[RequestOutput | GenerateError]:
         """Stream a request's chunks. Cancelling the call (client gone) aborts it and frees its slots."""
         self.num_arrivals += 1
+        start_s, first_s = time.time(), None
         try:
             async for out in self.engine.generate(prompt, params, request_id):
+                if first_s is None and out.token_ids:
+                    first_s = time.time()
                 yield out
         except ParamError as exc:
             yield GenerateError(400, str(exc), exc.field)
+        finally:
+            TIMELINE.record("request", start_s, time.time(), first_s=first_s, request_id=request_id)
 
     def check_health(self) -> None:
         """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""

@@ -20,8 +20,10 @@ from transformers import AutoTokenizer
 from deployments.choices import Choice, interleave, sample_params, total_usage
 from deployments.config import AppConfig
 from deployments.engine_replica import GenerateError
+from deployments.kv_transfer import Placement
 from deployments.metrics import IngressMetrics
 from deployments.openai_logprobs import ChoiceExtras
+from deployments.timeline import TIMELINE, replica_report
 from deployments.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_choice, completion_choice,
     error_body, new_id, response_body, running_usage,
@@ -135,6 +137,10 @@ class Ingress:
         self.totals = SpecDecodeStats()  # over requests served by this ingress replica
         self.metrics = IngressMetrics(self.cfg.mode)
 
+    async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
+        """This replica's requests since `start_s`, one page from `offset` (deployments/timeline.py)."""
+        return replica_report("ingress", Placement.here("cpu"), start_s, offset)
+
     @api.get("/health")
     async def health(self):
         """Each lane's state, as the decode (or engine) replica sees it; 503 while any lane is down."""
@@ -243,6 +249,7 @@ class Ingress:
         return body, None
 
     async def _serve(self, request: Request, schema, chat: bool):
+        received_s = time.time()  # this replica's handler began (timelines: the proxy's hop before it)
         body, refused = await self._parse(request, schema)
         if refused is not None:
             return refused
@@ -263,7 +270,7 @@ class Ingress:
         if self.in_flight + len(choices) > self.cfg.max_queued_requests:
             return _error(429, "too many requests in flight; retry shortly", "rate_limit_error",
                           headers={"Retry-After": "1"})
-        return await self._respond(body, choices, chat)
+        return await self._respond(body, choices, chat, received_s)
 
     def _choices(self, body, prompt_index: int, prompt, params, chat: bool) -> list[Choice]:
         """Prompt `prompt_index`'s n choices. Raises ParamError on echoed ids outside the vocabulary."""
@@ -299,12 +306,12 @@ class Ingress:
             raise ParamError("messages", f"the chat template refused them: {exc}") from exc
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    async def _respond(self, body, choices: list[Choice], chat: bool):
+    async def _respond(self, body, choices: list[Choice], chat: bool, received_s: float):
         rid = new_id("chatcmpl" if chat else "cmpl")
         self.in_flight += len(choices)
         # One choice keeps the response's id in the lanes; several are told apart by their index.
         ids = [rid] if len(choices) == 1 else [f"{rid}-{c.index}" for c in choices]
-        merged = interleave([self._stream(c.prompt, c.params, i) for c, i in zip(choices, ids)])
+        merged = interleave([self._stream(c.prompt, c.params, i, received_s) for c, i in zip(choices, ids)])
         try:
             head = await _heads(merged, len(choices))
         except BaseException:
@@ -327,15 +334,17 @@ class Ingress:
             await merged.aclose()
         return self._final(body, rid, chat, choices, items)
 
-    async def _stream(self, prompt, params, rid: str) -> AsyncIterator[RequestOutput | GenerateError]:
+    async def _stream(self, prompt, params, rid: str, received_s: float
+                      ) -> AsyncIterator[RequestOutput | GenerateError]:
         """The engine's chunks, with the request timeout; leaving early cancels it in every lane."""
         start, first_token_at, last = time.perf_counter(), None, None
+        called_s, first_s = time.time(), None
         gen = self.engine.options(stream=True).generate.remote(prompt, params, rid)
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 async for out in gen:
                     if isinstance(out, RequestOutput) and out.token_ids and first_token_at is None:
-                        first_token_at = time.perf_counter()
+                        first_token_at, first_s = time.perf_counter(), time.time()
                     if isinstance(out, RequestOutput) and out.finished:
                         # Counted before the client sees the end, so stats read after [DONE] include it.
                         self._record(out, start, first_token_at)
@@ -357,6 +366,7 @@ class Ingress:
             gen.cancel()
             if isinstance(last, RequestOutput) and not last.finished:
                 self._record(last, start, first_token_at)  # the client left, or the request timed out
+            TIMELINE.record("request", received_s, time.time(), called_s=called_s, first_s=first_s, request_id=rid)
 
     def _record(self, last: RequestOutput, start: float, first_token_at: float | None) -> None:
         status = "completed" if last.finished and not last.error else ("failed" if last.error else "cancelled")

@@ -19,6 +19,10 @@ Kinds recorded (one interval per event, extra fields as noted):
                  "in_place", "peer" or "copied"; *_bytes: KV size moved; sent_s: the      sent_s,
                  decode replica sent it; received_s: this replica received it; batch_s:  received_s,
                  its batch began; written_s: the batch's KV writes ended)                 batch_s, written_s
+    request      ingress: one request (choice), from its HTTP handler's start to its    called_s, first_s,
+                 end (called_s: it called the decode lane; first_s: its first token      request_id
+                 reached the ingress); decode lane / co-located engine: from generate()
+                 to its last chunk (first_s: its first token left the engine)
 
 One timeline per process, hence one per replica; bounded, so a long-running server only keeps
 the most recent events.

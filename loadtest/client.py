@@ -70,6 +70,7 @@ class SseEvent:
     usage: dict | None = None
     error: str | None = None
     done: bool = False
+    response_id: str | None = None  # the response's `id` (the server's request id)
 
 
 def parse_sse_line(line: str) -> SseEvent | None:
@@ -82,7 +83,7 @@ def parse_sse_line(line: str) -> SseEvent | None:
     body = json.loads(data)
     if "error" in body:
         return SseEvent(error=_error_text(body["error"]))
-    return SseEvent(text=_chunk_text(body), usage=body.get("usage"))
+    return SseEvent(text=_chunk_text(body), usage=body.get("usage"), response_id=body.get("id"))
 
 
 def _chunk_text(body: dict) -> str:
@@ -110,8 +111,10 @@ class _Stream:
     error: str | None = None
     done: bool = False
     http_status: int | None = None
+    response_id: str | None = None
 
     def take(self, event: SseEvent, now_s: float) -> None:
+        self.response_id = self.response_id or event.response_id
         if event.text:
             self.chunk_times_s.append(now_s)
         if event.usage is not None:
@@ -125,6 +128,7 @@ async def send_request(http: httpx.AsyncClient, base_url: str, payload: dict, *,
                        origin_s: float) -> RequestRecord:
     """Send one streaming request and record what happened; times relative to `origin_s`."""
     stream = _Stream()
+    sent_wall_s = time.time()  # the server's timelines use the wall clock (deployments/timeline.py)
     start_s = time.perf_counter()
     status, error = "failed", None
     try:
@@ -136,7 +140,9 @@ async def send_request(http: httpx.AsyncClient, base_url: str, payload: dict, *,
     except Exception as exc:  # connection refused, reset, malformed chunk: the request failed
         error = f"{type(exc).__name__}: {exc}"
     end_s = time.perf_counter()
-    return _record(index, request, stream, status, error, start_s, end_s, origin_s)
+    record = _record(index, request, stream, status, error, start_s, end_s, origin_s)
+    record.response_id, record.sent_wall_s = stream.response_id, sent_wall_s
+    return record
 
 
 async def _consume(http: httpx.AsyncClient, url: str, payload: dict, stream: _Stream) -> None:

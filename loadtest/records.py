@@ -30,6 +30,10 @@ class RequestRecord:
     num_drafts: int | None = None
     num_draft_tokens: int | None = None
     num_accepted_tokens: int | None = None
+    # To line the request up with the server's timelines: the response's id, and the wall-clock
+    # time it was sent (its first token came ttft_ms later).
+    response_id: str | None = None
+    sent_wall_s: float | None = None
 
     @property
     def e2e_ms(self) -> float:
