@@ -23,11 +23,11 @@ from deployments.engine_replica import GenerateError
 from deployments.kv_transfer import Placement
 from deployments.metrics import IngressMetrics
 from deployments.openai_logprobs import ChoiceExtras
-from deployments.timeline import TIMELINE, replica_report
 from deployments.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_choice, completion_choice,
     error_body, new_id, response_body, running_usage,
 )
+from deployments.timeline import TIMELINE, replica_report
 from lanes.outputs import RequestOutput, merge_outputs
 from lanes.params import ParamError
 from lanes.spec_stats import SpecDecodeStats
