@@ -174,7 +174,7 @@ class VerifyServer:
             if fit:
                 parts.append((fit, await self.worker.run(timed, merged.select(fit))))
             result = merge_rows(rows, parts)
-        self.metrics.observe_step((time.perf_counter() - start) * 1e3, len(merged.target_slots))
+        self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
         pool = self.lane.pool
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
         self.metrics.set_kv_blocks(pool.shape.num_blocks - pool.num_free_blocks, pool.shape.num_blocks, "target")

@@ -10,13 +10,11 @@ greedy output, the decode replicas keep running, and no slot stays held.
 """
 
 import pytest
-import ray
-from ray import serve
 
 from lanes.models import load_model
 from tests.engine_helpers import greedy_references
 from tests.serve_helpers import (
-    app_config, decode_state, deploy, lane_stats, start_ray, streams_across, wait_for_replicas, wait_until_idle)
+    app_config, decode_state, lane_stats, serving, streams_across, wait_for_replicas, wait_until_idle)
 
 APP = "autoscale"
 STREAMS = 12
@@ -41,14 +39,9 @@ def app(pair_paths, target_file):
     config = app_config("pdv", target, draft, prefill_lane=lane, decode_lane={**lane, "num_replicas": 2},
                         verify_lane=verify)
     config["engine"].update(max_model_len=1024, max_num_seqs=8)
-    start_ray()
-    try:
-        deploy({APP: config})
+    with serving({APP: config}):
         wait_for_replicas(APP, "VerifyLane", 3, 180)
         yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
