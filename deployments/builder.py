@@ -12,7 +12,8 @@ from lanes.tensor_parallel import check_shardable
 from controller.actor import ControllerDeployment
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineDeployment
-from deployments.factories import build_engine, build_prompt_prefiller, build_verify_lane
+from deployments.factories import (build_engine, build_prompt_prefiller, build_verify_lane, load_prefill_shards,
+                                   load_shards, load_verify_shards)
 from deployments.ingress import IngressDeployment
 from deployments.prefill_replica import PrefillDeployment
 from deployments.tp_workers import start_shard_workers
@@ -31,21 +32,30 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     check_controller(cfg)
     verify = prefill = None
     if cfg.mode == "pdv":
-        verify = VerifyDeployment.options(**cfg.verify_lane.deployment_options(cfg.kv_peer_access)).bind(
-            partial(build_verify_lane, cfg), cfg.mode)
+        verify = VerifyDeployment.options(**_options(cfg, "verify_lane")).bind(
+            partial(build_verify_lane, cfg), cfg.mode, start_workers=_workers(cfg, "verify_lane", load_verify_shards))
     if cfg.mode in ("pd", "pdv"):
-        prefill = PrefillDeployment.options(**cfg.prefill_lane.deployment_options(cfg.kv_peer_access)).bind(
-            partial(build_prompt_prefiller, cfg), cfg.mode, verify)
-    size = cfg.tensor_parallel_size
-    engine = EngineDeployment.options(**cfg.decode_lane.deployment_options(cfg.kv_peer_access, size)).bind(
+        prefill = PrefillDeployment.options(**_options(cfg, "prefill_lane")).bind(
+            partial(build_prompt_prefiller, cfg), cfg.mode, verify,
+            start_workers=_workers(cfg, "prefill_lane", load_prefill_shards))
+    engine = EngineDeployment.options(**_options(cfg, "decode_lane")).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify,
         stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s,
-        engine_process=cfg.engine_process, start_workers=partial(start_shard_workers, cfg) if size > 1 else None)
+        engine_process=cfg.engine_process, start_workers=_workers(cfg, "decode_lane", load_shards))
     controller = None
     if cfg.controller.enabled:
         controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)
     return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump(), controller,
                                                                               prefill=prefill, verify=verify)
+
+
+def _options(cfg: AppConfig, lane: str) -> dict:
+    return getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane))
+
+
+def _workers(cfg: AppConfig, lane: str, load):
+    """What starts the worker ranks of a replica of `lane` where it holds a sharded target, else None."""
+    return partial(start_shard_workers, cfg, lane, partial(load, cfg)) if cfg.lane_ranks(lane) > 1 else None
 
 
 def check_pair(cfg: AppConfig) -> None:
@@ -80,9 +90,8 @@ def check_controller(cfg: AppConfig) -> None:
 
 def check_gpus(cfg: AppConfig) -> None:
     """A lane that asks for GPUs the cluster lacks would wait forever to be placed: fail now instead."""
-    # A tensor-parallel engine replica takes its GPU share once per rank (pd and pdv refuse tensor parallelism).
-    ranks = {"decode_lane": cfg.tensor_parallel_size}
-    wanted = [(lane, getattr(cfg, lane).num_gpus, ranks.get(lane, 1)) for lane in cfg.lanes
+    # A replica that holds a sharded target takes its lane's GPU share once per rank.
+    wanted = [(lane, getattr(cfg, lane).num_gpus, cfg.lane_ranks(lane)) for lane in cfg.lanes
               if getattr(cfg, lane).num_gpus > 0]
     if not wanted or not cfg.require_gpus_present:
         return

@@ -248,19 +248,30 @@ class AppConfig(_Strict):
                              "sharded over the target's ranks or runs whole on rank 0")
         if size == 1:
             return
-        if self.mode in ("pd", "pdv"):
-            raise ValueError(f"target.tensor_parallel_size={size} is served in modes unified, spec and nospec; "
-                             f"in {self.mode!r} the prefill lane's KV hand-over does not yet write each shard's KV "
-                             "heads to the matching shard")
-        gpus = self.decode_lane.num_gpus
-        if gpus not in (0, 1):
-            raise ValueError(f"target.tensor_parallel_size={size} takes one whole GPU per rank: decode_lane.num_gpus "
-                             f"must be 1 (or 0 on the CPU, over gloo), not {gpus:g}")
+        if self.mode in ("pd", "pdv") and draft is not None and draft.tensor_parallel_size > 1:
+            raise ValueError(f"in {self.mode!r} draft.tensor_parallel_size must be 1: the draft runs whole in the "
+                             "decode lane and on rank 0 of the prefill lane")
+        for lane in self.target_lanes:
+            gpus = getattr(self, lane).num_gpus
+            if gpus not in (0, 1):
+                raise ValueError(f"target.tensor_parallel_size={size} takes one whole GPU per rank: {lane}.num_gpus "
+                                 f"must be 1 (or 0 on the CPU, over gloo), not {gpus:g}")
 
     @property
     def tensor_parallel_size(self) -> int:
-        """Ranks of the engine replica's group: the target's size (a draft's is 1 or the same)."""
+        """Ranks of the group of each replica that holds the target: the target's size (a draft's is 1
+        or the same)."""
         return self.target.tensor_parallel_size
+
+    @property
+    def target_lanes(self) -> tuple[str, ...]:
+        """The lanes whose replicas hold the target (sharded over `tensor_parallel_size` ranks each)."""
+        return {"pd": ("prefill_lane", "decode_lane"), "pdv": ("prefill_lane", "verify_lane")}.get(
+            self.mode, ("decode_lane",))
+
+    def lane_ranks(self, lane: str) -> int:
+        """Ranks (one bundle of the lane's GPUs and CPUs each) of one replica of `lane`."""
+        return self.tensor_parallel_size if lane in self.target_lanes else 1
 
     @property
     def shard_draft(self) -> bool:

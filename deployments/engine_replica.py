@@ -16,6 +16,7 @@ from deployments.engine_metrics import EngineMetrics
 from deployments.kv_transfer import Placement
 from deployments.metrics import read_gpu_stats
 from deployments.timeline import TIMELINE, replica_report
+from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.async_engine import AsyncEngine
 from lanes.engine_process import ProcessEngine
 from lanes.engine_snapshot import EngineSnapshot, core_report
@@ -64,10 +65,8 @@ class EngineServer:
         `tp_address=` the address they meet at."""
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
         self.lane = "decode" if mode in ("pd", "pdv") else "engine"
-        self.shard_workers = None  # held, so that the workers live as long as this replica
-        if start_workers is not None:
-            self.shard_workers = start_workers()
-            engine_factory = partial(engine_factory, tp_address=self.shard_workers.address)
+        # The workers are held, so that they live as long as this replica.
+        engine_factory, self.shard_workers = bind_workers(engine_factory, start_workers)
         streams = dict(stream_interval_s=stream_interval_s, max_stream_messages_per_s=max_stream_messages_per_s)
         if engine_process and prefill is None and verify is None:
             self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)
@@ -81,16 +80,12 @@ class EngineServer:
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
         self.peers = {"prefill": prefill, "verify": verify}
         self._stopping = False
-        if self.shard_workers is not None:
-            # Serve runs the constructor on the replica's event loop.
-            self._worker_watch = asyncio.get_event_loop().create_task(self._watch_workers())
+        self._worker_watch = watch_workers(self.shard_workers, self._lose_workers)
 
-    async def _watch_workers(self) -> None:
+    def _lose_workers(self, reason: str) -> None:
         """On the first worker rank to end, fail what the engine holds (rank 0 would wait on it in a
         collective) and fail the health check, so that Serve replaces this replica and its workers."""
-        reason = await self.shard_workers.first_loss()
         if not self._stopping:
-            log.error("%s: failing the requests this replica holds, and its health check", reason)
             self.engine.lose(reason)
 
     def _start_process(self, engine_factory, streams: dict) -> ProcessEngine:
@@ -134,8 +129,7 @@ class EngineServer:
 
     async def shard_pids(self) -> list[int]:
         """The process ids of this replica's tensor-parallel worker ranks 1..N-1 (none at TP = 1)."""
-        actors = self.shard_workers.actors if self.shard_workers is not None else []
-        return list(await asyncio.gather(*(actor.pid.remote() for actor in actors)))
+        return await worker_pids(self.shard_workers)
 
     async def lane_health(self) -> dict[str, str]:
         """This lane's state and, in pd and pdv, whether the other lanes answer: "ok" or why not."""

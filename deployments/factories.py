@@ -80,9 +80,13 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     placement = Placement.here(device)
     owner = f"decode-{uuid.uuid4().hex[:8]}"
     if cfg.mode == "pd":
-        target = _target(cfg, device)
+        # pd's decode lane holds the target: sharded over the replica's ranks where it is (the draft
+        # runs whole on rank 0), and its pool then takes each prompt's KV through Ray (lanes/tp_kv.py).
+        tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+        target = _target(cfg, "cpu" if tp else device)
         _check_pair(cfg, draft, target)
-        target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None)
+        target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None,
+                                                    tp=tp, sharded=(True, False))
         verifier, target_pool = LocalVerifier(VerifyLane(target_runner)), target_runner.pool
         vocab = Vocabulary(target_runner.vocab_size, target.tokenizer, target.model.generation_config)
         model_device = target_runner.device
@@ -102,37 +106,62 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     return core
 
 
-def load_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, bool]]:
-    """What a tensor-parallel worker rank builds its shards from (`lanes.tp_worker.Loader`): the engine's
-    config and the models it shards, on the host (a draft that runs whole on rank 0 is not loaded)."""
+def load_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, ...]]:
+    """What a worker rank of the engine (decode-lane) replica builds its shards from
+    (`lanes.tp_worker.Loader`): the engine's config and the models it shards, on the host (a draft that
+    runs whole on rank 0 is not loaded)."""
     draft = _draft(cfg, "cpu") if cfg.shard_draft else None
     return (_engine_config(cfg, cfg.decode_lane), [_target(cfg, "cpu").model, draft.model if draft else None],
             (True, cfg.shard_draft))
 
 
-def build_prompt_prefiller(cfg: AppConfig) -> PromptPrefiller:
-    device = cfg.prefill_lane.bind_device()
-    target, draft = _target(cfg, device), _draft(cfg, device)  # no draft to prefill with prompt lookup
-    _check_pair(cfg, draft, target)
+def load_prefill_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, ...]]:
+    """The same for a worker rank of a prefill-lane replica: the target (its draft runs on rank 0)."""
+    return _prefill_config(cfg), [_target(cfg, "cpu").model, None], (True, False)
+
+
+def load_verify_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, ...]]:
+    """The same for a worker rank of a verify-lane replica: the target."""
+    return _verify_config(cfg), [_target(cfg, "cpu").model], (True,)
+
+
+def _prefill_config(cfg: AppConfig) -> EngineConfig:
     # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8), each with
     # the blocks of a whole prompt, whatever num_kv_blocks or the lane's memory share say (they size
     # the pools that hold running requests): a batch must always fit, as the unpaged pools did.
     config = _engine_config(cfg, cfg.prefill_lane)
     per_slot = -(-config.slot_capacity_tokens // config.block_size)
-    config = replace(config, max_num_seqs=PREFILL_BATCH_MAX, num_kv_blocks=PREFILL_BATCH_MAX * per_slot)
-    runners = build_runners(config, target.model, draft.model if draft is not None else None)
+    return replace(config, max_num_seqs=PREFILL_BATCH_MAX, num_kv_blocks=PREFILL_BATCH_MAX * per_slot)
+
+
+def build_prompt_prefiller(cfg: AppConfig, tp_address: str | None = None) -> PromptPrefiller:
+    """The prefill lane's prefiller; `tp_address`: where the ranks of its sharded target meet (it is
+    rank 0, and runs the draft whole)."""
+    device = cfg.prefill_lane.bind_device()
+    tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+    target, draft = _target(cfg, "cpu" if tp else device), _draft(cfg, device)  # no draft with prompt lookup
+    _check_pair(cfg, draft, target)
+    runners = build_runners(_prefill_config(cfg), target.model, draft.model if draft is not None else None,
+                            tp=tp, sharded=(True, False))
     for runner in runners:
         if runner is not None:
             runner.capture_graphs((), prefill=True)  # whole-prompt graphs, before the first prompt
     return PromptPrefiller(*runners, cfg.engine.idle_prefill_tokens, cfg.engine.enable_prefix_caching)
 
 
-def build_verify_lane(cfg: AppConfig) -> VerifyLane:
+def _verify_config(cfg: AppConfig) -> EngineConfig:
     config = _engine_config(cfg, cfg.verify_lane)
     # Each verify replica may hold requests of every decode replica (slots are handed out by the verify
     # replica with the fewest calls in flight, not the fewest slots in use): size its pool for all of them.
     replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)
-    config = replace(config, max_num_seqs=config.max_num_seqs * replicas)
-    runner = build_runner(_target(cfg, cfg.verify_lane.bind_device()).model, config)
+    return replace(config, max_num_seqs=config.max_num_seqs * replicas)
+
+
+def build_verify_lane(cfg: AppConfig, tp_address: str | None = None) -> VerifyLane:
+    """The verify lane; `tp_address`: where the ranks of its sharded target meet (it is rank 0)."""
+    device = cfg.verify_lane.bind_device()
+    tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+    config = _verify_config(cfg)
+    [runner] = build_runners(config, _target(cfg, "cpu" if tp else device).model, tp=tp, sharded=(True,))
     runner.capture_graphs(range(1, config.num_speculative_tokens + 2), prefill=False)  # before the first verify
     return VerifyLane(runner)

@@ -18,6 +18,8 @@ from lanes.streams import PREFILL_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
 from deployments.timeline import TIMELINE, replica_report
+from deployments.tp_workers import bind_workers, watch_workers, worker_pids
+from lanes.backends import KVLost
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
 
 log = logging.getLogger(__name__)
@@ -41,10 +43,15 @@ class Prefilled:
 
 
 class PrefillServer:
-    def __init__(self, prefiller_factory, mode: str, verify=None):
+    def __init__(self, prefiller_factory, mode: str, verify=None, start_workers=None):
+        """`start_workers()`: starts the worker ranks of a sharded target in this replica's placement
+        group (deployments/tp_workers.py); the prefiller, rank 0, is built with the address they meet at."""
+        prefiller_factory, self.shard_workers = bind_workers(prefiller_factory, start_workers)
         self.prefiller: PromptPrefiller = prefiller_factory()
         self.verify = verify  # pdv: the verify lane receives the target KV from here
         self.worker = LaneWorker("prefill", self.prefiller.target.device, PREFILL_PRIORITY)
+        # A worker rank that ends fails every forward at once (rank 0 would wait on it), and the health check.
+        self._worker_watch = watch_workers(self.shard_workers, self.worker.lose)
         self.placement_ = Placement.here(self.prefiller.target.device)
         self.views = PoolViews()
         self.metrics = LaneMetrics("prefill", mode)
@@ -69,6 +76,10 @@ class PrefillServer:
         """This replica's process id (operators, fault tests)."""
         return os.getpid()
 
+    async def shard_pids(self) -> list[int]:
+        """The process ids of this replica's tensor-parallel worker ranks 1..N-1 (none at TP = 1)."""
+        return await worker_pids(self.shard_workers)
+
     async def health(self) -> str:
         """This lane's state for the ingress's /health: "ok" or why not."""
         return self.worker.problem() or "ok"
@@ -83,8 +94,16 @@ class PrefillServer:
             self._set_queue_depth(-1)
         # The RPCs left run here, per request, so the next forward need not wait for them.
         if out.verify_kv is not None:
-            out.done.target_lease, out.done.target_slot = await asyncio.wait_for(
-                self.verify.load_kv.remote(out.verify_kv, job.owner), PEER_CALL_TIMEOUT_S)
+            loading = asyncio.ensure_future(self.verify.load_kv.remote(out.verify_kv, job.owner))
+            try:
+                out.done.target_lease, out.done.target_slot = await asyncio.wait_for(asyncio.shield(loading),
+                                                                                    PEER_CALL_TIMEOUT_S)
+            except TimeoutError as exc:
+                # A verify replica slow to take it (its worker queued behind forwards on a busy host):
+                # the request is recomputed (bounded by max_migrations), not failed, and a slot that
+                # is taken late is freed.
+                asyncio.ensure_future(self._release_once_loaded(loading))
+                raise KVLost(f"no verify replica took the prompt's KV in {PEER_CALL_TIMEOUT_S:g} s") from exc
         elif out.committed is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(out.committed), PEER_CALL_TIMEOUT_S)
@@ -98,6 +117,13 @@ class PrefillServer:
                         draft=out.draft, target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
                         received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
         return out.done
+
+    async def _release_once_loaded(self, loading: asyncio.Future) -> None:
+        try:
+            lease, slot = await loading
+            await self.verify.release.remote([slot], lease=lease)
+        except Exception as exc:  # noqa: BLE001 - not loaded, or the replica went since: its pool with it
+            log.info("release of a late-loaded verify slot failed: %s", exc)
 
     async def _release_once_settled(self, out: Prefilled) -> None:
         """Free a slot whose commit did not answer in time, after the commit (a release that overtook

@@ -71,8 +71,9 @@ def replica_silent(lease: str) -> KVLost:
     gone, so its requests are recomputed on a replica that answers (at most `max_migrations` times).
     A stopping replica can be silent so while the routers have not yet learnt that it stops: on a
     busy 2-core host, a 3 -> 1 scale-down failed one stream with this timeout before it was taken as
-    a loss (tests/test_verify_drain.py). A call that names no replica and times out means no verify
-    replica answered at all: it fails as it is."""
+    a loss (tests/test_verify_drain.py). A verify call that names no replica and times out means no
+    verify replica answered at all: it fails as it is. (A prompt's KV that no replica takes in time is
+    recomputed too: deployments/prefill_replica.py.)"""
     return KVLost(f"verify replica {lease} did not answer in {PEER_CALL_TIMEOUT_S:g} s")
 
 
@@ -252,7 +253,9 @@ class RemotePrefiller:
 
     def _job(self, seq: Sequence) -> PrefillJob:
         in_place = self._peer is not None and self._peer.can_write_into(self.placement)
-        draft_in_place, target_in_place = in_place and self.draft_pool, in_place and self.target_pool
+        draft_in_place = in_place and self.draft_pool is not None
+        # A sharded target pool takes its KV through Ray and scatters it to its ranks (lanes/tp_kv.py).
+        target_in_place = in_place and self.target_pool is not None and self.target_pool.in_place_writable
         return PrefillJob(
             # After a preemption: every token but the last (lanes/sequence.py), whose KV is recomputed.
             request=PrefillRequest(seq.request_id, seq.token_ids[: seq.num_prefill_tokens], seq.params, seq.seed,
@@ -263,7 +266,7 @@ class RemotePrefiller:
             target_pool=self._export("target", self.target_pool) if target_in_place else None,
             draft_blocks=self.draft_pool.slot_blocks(seq.draft_slot) if draft_in_place else None,
             target_blocks=self.target_pool.slot_blocks(seq.target_slot) if target_in_place else None,
-            want_target_kv=self.target_pool is not None and not in_place,
+            want_target_kv=self.target_pool is not None and not target_in_place,
             sent_s=time.time(),
             owner=self.owner_actor,
         )

@@ -17,6 +17,7 @@ from deployments.slot_owners import SlotOwners
 from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
+from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.grammar import merge_bitmasks
 from lanes.kv_pool import PoolFullError
 from lanes.penalties import PenaltyHistory
@@ -35,9 +36,14 @@ class StaleTargetSlots(RuntimeError):
 class VerifyServer:
     """Thin wrapper: forwards and KV copies run on the lane's worker thread, in call order."""
 
-    def __init__(self, lane_factory, mode: str):
+    def __init__(self, lane_factory, mode: str, start_workers=None):
+        """`start_workers()`: starts the worker ranks of a sharded target in this replica's placement
+        group (deployments/tp_workers.py); the lane, rank 0, is built with the address they meet at."""
+        lane_factory, self.shard_workers = bind_workers(lane_factory, start_workers)
         self.lane: VerifyLane = lane_factory()
         self.worker = LaneWorker("verify", self.lane.runner.device, VERIFY_PRIORITY)
+        # A worker rank that ends fails every forward at once (rank 0 would wait on it), and the health check.
+        self._worker_watch = watch_workers(self.shard_workers, self.worker.lose)
         self.placement_ = Placement.here(self.lane.runner.device)
         self.metrics = LaneMetrics("verify", mode)
         self.batcher = LaneBatcher(self._forward, VERIFY_CALLS_MAX)
@@ -67,13 +73,20 @@ class VerifyServer:
         """This replica's process id (operators, fault tests)."""
         return os.getpid()
 
+    async def shard_pids(self) -> list[int]:
+        """The process ids of this replica's tensor-parallel worker ranks 1..N-1 (none at TP = 1)."""
+        return await worker_pids(self.shard_workers)
+
     async def health(self) -> str:
         """This lane's state for the ingress's /health: "ok" or why not."""
         return self.worker.problem() or "ok"
 
-    async def pool_handle(self, lease: str | None = None) -> PoolHandle:
-        """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once per replica)."""
+    async def pool_handle(self, lease: str | None = None) -> PoolHandle | None:
+        """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once per replica);
+        None where a peer cannot write a whole KV into it (a sharded target: lanes/tp_kv.py)."""
         self._check_lease(lease)
+        if not self.lane.pool.in_place_writable:
+            return None
         return PoolHandle.export(f"verify-{self.lease}", self.lane.pool)
 
     async def allocate_many(self, lengths: list[int]) -> tuple[str, list[int], list[list[int]]]:

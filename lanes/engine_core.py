@@ -36,6 +36,7 @@ from lanes.spec_stats import SpecDecodeStats
 from lanes.step_profile import StepProfile
 from lanes.streams import LaneStreams, on
 from lanes.tensor_parallel import TPGroup, shard_model
+from lanes.tp_kv import ShardedKVPool
 from lanes.tp_step import send_forward
 from lanes.verify import VerifyBatch, VerifyLane
 
@@ -479,9 +480,12 @@ def _pool_shape(model: torch.nn.Module, tp: TPGroup | None, config: EngineConfig
 
 def _runner(model: torch.nn.Module, shape: PoolShape, blocks: int, device, config: EngineConfig, tp: TPGroup | None,
             index: int) -> ModelRunner:
-    share = partial(send_forward, tp, index) if tp is not None and tp.rank == 0 else None
-    return ModelRunner(model, KVPool(replace(shape, num_blocks=blocks), model.dtype, device), config.attention_kernel,
-                       config.cuda_graphs, config.fused_layers, tp, share)
+    shape = replace(shape, num_blocks=blocks)
+    rank0 = tp is not None and tp.rank == 0
+    share = partial(send_forward, tp, index) if rank0 else None
+    # Rank 0's pool reads and writes a hand-over's KV over every rank's heads (lanes/tp_kv.py).
+    pool = ShardedKVPool(shape, model.dtype, device, tp, index) if rank0 else KVPool(shape, model.dtype, device)
+    return ModelRunner(model, pool, config.attention_kernel, config.cuda_graphs, config.fused_layers, tp, share)
 
 
 def eos_token_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -64,6 +64,10 @@ class PoolShape:
 
 
 class KVPool:
+    # Whether a peer process that opens this pool's tensor (CUDA IPC, deployments/kv_transfer.py) may
+    # write a request's whole KV into it: not where the pool holds one rank's KV heads (lanes/tp_kv.py).
+    in_place_writable = True
+
     def __init__(self, shape: PoolShape, dtype: torch.dtype, device: str | torch.device, kv: torch.Tensor | None = None):
         self.shape = shape
         self.block_size = shape.block_size
@@ -217,8 +221,11 @@ class KVPool:
         """The valid KV of one slot gathered from its blocks, [2, layers, kv_heads, length, head_dim]
         (a copy of `length` tokens, for hand-over between pools)."""
         length = int(self.lengths[slot])
-        blocks = self._index(self.block_table[slot, : -(-length // self.block_size)])
-        gathered = self.kv[:, :, blocks]  # [2, layers, n, kv_heads, block_size, head_dim]
+        return self.read_blocks(self.block_table[slot, : -(-length // self.block_size)].tolist(), length)
+
+    def read_blocks(self, blocks: list[int], length: int) -> torch.Tensor:
+        """The first `length` tokens' KV held in `blocks`, in order, [2, layers, kv_heads, length, head_dim]."""
+        gathered = self.kv[:, :, self._index(blocks)]  # [2, layers, n, kv_heads, block_size, head_dim]
         two, layers, n, heads, size, dim = gathered.shape
         return gathered.permute(0, 1, 3, 2, 4, 5).reshape(two, layers, heads, n * size, dim)[:, :, :, :length]
 

@@ -49,6 +49,21 @@ class TPGroup:
         dist.broadcast(x, src=0)
         return x
 
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """Every rank's `x` (equal shapes), concatenated in rank order along `dim` on rank 0; None elsewhere."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim) if parts is not None else None
+
+    def scatter(self, x: torch.Tensor | None, dim: int, like: torch.Tensor) -> torch.Tensor:
+        """Rank r's r-th of `size` equal parts of rank 0's `x` along `dim`; the other ranks pass None
+        and `like`, an empty tensor of their part's shape, dtype and device, which receives it."""
+        parts = [p.contiguous() for p in x.chunk(self.size, dim)] if self.rank == 0 else None
+        out = parts[0].clone() if parts is not None else like
+        dist.scatter(out, parts, src=0)
+        return out
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest `value` of all ranks (block counts: each rank sizes its pool from its own memory,
         and block tables name the same blocks everywhere)."""

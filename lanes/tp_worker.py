@@ -1,10 +1,11 @@
 """The workers of a tensor-parallel group: ranks 1..N-1, each running rank 0's forwards on its shard.
 
 A worker builds the same runners as the engine (`build_runners` with the same config and models,
-keeping its own shard), then repeats every forward rank 0 sends (lanes/tp_step.py) until told to
-stop. It samples nothing and keeps no scheduler: rank 0's block-table rows arrive with the forward
-that first needs them. Served, workers are Ray actors in the replica's placement group
-(deployments/tp_workers.py); `worker_processes` runs them as plain processes (tests, one host, no Ray).
+keeping its own shard), then repeats every forward rank 0 sends (lanes/tp_step.py), and takes its
+part of every KV hand-over (lanes/tp_kv.py), until told to stop. It samples nothing and keeps no
+scheduler: rank 0's block-table rows arrive with the forward that first needs them. Served, workers
+are Ray actors in the replica's placement group (deployments/tp_workers.py); `worker_processes` runs
+them as plain processes (tests, one host, no Ray).
 """
 
 import contextlib
@@ -16,7 +17,8 @@ import torch
 from lanes.engine_core import EngineConfig, build_runners
 from lanes.model_runner import ModelRunner
 from lanes.tensor_parallel import TPGroup, close_group, init_group
-from lanes.tp_step import receive_forward, send_stop
+from lanes.tp_kv import serve_kv_step
+from lanes.tp_step import KVStep, receive_step, send_stop
 
 # What a worker loads: (engine config, models by position as rank 0 passes them, which are sharded).
 # Models that are not sharded run on rank 0 alone; a worker's loader may return None for them.
@@ -24,9 +26,13 @@ Loader = Callable[[], tuple[EngineConfig, list[torch.nn.Module | None], tuple[bo
 
 
 def serve_forwards(tp: TPGroup, runners: list[ModelRunner | None]) -> None:
-    """Run every forward rank 0 sends, on this rank's shard of the runner it names, until it stops."""
-    while (step := receive_forward(tp)) is not None:
+    """Run every forward (and KV hand-over) rank 0 sends, on this rank's shard of the runner it names,
+    until it stops."""
+    while (step := receive_step(tp)) is not None:
         runner = runners[step.model_index]
+        if isinstance(step, KVStep):
+            serve_kv_step(tp, runner.pool, step)
+            continue
         if step.table_rows is not None:
             runner.pool.copy_table_rows(step.table_rows)
         runner.forward(step.rows, step.input_ids, step.keep, step.prefill)

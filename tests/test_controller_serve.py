@@ -78,6 +78,7 @@ class Load:
     def __init__(self, app: str, concurrency: int, max_tokens: int):
         self.app, self.concurrency, self.max_tokens = app, concurrency, max_tokens
         self.statuses: list[int] = []
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
@@ -105,6 +106,8 @@ class Load:
                 "model": MODEL, "prompt": f"def f{worker}_{i}(x):", "max_tokens": self.max_tokens,
                 "temperature": 0, "ignore_eos": True})
             self.statuses.append(r.status_code)
+            if r.status_code != 200:
+                self.errors.append(f"{r.status_code}: {r.text[:500]}")
             i += 1
 
 
@@ -142,7 +145,7 @@ def test_acceptance_one_raises_default_l_to_max():
         deadline = time.monotonic() + MOVE_BOUND_S
         while (state := controller_state("good"))["fleet_accept_rate"] is None and time.monotonic() < deadline:
             time.sleep(INTERVAL_S / 2)
-    assert set(load.statuses) == {200}
+    assert set(load.statuses) == {200}, load.errors
     assert state["default_draft_len"] == MAX_DRAFT_LEN and state["load"] == "headroom", state
     assert state["fleet_accept_rate"] > 0.9, state
     print(f"default L 2 -> {MAX_DRAFT_LEN} on replicas after {took_s:.1f} s")
@@ -156,7 +159,7 @@ def test_failing_drafts_shorten_per_request_l_below_the_default():
     with Load("bad", concurrency=2, max_tokens=200) as load:
         took_s = wait_for("bad", shortened, MOVE_BOUND_S)
         state = controller_state("bad")
-    assert set(load.statuses) == {200}
+    assert set(load.statuses) == {200}, load.errors
     assert state["fleet_accept_rate"] < 0.3, state
     print(f"per-request L 4 -> 1 on replicas after {took_s:.1f} s")
 
@@ -178,7 +181,7 @@ def test_queue_over_verify_queue_high_turns_speculation_off_and_back_on():
         load.stop_sending()
         # The queue empties as the requests in flight finish (at L = 0); then L must come back.
         on_s = wait_for("load", speculation_on, MOVE_BOUND_S)
-    assert set(load.statuses) == {200}
+    assert set(load.statuses) == {200}, load.errors
     print(f"L 4 -> 0 after {off_s:.1f} s under load, back to >= 1 {on_s:.1f} s after sending stopped")
 
 

@@ -148,8 +148,10 @@ def _app(mode: str = "unified", target_tp: int = 2, draft_tp: int = 2, **overrid
 
 
 @pytest.mark.parametrize("args, message", [
-    (_app("pd"), "served in modes unified, spec and nospec"),
-    (_app("pdv"), "prefill lane's KV hand-over"),
+    (_app("pd"), "in 'pd' draft.tensor_parallel_size must be 1"),
+    (_app("pdv"), "in 'pdv' draft.tensor_parallel_size must be 1"),
+    (_app("pdv", draft_tp=1, verify_lane={"num_gpus": 0.5}), "verify_lane.num_gpus must be 1"),
+    (_app("pd", draft_tp=1, prefill_lane={"num_gpus": 0.3}), "prefill_lane.num_gpus must be 1"),
     (_app(draft_tp=4), "draft.tensor_parallel_size must be 1 or the target's"),
     (_app(target_tp=1, draft_tp=2), "draft.tensor_parallel_size must be 1 or the target's"),
     (_app(decode_lane={"num_gpus": 0.5}), "one whole GPU per rank"),
@@ -168,6 +170,13 @@ def test_tensor_parallel_replica_owns_a_placement_group_of_one_bundle_per_rank()
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["ray_actor_options"]["num_gpus"] == 1 and not cfg.shard_draft
     assert "placement_group_bundles" not in AppConfig().decode_lane.deployment_options()
+
+
+@pytest.mark.parametrize("mode, sharded", [("pd", {"prefill_lane", "decode_lane"}),
+                                           ("pdv", {"prefill_lane", "verify_lane"})])
+def test_every_lane_that_holds_the_target_shards_it_in_pd_and_pdv(mode, sharded):
+    cfg = AppConfig.model_validate(_app(mode, draft_tp=1))
+    assert {lane for lane in cfg.lanes if cfg.lane_ranks(lane) == 2} == sharded
 
 
 def test_builder_refuses_a_model_whose_kv_heads_do_not_divide(pair_paths):

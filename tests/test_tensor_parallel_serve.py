@@ -1,6 +1,9 @@
-"""A tensor-parallel engine served by Ray Serve on the CPU: the DecodeLane replica owns a placement
-group of two bundles, its worker rank is a Ray actor in the second (deployments/tp_workers.py), and
-the ranks meet over gloo. Greedy output over HTTP equals HF's greedy `generate` of the whole target.
+"""A tensor-parallel target served by Ray Serve on the CPU: each replica that holds the target (the
+DecodeLane in unified and nospec; the PrefillLane and DecodeLane in pd; the PrefillLane and
+VerifyLane in pdv) owns a placement group of two bundles, its worker rank is a Ray actor in the
+second (deployments/tp_workers.py), and the ranks meet over gloo. Greedy output over HTTP equals HF's
+greedy `generate` of the whole target: in pd and pdv every prompt's KV went from the prefill lane's
+two ranks to the other lane's two ranks (lanes/tp_kv.py).
 (A replica whose worker never came would not answer /health: rank 0 waits in the group's rendezvous
 for every rank before it builds its shards.) A worker rank killed under load fails its replica's
 streams at once and the replica is replaced."""
@@ -15,7 +18,7 @@ from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, greedy_choice, kill_under_streams, openai_client, serving
 
-MODES = ("unified", "nospec")
+MODES = ("unified", "nospec", "pd", "pdv")
 STREAMS = 4
 
 
@@ -27,7 +30,9 @@ def apps(pair_paths):
         configs[mode] = app_config(mode, target, draft,
                                    decode_lane={"num_cpus": 0.05, "health_check_period_s": 1.0})
         configs[mode]["target"]["tensor_parallel_size"] = 2
-        configs[mode]["draft"]["tensor_parallel_size"] = 2
+        # In pd and pdv the draft runs whole in the decode lane; the prefill lane (and pd's decode lane,
+        # pdv's verify lane) shard the target and hand each prompt's KV over head by head.
+        configs[mode]["draft"]["tensor_parallel_size"] = 1 if mode in ("pd", "pdv") else 2
     with serving(configs):
         yield
 

@@ -1,14 +1,20 @@
 """Verify calls from several decode replicas merge into one batch and split back per caller; a decode
-replica's batch splits by verify replica (lease) and its results merge back in row order."""
+replica's batch splits by verify replica (lease) and its results merge back in row order. A verify
+replica that does not answer in time costs the request a recompute, not a failure."""
 
 import asyncio
+import types
 
+import pytest
 import torch
 
-from deployments.remote import RemoteVerifier, merge_rows
+from deployments import prefill_replica
+from deployments.kv_transfer import HostKV
+from deployments.remote import PrefillDone, PrefillJob, RemoteVerifier, merge_rows
 from lanes.backends import KVLost
 from deployments.verify_replica import merge_batches, split_result
 from lanes.params import SamplingParams
+from lanes.prompt_prefiller import PrefillRequest
 from lanes.verify import VerifyBatch, VerifyResult
 
 
@@ -100,3 +106,48 @@ def test_a_replica_asked_by_name_that_never_answers_is_taken_as_gone():
     merged = asyncio.run(verifier._verify_by_lease(batch))
     assert isinstance(merged.errors[0], KVLost) and merged.errors[0] is merged.errors[2]
     assert isinstance(merged.errors[1], TimeoutError)
+
+
+class _SlowVerifyLane:
+    """A verify lane that takes a prompt's KV only after `late_s` (its worker queued behind forwards)."""
+
+    def __init__(self, late_s: float):
+        self.late_s = late_s
+        self.released: list[tuple[list[int], str]] = []
+        outer = self
+
+        class _Load:
+            def remote(self, kv, owner):
+                async def load():
+                    await asyncio.sleep(outer.late_s)
+                    return "lease-a", 7
+                return asyncio.ensure_future(load())
+
+        class _Release:
+            def remote(self, slots, lease=None):
+                outer.released.append((slots, lease))
+                return asyncio.sleep(0)
+
+        self.load_kv, self.release = _Load(), _Release()
+
+
+def test_kv_that_no_verify_replica_takes_in_time_recomputes_the_request_and_frees_the_late_slot(monkeypatch):
+    monkeypatch.setattr(prefill_replica, "PEER_CALL_TIMEOUT_S", 0.05)
+    server = object.__new__(prefill_replica.PrefillServer)
+    server.verify, server.pending, server.metrics = _SlowVerifyLane(late_s=0.3), 0, types.SimpleNamespace(
+        set_queue_depth=lambda depth: None)
+    done = PrefillDone(3, None, None, None)
+    prefilled = prefill_replica.Prefilled(done, "copied", "none", 4, 0, 0, 0.0, 0.0,
+                                          verify_kv=HostKV.from_tensor(torch.zeros(2, 1, 1, 4, 2)))
+
+    async def submit(job):
+        return prefilled
+    server.batcher = types.SimpleNamespace(submit=submit)
+    job = PrefillJob(PrefillRequest("r", [1, 2, 3, 4], SamplingParams(), 0), None, None, None, None)
+
+    async def run():
+        with pytest.raises(KVLost, match="no verify replica took"):
+            await server.prefill(job)
+        await asyncio.sleep(0.5)  # the load answers late: its slot is freed
+    asyncio.run(run())
+    assert server.verify.released == [([7], "lease-a")]
