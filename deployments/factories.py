@@ -16,6 +16,7 @@ from lanes.models import LoadedModel, Vocabulary, check_compatible, load_model, 
 from lanes.ngram import NgramProposer
 from lanes.prompt_prefiller import PromptPrefiller
 from lanes.streams import LaneStreams
+from lanes.tp_kv import ShardedKVPool
 from lanes.tensor_parallel import init_group
 from lanes.verify import VerifyLane
 
@@ -99,9 +100,11 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
         model_device = draft_runner.device if draft_runner is not None else torch.device("cpu")
     prefiller = RemotePrefiller(prefill, loop, draft_runner.pool if draft_runner else None, target_pool, placement,
                                 owner)
-    # The decode lane drafts (and in pd also verifies) on high-priority streams.
+    # The decode lane drafts (and in pd also verifies) on high-priority streams; one stream where the
+    # target is sharded (NCCL collectives of one communicator must not run from two streams at once).
+    streams = LaneStreams(model_device, separate=not isinstance(target_pool, ShardedKVPool))
     core = EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
-                      draft_runner, verifier, prefiller, LaneStreams(model_device), build_proposer(cfg, model_device))
+                      draft_runner, verifier, prefiller, streams, build_proposer(cfg, model_device))
     core.capture_graphs()
     return core
 

@@ -119,6 +119,14 @@ class StreamingFront:
     def loop_alive(self) -> bool:
         raise NotImplementedError
 
+    def refusal(self) -> Exception | None:
+        """What every request fails with now that the engine cannot serve (None while it can)."""
+        if self.lost is not None:
+            return EngineLost(self.lost)
+        if self.device_fault is not None:
+            return EngineDeviceFault(f"the engine's device is unusable: {self.device_fault}")
+        return None
+
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -129,8 +137,8 @@ class StreamingFront:
         shared by every stream asks for it). Leaving the iteration early (client
         gone, task cancelled) aborts the request and frees its KV slots.
         """
-        if self.lost is not None:
-            raise EngineLost(self.lost)
+        if (refused := self.refusal()) is not None:
+            raise refused
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         self._start(request_id, prompt, params, stream, time.time())
@@ -221,10 +229,6 @@ class AsyncEngine(StreamingFront):
         return self._thread.is_alive()
 
     def _start(self, request_id: str, prompt, params: SamplingParams, stream: _Stream, arrival_s: float) -> None:
-        if self.device_fault is not None:  # the loop has stopped: nothing would take it in
-            self._streams[request_id] = stream
-            self._fail(request_id, EngineDeviceFault(f"the engine's device is unusable: {self.device_fault}"))
-            return
         # The engine thread takes it in at its next step boundary; the stream is held from now, so
         # that `lose` reaches it even if that boundary never comes.
         self._streams[request_id] = stream
@@ -313,7 +317,7 @@ class AsyncEngine(StreamingFront):
         log.error("engine thread: the device is unusable (%s); stopping the engine loop", fault)
         self.device_fault = fault
         self._stopped = True
-        self._fail_all(EngineDeviceFault(f"the engine's device is unusable: {fault}"))
+        self._fail_all(self.refusal())
 
 
 

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from lanes.async_engine import IDLE_WAIT_S, EngineDeviceFault, StreamingFront, _Stream, guarded
+from lanes.async_engine import IDLE_WAIT_S, StreamingFront, _Stream, guarded
 from lanes.engine_snapshot import EngineSnapshot, snapshot
 from lanes.params import SamplingParams
 
@@ -172,9 +172,7 @@ class ProcessEngine(StreamingFront):
             loop.call_soon_threadsafe(_settle, future, ok, value)
 
     def _gone(self) -> Exception:
-        if self.device_fault is not None:
-            return EngineDeviceFault(f"the engine's device is unusable: {self.device_fault}")
-        return EngineProcessDied("the engine process is not running")
+        return self.refusal() or EngineProcessDied("the engine process is not running")
 
     def _died(self) -> None:
         self.alive = False

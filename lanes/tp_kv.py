@@ -35,14 +35,17 @@ class ShardedKVPool(KVPool):
         self.tp = tp
         self.model_index = model_index  # the runner the workers' KV steps name (lanes/tp_step.py)
 
+    # What can fail on rank 0 alone runs before the step is sent: the workers, once told, wait in the
+    # collective for rank 0.
     def read_blocks(self, blocks: list[int], length: int) -> torch.Tensor:
+        own = super().read_blocks(blocks, length)
         send_kv_step(self.tp, KVStep(READ_KV, self.model_index, list(blocks), length))
-        return self.tp.gather(super().read_blocks(blocks, length), HEAD_DIM)
+        return self.tp.gather(own, HEAD_DIM)
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        kv = kv.to(device=self.kv.device, dtype=self.kv.dtype)
         send_kv_step(self.tp, KVStep(WRITE_KV, self.model_index, list(blocks), kv.shape[3]))
-        own = self.tp.scatter(kv.to(device=self.kv.device, dtype=self.kv.dtype), HEAD_DIM, like=None)
-        super().write_blocks(blocks, own)
+        super().write_blocks(blocks, self.tp.scatter(kv, HEAD_DIM, like=None))
 
 
 def serve_kv_step(tp: TPGroup, pool: KVPool, step: KVStep) -> None:

@@ -1,5 +1,6 @@
 """A failed forward that leaves the device unusable (a sticky CUDA error) stops the engine and fails
-the replica's health check, in every form the engine runs in (issue 15, item 1).
+the replica's health check, in every form the engine runs in (issue 15, item 1). A lane that loses a
+tensor-parallel worker rank fails its work at once as well.
 
 On the CPU there is no sticky state, so these tests inject the finding (what `device_fault` would
 return after an illegal memory access) together with a failing verify forward; the last test makes
@@ -9,13 +10,14 @@ a real device-side assert on a GPU, where there is one, and checks that the prob
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from deployments.lane_worker import LaneWorker
+from deployments.lane_worker import LaneLost, LaneWorker
 from lanes.async_engine import AsyncEngine
 from lanes.engine_process import ProcessEngine
 from lanes.params import SamplingParams
@@ -115,6 +117,29 @@ def test_lane_worker_reports_a_job_that_runs_past_the_wedge_bound():
 
     assert "has run for" in asyncio.run(main())
     assert worker.problem(wedged_after_s=0.1) is None
+
+
+def test_a_lane_that_loses_a_worker_rank_fails_the_job_it_waits_on_and_every_later_one_at_once():
+    # A prefill or verify replica's tensor-parallel worker rank ended: the job on the thread would wait
+    # on it in a collective (here: a job that takes 5 s). The caller must not wait for it.
+    worker = LaneWorker("test", torch.device("cpu"), 0)
+    stuck = threading.Event()
+
+    async def main():
+        job = asyncio.ensure_future(worker.run(stuck.wait, 5.0))
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        worker.lose("tensor-parallel worker rank 1 is gone (ActorDiedError)")
+        with pytest.raises(LaneLost, match="rank 1 is gone"):
+            await job
+        failed_after_s = time.monotonic() - start
+        with pytest.raises(LaneLost):
+            await worker.run(lambda: 3)
+        stuck.set()
+        return failed_after_s
+
+    assert asyncio.run(main()) < 0.5
+    assert "rank 1 is gone" in worker.problem()
 
 
 def test_engine_thread_stops_and_fails_every_stream_on_a_device_fault(monkeypatch):

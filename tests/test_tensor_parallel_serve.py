@@ -3,10 +3,10 @@ DecodeLane in unified and nospec; the PrefillLane and DecodeLane in pd; the Pref
 VerifyLane in pdv) owns a placement group of two bundles, its worker rank is a Ray actor in the
 second (deployments/tp_workers.py), and the ranks meet over gloo. Greedy output over HTTP equals HF's
 greedy `generate` of the whole target: in pd and pdv every prompt's KV went from the prefill lane's
-two ranks to the other lane's two ranks (lanes/tp_kv.py).
+two ranks to the other lane's two ranks (lanes/tp_kv.py). A worker rank killed under load fails its
+replica's work at once and the replica is replaced: the engine's in nospec, the verify lane's in pdv.
 (A replica whose worker never came would not answer /health: rank 0 waits in the group's rendezvous
-for every rank before it builds its shards.) A worker rank killed under load fails its replica's
-streams at once and the replica is replaced."""
+for every rank before it builds its shards.)"""
 
 import time
 
@@ -27,8 +27,9 @@ def apps(pair_paths):
     target, draft = pair_paths
     configs = {}
     for mode in MODES:
-        configs[mode] = app_config(mode, target, draft,
-                                   decode_lane={"num_cpus": 0.05, "health_check_period_s": 1.0})
+        lane = {"num_cpus": 0.05, "health_check_period_s": 1.0}
+        configs[mode] = app_config(mode, target, draft, decode_lane=dict(lane, num_replicas=1),
+                                   prefill_lane=lane, verify_lane=lane)
         configs[mode]["target"]["tensor_parallel_size"] = 2
         # In pd and pdv the draft runs whole in the decode lane; the prefill lane (and pd's decode lane,
         # pdv's verify lane) shard the target and hand each prompt's KV over head by head.
@@ -47,15 +48,17 @@ def test_greedy_output_of_a_tp2_replica_equals_target_greedy(mode, pair_paths):
         assert out.choices[0].token_ids == hf_greedy(target, prompt, 16)
 
 
-def test_a_dead_worker_rank_fails_its_replicas_requests_at_once_and_serve_replaces_the_replica():
-    # Runs last in the module: it kills nospec's worker rank (SIGKILL) while streams are in flight.
-    # Rank 0 would wait on the dead rank in a collective; the replica fails its streams instead
-    # (deployments/tp_workers.py), and its health check, and Serve starts a new replica and workers.
-    app = "nospec"
+@pytest.mark.parametrize("app, deployment", [("nospec", "DecodeLane"), ("pdv", "VerifyLane")])
+def test_a_dead_worker_rank_fails_its_replicas_requests_at_once_and_serve_replaces_the_replica(app, deployment):
+    # Runs last in the module: it kills the worker rank of nospec's engine replica, then of pdv's
+    # verify replica (SIGKILL), while streams are in flight. Rank 0 would wait on the dead rank in a
+    # collective; the replica fails its work instead (deployments/tp_workers.py: the engine's streams,
+    # the verify lane's forwards and so the streams whose rows they held), and its health check, and
+    # Serve starts a new replica and workers.
     before = greedy_choice(app, "def add(a, b):")["text"]
-    decode = serve.get_deployment_handle("DecodeLane", app_name=app)
-    replica_pid = decode.pid.remote().result(timeout_s=30)
-    [worker_pid] = decode.shard_pids.remote().result(timeout_s=30)
+    lane = serve.get_deployment_handle(deployment, app_name=app)
+    replica_pid = lane.pid.remote().result(timeout_s=30)
+    [worker_pid] = lane.shard_pids.remote().result(timeout_s=30)
     killed_s, results = kill_under_streams(app, worker_pid, STREAMS, 200)
     for ended_s, status, events in results:
         if status == 200 and events[-1] == "[DONE]" and '"error"' not in events[-2]:
@@ -64,9 +67,9 @@ def test_a_dead_worker_rank_fails_its_replicas_requests_at_once_and_serve_replac
         assert status == 200 and events[-1] == "[DONE]" and '"error"' in events[-2], (status, events[-3:])
     deadline = time.monotonic() + 180
     while httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{app}/health", timeout=10).status_code != 200 or \
-            decode.pid.remote().result(timeout_s=30) == replica_pid:
+            lane.pid.remote().result(timeout_s=30) == replica_pid:
         assert time.monotonic() < deadline, "the replica with the dead worker was not replaced"
         time.sleep(1)
-    print(f"worker rank killed: {STREAMS} streams ended, replica replaced {time.monotonic() - killed_s:.1f} s "
-          "after the kill")
+    print(f"{app} {deployment} worker rank killed: {STREAMS} streams ended, replica replaced "
+          f"{time.monotonic() - killed_s:.1f} s after the kill")
     assert greedy_choice(app, "def add(a, b):")["text"] == before
