@@ -176,8 +176,11 @@ def test_queue_over_verify_queue_high_turns_speculation_off_and_back_on():
         off_s = wait_for("load", speculation_off, MOVE_BOUND_S)
         state = controller_state("load")
         assert state["load"] == "saturated"
-        # The replicas' step totals reach the step-cost fit.
-        assert state["step_cost"] is not None and state["step_cost"]["t0_ms"] > 0, state
+        # The replicas' step totals reach the step-cost fit: a forward over one token costs something.
+        # (t0 alone may fit to 0: on the CPU a step's cost is close to proportional to its tokens, and
+        # the fit then takes the line through the origin, controller/cost_model.py.)
+        cost = state["step_cost"]
+        assert cost is not None and cost["t0_ms"] + cost["slope_ms_per_token"] > 0, state
         load.stop_sending()
         # The queue empties as the requests in flight finish (at L = 0); then L must come back.
         on_s = wait_for("load", speculation_on, MOVE_BOUND_S)
