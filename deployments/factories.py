@@ -17,7 +17,7 @@ from lanes.ngram import NgramProposer
 from lanes.prompt_prefiller import PromptPrefiller
 from lanes.streams import LaneStreams
 from lanes.tp_kv import ShardedKVPool
-from lanes.tensor_parallel import init_group
+from lanes.tensor_parallel import TPGroup, init_group
 from lanes.verify import VerifyLane
 
 PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lane's scratch slots
@@ -40,6 +40,12 @@ def _allows_tokenizer_mismatch(cfg: AppConfig) -> bool:
 def _check_pair(cfg: AppConfig, draft: LoadedModel | None, target: LoadedModel) -> None:
     if draft is not None:
         check_compatible(draft, target, _allows_tokenizer_mismatch(cfg))
+
+
+def _rank0(cfg: AppConfig, tp_address: str | None, device: str) -> TPGroup | None:
+    """Join the replica's tensor-parallel group as rank 0 where it has one (`tp_address`: where its
+    worker ranks meet, deployments/tp_workers.py)."""
+    return init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
 
 
 def _slot_capacity(cfg: AppConfig) -> int:
@@ -68,7 +74,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     device = cfg.decode_lane.bind_device()
     config = _engine_config(cfg, cfg.decode_lane)
     if cfg.mode in ("unified", "spec", "nospec"):
-        tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+        tp = _rank0(cfg, tp_address, device)
         # A sharded model loads on the host; only its shard moves to the device (build_runners).
         core = EngineCore.colocated(_target(cfg, "cpu" if tp else device),
                                     _draft(cfg, "cpu" if tp and cfg.shard_draft else device), config,
@@ -83,7 +89,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     if cfg.mode == "pd":
         # pd's decode lane holds the target: sharded over the replica's ranks where it is (the draft
         # runs whole on rank 0), and its pool then takes each prompt's KV through Ray (lanes/tp_kv.py).
-        tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+        tp = _rank0(cfg, tp_address, device)
         target = _target(cfg, "cpu" if tp else device)
         _check_pair(cfg, draft, target)
         target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None,
@@ -141,7 +147,7 @@ def build_prompt_prefiller(cfg: AppConfig, tp_address: str | None = None) -> Pro
     """The prefill lane's prefiller; `tp_address`: where the ranks of its sharded target meet (it is
     rank 0, and runs the draft whole)."""
     device = cfg.prefill_lane.bind_device()
-    tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+    tp = _rank0(cfg, tp_address, device)
     target, draft = _target(cfg, "cpu" if tp else device), _draft(cfg, device)  # no draft with prompt lookup
     _check_pair(cfg, draft, target)
     runners = build_runners(_prefill_config(cfg), target.model, draft.model if draft is not None else None,
@@ -163,7 +169,7 @@ def _verify_config(cfg: AppConfig) -> EngineConfig:
 def build_verify_lane(cfg: AppConfig, tp_address: str | None = None) -> VerifyLane:
     """The verify lane; `tp_address`: where the ranks of its sharded target meet (it is rank 0)."""
     device = cfg.verify_lane.bind_device()
-    tp = init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
+    tp = _rank0(cfg, tp_address, device)
     config = _verify_config(cfg)
     [runner] = build_runners(config, _target(cfg, "cpu" if tp else device).model, tp=tp, sharded=(True,))
     runner.capture_graphs(range(1, config.num_speculative_tokens + 2), prefill=False)  # before the first verify

@@ -102,7 +102,7 @@ class PrefillServer:
                 # A verify replica slow to take it (its worker queued behind forwards on a busy host):
                 # the request is recomputed (bounded by max_migrations), not failed, and a slot that
                 # is taken late is freed.
-                asyncio.ensure_future(self._release_once_loaded(loading))
+                asyncio.ensure_future(self._release_once_settled(loading))
                 raise KVLost(f"no verify replica took the prompt's KV in {PEER_CALL_TIMEOUT_S:g} s") from exc
         elif out.committed is not None:
             try:
@@ -110,7 +110,8 @@ class PrefillServer:
             except TimeoutError as exc:
                 # The decode replica never learns this slot (it recomputes the request elsewhere): a
                 # verify replica that answers late must not keep it.
-                asyncio.ensure_future(self._release_once_settled(out))
+                asyncio.ensure_future(self._release_once_settled(out.committed, out.done.target_lease,
+                                                                  out.done.target_slot))
                 raise replica_silent(out.done.target_lease) from exc
         self.handed_over[out.draft] += 1
         TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target,
@@ -118,23 +119,20 @@ class PrefillServer:
                         received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
         return out.done
 
-    async def _release_once_loaded(self, loading: asyncio.Future) -> None:
+    async def _release_once_settled(self, call: asyncio.Future, lease: str | None = None,
+                                    slot: int | None = None) -> None:
+        """Free the verify slot of a call that did not answer in time, once it settles: a commit of the
+        known `lease`'s `slot`, or a `load_kv`, which returns the lease and slot it took. After the call,
+        not before (a release that overtook it would leave the slot's owner recorded on a free slot)."""
+        await asyncio.wait([call])
+        if call.cancelled() or call.exception() is not None:
+            return  # nothing held: the replica is gone, with its pool
+        if slot is None:
+            lease, slot = call.result()
         try:
-            lease, slot = await loading
             await self.verify.release.remote([slot], lease=lease)
-        except Exception as exc:  # noqa: BLE001 - not loaded, or the replica went since: its pool with it
-            log.info("release of a late-loaded verify slot failed: %s", exc)
-
-    async def _release_once_settled(self, out: Prefilled) -> None:
-        """Free a slot whose commit did not answer in time, after the commit (a release that overtook
-        it would leave the slot's owner recorded on a free slot)."""
-        await asyncio.wait([out.committed])
-        if out.committed.cancelled() or out.committed.exception() is not None:
-            return  # not committed: the replica is gone, with its pool
-        try:
-            await self.verify.release.remote([out.done.target_slot], lease=out.done.target_lease)
         except Exception as exc:  # noqa: BLE001 - it went since: its pool with it
-            log.info("release of a late-committed verify slot failed: %s", exc)
+            log.info("release of a verify slot taken after its call timed out failed: %s", exc)
 
     async def _forward(self, jobs: list[PrefillJob]) -> list[Prefilled]:
         batch_s = time.time()

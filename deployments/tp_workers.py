@@ -12,8 +12,8 @@ A worker that dies leaves rank 0 waiting in a collective that never completes (N
 timeout; gloo may fail the step instead). The replica does not wait for that: it awaits each
 worker's `run` call, which ends only when the worker does, and on the first to end fails every
 request it holds and every new one at once, and fails Serve's health check, so that Serve replaces
-the replica and its workers (`ShardWorkers.first_loss`; `EngineServer._watch_workers`, and
-`LaneWorker.lose` in the prefill and verify lanes).
+the replica and its workers (`ShardWorkers.first_loss`, `watch_workers`: `StreamingFront.lose` in
+the engine replica, `LaneWorker.lose` in the prefill and verify lanes).
 """
 
 import asyncio
@@ -28,7 +28,6 @@ from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import AppConfig
-from deployments.factories import load_shards
 from deployments.gpu_binding import lane_device
 from lanes.tp_worker import Loader, free_port, run_worker
 
@@ -73,11 +72,10 @@ async def _ended(rank: int, run: ray.ObjectRef) -> str:
     return f"tensor-parallel worker rank {rank} stopped"
 
 
-def start_shard_workers(cfg: AppConfig, lane_name: str = "decode_lane", load: Loader | None = None) -> ShardWorkers:
-    """In a replica of the lane `lane_name` (the engine's by default): start ranks 1..N-1 in its
-    placement group, each building its shards with `load` (default: the engine's, `load_shards`)."""
+def start_shard_workers(cfg: AppConfig, lane_name: str, load: Loader) -> ShardWorkers:
+    """In a replica of the lane `lane_name`: start ranks 1..N-1 in its placement group, each building
+    its shards with `load` (deployments/factories.py `load_shards`, `load_prefill_shards`, ...)."""
     size, lane = cfg.tensor_parallel_size, getattr(cfg, lane_name)
-    load = load or partial(load_shards, cfg)
     group = get_current_placement_group()
     if group is None:
         raise RuntimeError("a tensor-parallel replica needs its placement group (placement_group_bundles)")
