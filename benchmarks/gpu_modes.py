@@ -104,7 +104,7 @@ PRESETS = {
 # Lane shares of the one GPU; pdv's are configs/pdv-1gpu.yaml's.
 PDV_1GPU = yaml.safe_load((REPO / "configs" / "pdv-1gpu.yaml").read_text())["applications"][0]["args"]
 GPU_SHARES = {"nospec": {"decode_lane": 1.0}, "spec": {"decode_lane": 1.0},
-              "unified": {"decode_lane": 1.0}, "pd": {"prefill_lane": 0.3, "decode_lane": 0.7},
+              "unified": {"decode_lane": 1.0}, "pd": {"prefill_lane": 0.35, "decode_lane": 0.65},
               "pdv": {lane: PDV_1GPU[lane]["num_gpus"]
                       for lane in ("prefill_lane", "decode_lane", "verify_lane")}}
 MAX_ONGOING = 512  # per deployment: above the most requests a run keeps in flight (Serve's default 256 is not)

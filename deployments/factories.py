@@ -2,6 +2,7 @@
 deployments, which call them in their replicas; tests can bind their own."""
 
 import asyncio
+import logging
 import uuid
 from dataclasses import replace
 
@@ -21,6 +22,16 @@ from lanes.tensor_parallel import TPGroup, init_group
 from lanes.verify import VerifyLane
 
 PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lane's scratch slots
+
+
+def _lane_logs_to_replica_log() -> None:
+    """lanes/ logs what a replica's operator needs at start (its memory plan, its graph captures):
+    send those INFO lines to the replica's log file, through Serve's handlers."""
+    lanes_log = logging.getLogger("lanes")
+    if not lanes_log.handlers:
+        lanes_log.setLevel(logging.INFO)
+        for handler in logging.getLogger("ray.serve").handlers:
+            lanes_log.addHandler(handler)
 
 
 def _target(cfg: AppConfig, device: str) -> LoadedModel:
@@ -58,12 +69,12 @@ def build_proposer(cfg: AppConfig, device: str | torch.device) -> NgramProposer 
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, device) if spec is not None else None
 
 
-def _engine_config(cfg: AppConfig, lane: LaneConfig) -> EngineConfig:
+def _engine_config(cfg: AppConfig, lane: LaneConfig, name: str) -> EngineConfig:
     """The engine config of one lane's replica. A replica with a fraction of a GPU sizes its KV
     pools from that fraction of the device's memory (lanes share GPUs in pd and pdv)."""
     config = cfg.engine.engine_config(cfg.mode)
     share = min(1.0, lane.num_gpus) if lane.num_gpus > 0 else 1.0
-    return replace(config, gpu_memory_utilization=config.gpu_memory_utilization * share)
+    return replace(config, gpu_memory_utilization=config.gpu_memory_utilization * share, lane_name=name)
 
 
 def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None,
@@ -71,8 +82,9 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     """The engine of the decode-lane replica (or of the only replica, in one-deployment modes).
     `tp_address`: where the ranks of a tensor-parallel engine meet (deployments/tp_workers.py); the
     engine is rank 0."""
+    _lane_logs_to_replica_log()
     device = cfg.decode_lane.bind_device()
-    config = _engine_config(cfg, cfg.decode_lane)
+    config = _engine_config(cfg, cfg.decode_lane, "decode lane" if cfg.mode in ("pd", "pdv") else f"{cfg.mode} engine")
     if cfg.mode in ("unified", "spec", "nospec"):
         tp = _rank0(cfg, tp_address, device)
         # A sharded model loads on the host; only its shard moves to the device (build_runners).
@@ -98,7 +110,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
         vocab = Vocabulary(target_runner.vocab_size, target.tokenizer, target.model.generation_config)
         model_device = target_runner.device
     else:  # pdv: the target lives in the verify lane
-        draft_runner = build_runner(draft.model, config) if draft is not None else None
+        draft_runner = build_runner(draft.model, config, draft=True) if draft is not None else None
         verifier, target_pool = RemoteVerifier(verify, loop, cfg.request_timeout_s), None
         vocab = (Vocabulary(draft_runner.vocab_size, draft.tokenizer, draft.model.generation_config)
                  if draft is not None else load_vocabulary(cfg.target.path))
@@ -120,7 +132,7 @@ def load_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, ...]]:
     (`lanes.tp_worker.Loader`): the engine's config and the models it shards, on the host (a draft that
     runs whole on rank 0 is not loaded)."""
     draft = _draft(cfg, "cpu") if cfg.shard_draft else None
-    return (_engine_config(cfg, cfg.decode_lane), [_target(cfg, "cpu").model, draft.model if draft else None],
+    return (_engine_config(cfg, cfg.decode_lane, f"{cfg.mode} engine"), [_target(cfg, "cpu").model, draft.model if draft else None],
             (True, cfg.shard_draft))
 
 
@@ -135,17 +147,17 @@ def load_verify_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, 
 
 
 def _prefill_config(cfg: AppConfig) -> EngineConfig:
-    # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8), each with
-    # the blocks of a whole prompt, whatever num_kv_blocks or the lane's memory share say (they size
-    # the pools that hold running requests): a batch must always fit, as the unpaged pools did.
-    config = _engine_config(cfg, cfg.prefill_lane)
-    per_slot = -(-config.slot_capacity_tokens // config.block_size)
-    return replace(config, max_num_seqs=PREFILL_BATCH_MAX, num_kv_blocks=PREFILL_BATCH_MAX * per_slot)
+    # Scratch slots: one per prompt of a prefill batch (the deployment batches at most 8, and only as
+    # many as the scratch pools' blocks hold: PrefillServer); their blocks come from the lane's memory
+    # profile, and hold at least one prompt of max_model_len.
+    return replace(_engine_config(cfg, cfg.prefill_lane, "prefill lane"), max_num_seqs=PREFILL_BATCH_MAX,
+                   kv_copied_out=True)
 
 
 def build_prompt_prefiller(cfg: AppConfig, tp_address: str | None = None) -> PromptPrefiller:
     """The prefill lane's prefiller; `tp_address`: where the ranks of its sharded target meet (it is
     rank 0, and runs the draft whole)."""
+    _lane_logs_to_replica_log()
     device = cfg.prefill_lane.bind_device()
     tp = _rank0(cfg, tp_address, device)
     target, draft = _target(cfg, "cpu" if tp else device), _draft(cfg, device)  # no draft with prompt lookup
@@ -159,7 +171,7 @@ def build_prompt_prefiller(cfg: AppConfig, tp_address: str | None = None) -> Pro
 
 
 def _verify_config(cfg: AppConfig) -> EngineConfig:
-    config = _engine_config(cfg, cfg.verify_lane)
+    config = _engine_config(cfg, cfg.verify_lane, "verify lane")
     # Each verify replica may hold requests of every decode replica (slots are handed out by the verify
     # replica with the fewest calls in flight, not the fewest slots in use): size its pool for all of them.
     replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)
@@ -168,6 +180,7 @@ def _verify_config(cfg: AppConfig) -> EngineConfig:
 
 def build_verify_lane(cfg: AppConfig, tp_address: str | None = None) -> VerifyLane:
     """The verify lane; `tp_address`: where the ranks of its sharded target meet (it is rank 0)."""
+    _lane_logs_to_replica_log()
     device = cfg.verify_lane.bind_device()
     tp = _rank0(cfg, tp_address, device)
     config = _verify_config(cfg)

@@ -18,9 +18,15 @@ R = TypeVar("R")
 
 
 class LaneBatcher(Generic[T, R]):
-    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], max_batch: int):
+    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], max_batch: int,
+                 cost: Callable[[T], int] | None = None, capacity: int | None = None):
+        """`cost`, `capacity`: a batch takes items in arrival order while their costs sum to at most
+        `capacity` (the prefill lane: KV blocks of the prompts against its scratch pool's), and
+        always at least one item."""
         self._run = run  # one forward over a batch; returns one result per item, in order
         self._max_batch = max_batch
+        self._cost = cost
+        self._capacity = capacity
         self._waiting: deque[tuple[T, asyncio.Future]] = deque()
         self._arrived: asyncio.Event | None = None  # created on the replica's event loop
         self._loop_task: asyncio.Task | None = None
@@ -42,12 +48,22 @@ class LaneBatcher(Generic[T, R]):
     async def _forward_loop(self) -> None:
         while True:
             await self._arrived.wait()
-            batch = [self._waiting.popleft() for _ in range(min(self._max_batch, len(self._waiting)))]
+            batch = self._next_batch()
             if not self._waiting:
                 self._arrived.clear()
             batch = [(item, future) for item, future in batch if not future.cancelled()]
             if batch:
                 await self._forward(batch)
+
+    def _next_batch(self) -> list[tuple[T, asyncio.Future]]:
+        batch, spent = [], 0
+        while self._waiting and len(batch) < self._max_batch:
+            cost = self._cost(self._waiting[0][0]) if self._cost is not None else 0
+            if batch and self._capacity is not None and spent + cost > self._capacity:
+                break
+            batch.append(self._waiting.popleft())
+            spent += cost
+        return batch
 
     async def _forward(self, batch: list[tuple[T, asyncio.Future]]) -> None:
         try:

@@ -55,7 +55,11 @@ class PrefillServer:
         self.placement_ = Placement.here(self.prefiller.target.device)
         self.views = PoolViews()
         self.metrics = LaneMetrics("prefill", mode)
-        self.batcher = LaneBatcher(self._forward, PREFILL_BATCH_MAX)
+        # A batch's prompts must fit the scratch pools together (sized by the lane's memory profile).
+        scratch = self.prefiller.target.pool
+        self.batcher = LaneBatcher(self._forward, PREFILL_BATCH_MAX,
+                                   cost=lambda job: -(-len(job.request.prompt_ids) // scratch.block_size),
+                                   capacity=scratch.shape.num_blocks)
         self.pending = 0
         # Draft KV hand-overs by transport ("none": drafting by prompt lookup, there is no draft KV).
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}

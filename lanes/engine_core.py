@@ -22,6 +22,7 @@ from lanes.families import check_supported
 from lanes.grammar import Grammars, verify_bitmask
 from lanes.kv_pool import KVPool, PoolFullError, PoolShape
 from lanes.kv_sizing import num_kv_blocks
+from lanes.memory_profile import plan_memory
 from lanes.logprobs import TokenLogprobs
 from lanes.model_runner import ModelRunner
 from lanes.models import LoadedModel, check_compatible
@@ -66,6 +67,8 @@ class EngineConfig:
     # Times a request is recomputed on another replica when the verify replica holding its KV leaves
     # or dies (KVLost); once more fails it. 0: such a request fails at once.
     max_migrations: int = 3
+    lane_name: str = "engine"  # whose memory plan and refusals the log and errors name
+    kv_copied_out: bool = False  # each prompt's KV is copied out of its blocks (the prefill lane's hand-over)
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -443,18 +446,19 @@ class EngineCore:
         )
 
 
-def build_runner(model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
-    return build_runners(config, model)[0]
+def build_runner(model: torch.nn.Module, config: EngineConfig, draft: bool = False) -> ModelRunner:
+    return build_runners(config, model, draft_index=0 if draft else None)[0]
 
 
 def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPGroup | None = None,
-                  sharded: tuple[bool, ...] = ()) -> list[ModelRunner | None]:
+                  sharded: tuple[bool, ...] = (), draft_index: int | None = 1) -> list[ModelRunner | None]:
     """A runner per model (None stays None), over pools of one block count, sized together.
 
     `tp`: the tensor-parallel group of this process; the models flagged in `sharded` (by position)
     are cut to this rank's shard in place and moved to its device, their pools hold its KV heads, and
     on rank 0 their forwards are sent to the workers under their position (lanes/tp_step.py). Every
-    rank of the group must call this with the same config and models."""
+    rank of the group must call this with the same config and models. `draft_index`: the position
+    of the draft model, whose catch-up forwards the memory profile runs too."""
     present = [m for m in models if m is not None]
     for model in present:  # models built elsewhere (tests, benchmarks) reach the engine without load_model's check
         check_supported(model.config, config.slot_capacity_tokens)
@@ -465,10 +469,27 @@ def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPG
             model.to(group.device)  # a model too large for one device loads on the host and moves as a shard
     shapes = {i: _pool_shape(m, g, config) for i, (m, g) in enumerate(zip(models, groups)) if m is not None}
     device = next(present[0].parameters()).device
-    blocks = num_kv_blocks(list(shapes.values()), [m.dtype for m in present], device, config.max_num_seqs,
-                           config.num_kv_blocks, config.gpu_memory_utilization)
+    dtypes = [m.dtype for m in present]
+    if device.type == "cuda" and config.num_kv_blocks is None:
+        # The pools start with one sequence's blocks, the profile runs over them, and they are resized
+        # to what it leaves (lanes/kv_sizing.py).
+        runners = _runners(models, groups, shapes, next(iter(shapes.values())).blocks_per_slot, device, config)
+        live = [r for r in runners if r is not None]
+        draft = runners[draft_index] if draft_index is not None and draft_index < len(runners) else None
+        plan = plan_memory(live, config, live.index(draft) if draft is not None else None)
+        blocks = num_kv_blocks(list(shapes.values()), dtypes, device, config.max_num_seqs, None, plan)
+    else:
+        blocks = num_kv_blocks(list(shapes.values()), dtypes, device, config.max_num_seqs, config.num_kv_blocks)
+        runners = _runners(models, groups, shapes, blocks, device, config)
     if tp is not None:  # block tables name the same blocks on every rank
         blocks = tp.min_over_ranks(blocks)
+    for runner in runners:
+        if runner is not None and runner.pool.shape.num_blocks != blocks:
+            runner.pool.resize(blocks)
+    return runners
+
+
+def _runners(models, groups, shapes, blocks: int, device, config: EngineConfig) -> list[ModelRunner | None]:
     return [None if m is None else _runner(m, shapes[i], blocks, device, config, g, i)
             for i, (m, g) in enumerate(zip(models, groups))]
 

@@ -20,7 +20,7 @@ such a peer writes a request's KV into blocks the owner allocated (`write_blocks
 """
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -90,6 +90,17 @@ class KVPool:
         # A verify replica hands out slots and blocks on its event loop while its worker thread frees
         # them and runs forwards: block bookkeeping is serialised (host work only, never a device wait).
         self._lock = threading.Lock()
+
+    def resize(self, num_blocks: int) -> None:
+        """Reallocate the pool, empty, with `num_blocks` blocks: the memory profile (lanes/memory_profile.py)
+        runs its forwards over a one-sequence pool, then the lane takes what the profile left. Only
+        before anything keeps the pool's address (a CUDA graph, a peer's IPC view) or holds a block."""
+        assert self.num_used == 0, "resize holds no sequence"
+        dtype, device = self.kv.dtype, self.kv.device
+        del self.kv  # freed before the larger one is allocated
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        KVPool.__init__(self, replace(self.shape, num_blocks=num_blocks), dtype, device)
 
     # ---- slots ----------------------------------------------------------------------------
 
@@ -244,7 +255,9 @@ class KVPool:
         if full:
             two, layers, heads, _, dim = kv.shape
             paged = kv[:, :, :, : full * size].reshape(two, layers, heads, full, size, dim).permute(0, 1, 3, 2, 4, 5)
-            self.kv[:, :, self._index(blocks[:full])] = paged.to(self.kv.dtype)
+            index = self._index(blocks[:full])
+            for layer in range(layers):  # a layer at a time: the permuted copy is one layer's, not the prompt's
+                self.kv[:, layer, index] = paged[:, layer].to(self.kv.dtype)
         if length > full * size:
             self.kv[:, :, blocks[full], :, : length - full * size] = kv[:, :, :, full * size :]
 

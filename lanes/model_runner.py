@@ -1,5 +1,6 @@
 """One batched forward of an HF causal LM over rows that each sit at their own length in the pool."""
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from lanes.fused_decoder import FusedDecoder, supports
 from lanes.kv_pool import KVPool
 from lanes.pool_cache import PoolCache
 from lanes.tensor_parallel import TPGroup, row_parallel_linear
+
+log = logging.getLogger(__name__)
 
 KV_BOUND_MULTIPLE = 64  # round the gathered length up so shapes repeat (fewer allocator / kernel variants)
 GRAPH_MAX_Q = 16  # decode and verify steps (Q <= L + 2) replay graphs; longer inputs are prefill
@@ -128,13 +131,14 @@ class ModelRunner:
         if self.graphs is None:
             return 0.0
         start_s = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         shapes = [(b, q, False) for b in self.graphs.buckets for q in sorted(set(q_lens))
                   if q <= GRAPH_MAX_Q and self._kernel_fits(q)]
         if prefill and self.prefill_graphs is not None:
             shapes += [(b, w, True) for b in self.prefill_graphs.batches for w in self.prefill_graphs.widths
                        if self.prefill_graphs.fits(b, w)]
         for batch, q_len, whole_prompt in shapes:
-            self._pad_forward(batch, 0, q_len, keep_last=whole_prompt, prefill=whole_prompt)
+            self.pad_forward(batch, 0, q_len, keep_last=whole_prompt, prefill=whole_prompt)
         if prefill and self.prefill_graphs is not None:
             # Chunks that start past position 0 (a prompt's rest after a prefix-cache hit, a long
             # prompt's later chunks) run eagerly; their first use of a kernel specialisation compiled
@@ -142,12 +146,16 @@ class ModelRunner:
             # size, multiples of 16 and not, compile those now. Not yet measured on a GPU.
             for q_len in EAGER_CHUNK_WIDTHS:
                 if self.pool.shape.block_size + q_len <= self.pool.shape.capacity_tokens:
-                    self._pad_forward(1, self.pool.shape.block_size, q_len, keep_last=True, prefill=True)
+                    self.pad_forward(1, self.pool.shape.block_size, q_len, keep_last=True, prefill=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # Against the memory plan's estimate of what graphs hold (lanes/memory_profile.py).
+            log.info("captured %d CUDA graphs of a %d-layer model: %.2f GiB more reserved", len(shapes),
+                     self.model.config.get_text_config().num_hidden_layers,
+                     (torch.cuda.memory_reserved(self.device) - reserved) / 2**30)
         return (time.perf_counter() - start_s) * 1e3
 
-    def _pad_forward(self, batch: int, start: int, q_len: int, keep_last: bool, prefill: bool) -> None:
+    def pad_forward(self, batch: int, start: int, q_len: int, keep_last: bool, prefill: bool) -> None:
         """A forward of `batch` rows on the pool's pad slot (writes only its pad block)."""
         rows = Rows(torch.full((batch,), self.pool.pad_slot, dtype=torch.long, device=self.device),
                     torch.full((batch,), start, dtype=torch.long, device=self.device), start)

@@ -29,14 +29,17 @@ class PrefillChunk:
 
 
 def plan_chunks(seqs: list[Sequence], budget_tokens: int) -> list[PrefillChunk]:
-    """Next prompt chunks, in order, until the token budget of one forward is spent."""
-    chunks = []
+    """Next prompt chunks, in order, while the forward's padded size (rows x its widest chunk, what
+    its activations take) stays within the token budget: a chunk is cut to fit, and none is added
+    once the rows so far are too wide for one more."""
+    chunks, width = [], 0
     for seq in seqs:
-        if budget_tokens <= 0:
+        cap = budget_tokens // (len(chunks) + 1)  # the widest a row may be with one more row
+        if cap < max(width, 1):
             break
-        length = min(budget_tokens, seq.num_prefill_tokens - seq.num_prefilled)
+        length = min(cap, seq.num_prefill_tokens - seq.num_prefilled)
         chunks.append(PrefillChunk(seq, seq.num_prefilled, length))
-        budget_tokens -= length
+        width = max(width, length)
     return chunks
 
 
@@ -45,17 +48,21 @@ def plan_whole_prompts(seqs: list[Sequence], budget_tokens: int) -> list[Prefill
 
     Rows that all start at position 0 need no attention mask (flash attention, lanes/attention.py);
     a split prompt's second chunk would bring the mask back for its whole forward. Only a prompt
-    longer than the budget is split, and its chunks run alone.
+    longer than the budget is split, and its chunks run alone. The budget bounds the forward's
+    padded size (rows x its widest prompt), which is what its activations take: the lane's memory
+    profile measured one forward of `budget_tokens` (lanes/memory_profile.py).
     """
-    chunks = []
+    chunks, width = [], 0
     for seq in seqs:
         left = seq.num_prefill_tokens - seq.num_prefilled
         if seq.num_prefilled > 0 or left > budget_tokens:
             if not chunks:
                 return [PrefillChunk(seq, seq.num_prefilled, min(left, budget_tokens))]
             continue
+        if (len(chunks) + 1) * max(width, left) > budget_tokens:
+            continue
         chunks.append(PrefillChunk(seq, 0, left))
-        budget_tokens -= left
+        width = max(width, left)
     return chunks
 
 

@@ -82,13 +82,14 @@ class PromptPrefiller:
             for seq in seqs:
                 self._attach(seq)
             first = self._run(seqs)
+            # Reading a prompt's KV out copies it (the hand-over): it can fail too, and must free the slots.
+            return [PrefilledKV(tok, self.target.pool.read_slot(s.target_slot),
+                                self.draft.pool.read_slot(s.draft_slot) if self.draft else None, s.num_cached_tokens,
+                                logprobs, s.prompt_logprobs)
+                    for (tok, logprobs), s in zip(first, seqs)], release
         except BaseException:
             release()
             raise
-        return [PrefilledKV(tok, self.target.pool.read_slot(s.target_slot),
-                            self.draft.pool.read_slot(s.draft_slot) if self.draft else None, s.num_cached_tokens,
-                            logprobs, s.prompt_logprobs)
-                for (tok, logprobs), s in zip(first, seqs)], release
 
     def _attach(self, seq: Sequence) -> None:
         """A scratch slot's blocks: the cached ones of the prompt's prefix, then new ones for the rest."""

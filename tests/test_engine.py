@@ -271,9 +271,10 @@ def test_prefill_batches_never_write_past_a_slot(llama_pair):
     split = []
     fit = lane._fit
     lane._fit = lambda chunks: split.append(fit(chunks)[1]) or fit(chunks)
-    # Step 1 prefills 200 tokens of the first prompt; step 2 its last 10 beside 190 of the second,
-    # so the continuing chunk (start 200) padded to 190 would end past the slot (320 + 64).
-    prompts = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in (210, 250, 3)]
+    # Forwards are bounded by their padded size (rows x widest <= 200): step 1 prefills the 3-token
+    # prompt and 100 tokens of the 305-token one; step 2 its next 200; step 3 its last 5 beside 100
+    # of the third, so the continuing chunk (start 300) padded to 100 would end past the slot (320 + 64).
+    prompts = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in (3, 305, 250)]
     outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True))
                                          for i, p in enumerate(prompts)})
     assert any(split), "no batch needed splitting: the test did not reach the case it is for"

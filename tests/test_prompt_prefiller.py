@@ -18,10 +18,12 @@ def _seq(name: str, length: int, prefilled: int = 0) -> Sequence:
     return seq
 
 
-def test_whole_prompts_first_fit_and_only_a_prompt_over_the_budget_is_split():
+def test_whole_prompts_first_fit_within_the_padded_budget_and_only_a_prompt_over_it_is_split():
     a, b, long, c = _seq("a", 50), _seq("b", 30), _seq("long", 200), _seq("c", 20)
     plan = plan_whole_prompts([a, b, long, c], 100)
-    assert [(ch.seq.request_id, ch.start, ch.length) for ch in plan] == [("a", 0, 50), ("b", 0, 30), ("c", 0, 20)]
+    # Rows are padded to the widest: a and b make 2 x 50 padded tokens, c would make 3 x 50 > 100.
+    assert [(ch.seq.request_id, ch.start, ch.length) for ch in plan] == [("a", 0, 50), ("b", 0, 30)]
+    assert [ch.seq.request_id for ch in plan_whole_prompts([c, b, a], 100)] == ["c", "b"]  # 2 x 30, then 3 x 50
     assert [(ch.seq.request_id, ch.start, ch.length) for ch in plan_whole_prompts([long, c], 100)] == [("long", 0, 100)]
     long.num_prefilled = 100
     # A continuing prompt runs alone: its rows do not start at 0, so its forward needs the mask.
@@ -54,3 +56,16 @@ def test_batched_prefill_hands_out_what_each_prompt_gets_alone(llama_pair):
     torch.testing.assert_close(views[1].target_kv, together[1].target_kv, rtol=1e-4, atol=1e-5)
     release()
     assert (prefiller.target.pool.num_free, prefiller.draft.pool.num_free) == free
+
+
+def test_chunks_keep_the_padded_forward_within_the_budget():
+    from lanes.prefill import plan_chunks
+
+    a, b, c = _seq("a", 300), _seq("b", 40), _seq("c", 40)
+    plan = plan_chunks([a, b, c], 256)
+    # a is cut to 256; no second row fits beside it (2 x 256 > 256).
+    assert [(ch.seq.request_id, ch.start, ch.length) for ch in plan] == [("a", 0, 256)]
+    plan = plan_chunks([b, c, a], 256)
+    # 40, 40, then a is cut to 256 // 3 = 85: 3 x 85 <= 256.
+    assert [(ch.seq.request_id, ch.length) for ch in plan] == [("b", 40), ("c", 40), ("a", 85)]
+    assert len(plan) * max(ch.length for ch in plan) <= 256
