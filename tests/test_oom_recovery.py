@@ -116,3 +116,38 @@ def test_a_request_that_runs_out_of_memory_at_the_smallest_step_fails_cleanly_th
     # Halved from 64 prefill tokens to one block of 4 (4 errors), then 3 more at that size.
     assert len(raised) == 4 + 3 and engine.step_cap.num_oom_recoveries == len(raised)
     assert engine.device_fault is None and not engine.scheduler.by_id
+
+
+def test_a_remote_lanes_oom_comes_back_as_a_recompute_not_an_error(llama_pair):
+    """How the decode replica reads a prefill or verify replica that ran out of device memory in its
+    smallest retry (deployments/remote.py `lane_error`): LaneOOM, whose rows are recomputed; the output
+    is that of an undisturbed run, and the bound holds for remote errors too."""
+    from ray.exceptions import RayTaskError
+
+    from deployments.remote import lane_error
+    from lanes.backends import LaneOOM
+    from tests.test_kv_migration import _losing
+
+    behind_prefill = RayTaskError("prefill", "Traceback ...", LaneOOM("prefill lane")).as_instanceof_cause()
+    verify_raised = RayTaskError("verify", "Traceback ...", torch.OutOfMemoryError(OOM_TEXT)).as_instanceof_cause()
+    assert isinstance(lane_error(behind_prefill, via_prefill=True), LaneOOM)
+    assert isinstance(lane_error(verify_raised), LaneOOM)
+
+    target, draft = llama_pair
+    requests = _requests(4)
+    reference = run_to_completion(small_engine(target, draft), requests)
+    engine = small_engine(target, draft, max_oom_attempts=3)
+    _losing(engine, lambda n, batch: ([0], lane_error(verify_raised)) if n in (3, 6) else None)
+    assert run_to_completion(engine, requests) == reference
+    assert engine.scheduler.num_preemptions == 2
+
+    engine = small_engine(target, draft, max_oom_attempts=2)
+    _losing(engine, lambda n, batch: ([r for r, s in enumerate(engine.scheduler.running) if s.request_id == "0"],
+                                      LaneOOM("verify lane")))
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    errors = {}
+    while engine.has_work:
+        errors.update({out.request_id: out.error for out in engine.step() if out.error is not None})
+    assert list(errors) == ["0"]
+    assert_clean(errors["0"])
