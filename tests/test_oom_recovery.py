@@ -151,3 +151,43 @@ def test_a_remote_lanes_oom_comes_back_as_a_recompute_not_an_error(llama_pair):
         errors.update({out.request_id: out.error for out in engine.step() if out.error is not None})
     assert list(errors) == ["0"]
     assert_clean(errors["0"])
+
+
+def test_no_forward_exceeds_the_step_shape_the_lanes_memory_profile_measures(llama_pair):
+    """Activations are bounded by admission: a decode forward carries at most max_num_seqs rows and a
+    prefill forward at most idle_prefill_tokens tokens, in the engine and in the prefill lane's
+    PromptPrefiller, whatever the burst (the peak the memory profile measures is at these maxima)."""
+    from lanes.engine_core import build_runners
+    from lanes import prompt_prefiller
+    from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
+    from lanes.engine_core import EngineConfig
+
+    target, draft = llama_pair
+    engine = small_engine(target, draft, max_num_seqs=4, idle_prefill_tokens=64, prefill_chunk_tokens=32)
+    shapes = []
+    _inject_oom(engine, lambda prefill, ids, call: shapes.append((prefill, tuple(ids.shape))) and False)
+    prompts = random_prompts(10, VOCAB, 50, 150, seed=44)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    while engine.has_work:
+        planned = engine.scheduler.num_prefill_tokens
+        engine.step()
+        assert engine.scheduler.num_prefill_tokens - planned <= 64  # prompt tokens (padding aside)
+    assert 1 < max(rows for prefill, (rows, _) in shapes if not prefill) <= 4
+
+    config = EngineConfig(max_model_len=320, max_num_seqs=8, idle_prefill_tokens=64, prefill_chunk_tokens=32)
+    prefiller = PromptPrefiller(*build_runners(config, target.model, draft.model), config.idle_prefill_tokens)
+    tokens = []  # prompt tokens of each prefill forward the lane plans
+    plan = prompt_prefiller.plan_whole_prompts
+
+    def planned(seqs, budget):
+        chunks = plan(seqs, budget)
+        tokens.append(sum(c.length for c in chunks))
+        return chunks
+
+    prompt_prefiller.plan_whole_prompts = planned
+    try:
+        prefiller.prefill([PrefillRequest(str(i), p, SamplingParams(max_tokens=1), i) for i, p in enumerate(prompts[:8])])
+    finally:
+        prompt_prefiller.plan_whole_prompts = plan
+    assert tokens and max(tokens) <= 64
