@@ -176,9 +176,12 @@ class EngineArgs(_Strict):
         if mode == "nospec":
             values["num_speculative_tokens"] = 0
         if mode == "spec":
-            # Plain speculative decoding: every waiting prompt is prefilled before decoding resumes,
-            # as an engine without lane priorities does (in forwards of idle_prefill_tokens: one
-            # forward over a burst of prompts held activations of GBs and ran out of GPU memory).
+            # Plain speculative decoding: no chunked prefill (no step both prefills and decodes) and
+            # waiting prompts go first, as an engine without lane priorities does; prefill runs in
+            # forwards of idle_prefill_tokens (one forward over a burst of prompts held activations of
+            # GBs and ran out of GPU memory), and while requests decode at most one such forward runs
+            # between two decode steps (issue 28: prefilling a whole burst first stalled decoding for
+            # seconds). EngineConfig.prefill_first.
             values["prefill_first"] = True
         return EngineConfig(**values)
 

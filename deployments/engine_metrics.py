@@ -20,6 +20,7 @@ class EngineMetrics:
         self._steps: deque[tuple[float, float]] = deque()  # (monotonic time s, step time ms)
         self._exported = SpecDecodeStats()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
+        self._exported_ooms = 0  # out-of-memory recoveries exported so far
         self._gauges_set_at_s = 0.0
         # Running totals; the controller takes deltas. The id tells it a restarted replica (whose totals
         # start again from 0) from this one.
@@ -36,6 +37,8 @@ class EngineMetrics:
             self.metrics.observe_request_draft_length(draft_len)
         self._export_spec(snap.total_stats)
         self._export_prefix_cache(snap.prefix_cache)
+        self.metrics.record_oom_recoveries(snap.num_oom_recoveries - self._exported_ooms)
+        self._exported_ooms = snap.num_oom_recoveries
         self._set_gauges(snap)
 
     def on_idle(self, snap: EngineSnapshot) -> None:

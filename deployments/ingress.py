@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP ingress: validates input once, streams chunks as server-sent events."""
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -75,6 +76,22 @@ def _error(status: int, message: str, err_type: str, param: str | None = None, h
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
 
 
+# What a client reads of a failure inside the server: a fixed message naming the request, whose detail
+# (exception, process ids, memory figures, paths) goes to this replica's log under that id and to the
+# vpd_internal_errors counter, never to the client (issue 28). Errors in the client's input keep
+# their text: they say which field is wrong (ParamError, answered with 400).
+def internal_error(request_id: str) -> str:
+    return f"internal error while generating; request {request_id} was logged"
+
+
+def lane_failed(request_id: str) -> str:
+    return f"the server lost a lane while generating; request {request_id} was logged; retry"
+
+
+def stream_cut(request_id: str) -> str:
+    return f"the stream ended before the request finished; request {request_id} was logged; retry"
+
+
 def lane_load(lane: str, stats: dict) -> dict:
     """The operator's view of one replica's `stats()`: KV slots in use of the total, its queue, and its
     process (and, for the decode lane, the process that steps its engine: another one in unified)."""
@@ -122,7 +139,44 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class InternalErrorMiddleware:
+    """An exception that escapes a handler before its response started is answered with an OpenAI-style
+    500 and a fixed message; the traceback goes to the log under the id in that message. (Outer to
+    Starlette's own handler, which would answer in plain text and leave the rest to Serve.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            error_id = new_id("err")
+            log.exception("ingress: unhandled error in %s (%s)", scope.get("path"), error_id)
+            _count_internal_error("ingress")
+            if started:
+                raise  # the response is under way: nothing else can be sent on it
+            await _error(500, internal_error(error_id), "server_error")(scope, receive, send)
+
+
+def _count_internal_error(kind: str) -> None:
+    try:
+        serve.get_replica_context().servable_object.metrics.observe_internal_error(kind)
+    except Exception:  # noqa: BLE001 - outside a replica (in-process tests) there is no counter to count in
+        pass
+
+
 api.add_middleware(ApiKeyMiddleware)
+api.add_middleware(InternalErrorMiddleware)
 
 
 class Ingress:
@@ -345,28 +399,49 @@ class Ingress:
                 async for out in gen:
                     if isinstance(out, RequestOutput) and out.token_ids and first_token_at is None:
                         first_token_at, first_s = time.perf_counter(), time.time()
+                    if isinstance(out, RequestOutput) and out.error:
+                        out = self._internal(out, rid, "engine", out.error)
                     if isinstance(out, RequestOutput) and out.finished:
                         # Counted before the client sees the end, so stats read after [DONE] include it.
                         self._record(out, start, first_token_at)
                     last = out
                     yield out
+            if not (isinstance(last, GenerateError) or isinstance(last, RequestOutput) and last.finished):
+                # The decode lane's stream ended without the request's end (a replica that dropped it):
+                # the client must not take a short or empty answer for a whole one.
+                sent = last if isinstance(last, RequestOutput) else RequestOutput(rid, [], "")
+                last = self._internal(dataclasses.replace(sent, token_ids=[], text="", logprobs=None,
+                                                          prompt_logprobs=None, finished=True,
+                                                          finish_reason="error"),
+                                      rid, "incomplete", "the decode lane's stream ended without a finish_reason",
+                                      stream_cut(rid))
+                self._record(last, start, first_token_at)
+                yield last
         except TimeoutError:
             last = RequestOutput(rid, [], "", True, "error", error=f"timed out after {self.cfg.request_timeout_s} s")
             self._record(last, start, first_token_at)
             yield last
         except Exception as exc:  # a lane replica died (or its engine did) under this request
-            log.warning("request %s failed in a lane: %r", rid, exc)
             sent = last if isinstance(last, RequestOutput) else None
             # `last` becomes this finished output, so that `finally` does not count the request again.
-            last = RequestOutput(rid, [], "", True, "error", sent.num_prompt_tokens if sent else 0,
-                                 sent.num_output_tokens if sent else 0, error=f"a lane failed: {type(exc).__name__}")
+            last = self._internal(RequestOutput(rid, [], "", True, "error", sent.num_prompt_tokens if sent else 0,
+                                                sent.num_output_tokens if sent else 0),
+                                  rid, "lane", repr(exc), lane_failed(rid))
             self._record(last, start, first_token_at)
-            yield GenerateError(503, f"the request failed in a lane of the server ({type(exc).__name__}); retry")
+            yield GenerateError(503, last.error)
         finally:
             gen.cancel()
             if isinstance(last, RequestOutput) and not last.finished:
                 self._record(last, start, first_token_at)  # the client left, or the request timed out
             TIMELINE.record("request", received_s, time.time(), called_s=called_s, first_s=first_s, request_id=rid)
+
+    def _internal(self, out: RequestOutput, rid: str, kind: str, detail: str, message: str | None = None
+                  ) -> RequestOutput:
+        """`out` failed inside the server: its detail to the log (with the request id) and the counter,
+        a fixed message to the client."""
+        log.warning("request %s failed (%s): %s", rid, kind, detail)
+        self.metrics.observe_internal_error(kind)
+        return dataclasses.replace(out, error=message or internal_error(rid))
 
     def _record(self, last: RequestOutput, start: float, first_token_at: float | None) -> None:
         status = "completed" if last.finished and not last.error else ("failed" if last.error else "cancelled")
@@ -379,6 +454,17 @@ class Ingress:
         self.metrics.observe_request(status, ttft_ms, tpot_ms, (end - start) * 1e3, last.num_output_tokens)
 
     async def _sse(self, body, rid: str, chat: bool, choices: list[Choice], items) -> AsyncIterator[str]:
+        """The SSE events of a started stream. An exception here in the ingress still ends it with an
+        error event and [DONE], never mid-stream without a word."""
+        try:
+            async for event in self._sse_events(body, rid, chat, choices, items):
+                yield event
+        except Exception as exc:  # noqa: BLE001 - a bug here must not cut the client's stream
+            self._internal(RequestOutput(rid, [], ""), rid, "ingress", repr(exc))
+            yield _event(error_body(internal_error(rid), "server_error", 500))
+            yield "data: [DONE]\n\n"
+
+    async def _sse_events(self, body, rid: str, chat: bool, choices: list[Choice], items) -> AsyncIterator[str]:
         make = chat_choice if chat else completion_choice
         obj = "chat.completion.chunk" if chat else "text_completion"
         finals: dict[int, RequestOutput] = {}

@@ -11,6 +11,7 @@ from typing import Callable, TypeVar
 import torch
 
 from lanes.device_fault import device_fault
+from lanes.step_cap import free_cached_memory
 from lanes.streams import lane_stream
 
 T = TypeVar("T")
@@ -82,6 +83,10 @@ class LaneWorker:
         self._busy_since_s = time.monotonic()
         try:
             return fn(*args)
+        except torch.OutOfMemoryError:
+            # Not a dead device: give the failed job's cached memory back for the smaller retry.
+            free_cached_memory(self.device)
+            raise
         except Exception:
             # Probed here, on the thread and stream that met the failure, before the next job.
             self.device_fault = self.device_fault or device_fault(self.device)

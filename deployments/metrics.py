@@ -95,6 +95,8 @@ class _Registry:
     gpu_utilization_ratio: Any
     gpu_memory_used_bytes: Any
     ignored_request_fields: Any
+    oom_recoveries: Any
+    internal_errors: Any
 
 
 @functools.cache
@@ -154,6 +156,10 @@ def _registry() -> _Registry:
                                     tag_keys=("mode", "lane", "gpu")),
         ignored_request_fields=Counter("vpd_ignored_request_fields", "Request fields this server does not know, "
                                        "accepted and ignored, by name.", tag_keys=("mode", "field")),
+        oom_recoveries=Counter("vpd_oom_recoveries", "Forwards that ran out of device memory and whose requests "
+                               "were recomputed or retried smaller (never sent to a client).", tag_keys=lane_tags),
+        internal_errors=Counter("vpd_internal_errors", "Requests that failed inside the server, by kind; the "
+                                "client got a fixed message, the log has the detail.", tag_keys=("mode", "kind")),
     )
 
 
@@ -248,6 +254,11 @@ class LaneMetrics:
                 self._metrics.num_accepted_tokens_per_pos.inc(
                     accepted, tags={**mode_tags, "position": str(position)})
 
+    def record_oom_recoveries(self, count: int) -> None:
+        """Out-of-memory errors this lane recovered from since the last call."""
+        if count > 0:  # Ray counters refuse increments of 0
+            self._metrics.oom_recoveries.inc(count, tags=self._tags)
+
     def set_draft_length(self, default_len: int) -> None:
         """The draft length L the controller currently applies by default."""
         self._metrics.draft_length.set(default_len, tags=self._tags)
@@ -309,6 +320,10 @@ class IngressMetrics:
                 return "(other)"
             self._field_labels.add(name)
         return name
+
+    def observe_internal_error(self, kind: str) -> None:
+        """A request that failed inside the server (`kind`: a fixed label, never client text)."""
+        self._metrics.internal_errors.inc(1, tags={**self._tags, "kind": kind})
 
     def observe_request(self, status: str, ttft_ms: float | None, tpot_ms: float | None,
                         e2e_ms: float, completion_tokens: int) -> None:

@@ -19,7 +19,7 @@ from deployments.metrics import LaneMetrics
 from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
-from lanes.backends import KVLost
+from lanes.backends import KVLost, LaneOOM
 from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class PrefillServer:
         self._verify_pools: dict[str, PoolHandle | None] = {}
         self._verify_route_lock = asyncio.Lock()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
+        self.oom_retries = 0  # prefill batches that ran out of device memory and were retried in halves
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -139,6 +140,22 @@ class PrefillServer:
             log.info("release of a verify slot taken after its call timed out failed: %s", exc)
 
     async def _forward(self, jobs: list[PrefillJob]) -> list[Prefilled]:
+        """One batch's prefill and hand-over; where its forwards run out of device memory (other work on
+        the GPU took it), each half apart, down to one prompt, whose error (LaneOOM) has its decode
+        replica recompute it (a bounded number of times: EngineConfig.max_oom_attempts)."""
+        try:
+            return await self._forward_batch(jobs)
+        except torch.OutOfMemoryError as exc:
+            self.oom_retries += 1
+            self.metrics.record_oom_recoveries(1)
+            log.warning("prefill: out of device memory in a batch of %d prompts; retrying in halves: %s",
+                        len(jobs), exc)
+            if len(jobs) == 1:
+                raise LaneOOM("the prefill lane ran out of device memory for this prompt") from None
+            half = len(jobs) // 2
+            return await self._forward(jobs[:half]) + await self._forward(jobs[half:])
+
+    async def _forward_batch(self, jobs: list[PrefillJob]) -> list[Prefilled]:
         batch_s = time.time()
         # The verify lane's slots are asked for while the forward runs.
         forward, leased = await asyncio.gather(self.worker.run(self._prefill_timed, [j.request for j in jobs]),
@@ -262,7 +279,7 @@ class PrefillServer:
         self.metrics.set_queue_depth(self.pending)
 
     async def stats(self) -> dict:
-        return {"pending": self.pending, "handed_over": dict(self.handed_over),
+        return {"pending": self.pending, "handed_over": dict(self.handed_over), "oom_retries": self.oom_retries,
                 "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
                 "replica_pid": os.getpid()}
 

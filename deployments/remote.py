@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from lanes.backends import KVLost
+from lanes.backends import KVLost, LaneOOM
 from lanes.grammar import compiled, first_token_bitmask
 from lanes.kv_pool import KVPool, PoolFullError
 from lanes.logprobs import TokenLogprobs
@@ -127,7 +128,8 @@ class RemoteVerifier:
 def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:
     """A failed call to the verify lane (`via_prefill`: a prefill call, whose replica called it) as the
     engine reads it: KVLost where the verify replica that held or took the request's KV is gone (the
-    request is recomputed elsewhere), PoolFullError where it was out of blocks (requeued), else as is.
+    request is recomputed elsewhere), PoolFullError where it was out of blocks (requeued), LaneOOM where
+    a lane ran out of device memory even in its smallest retry (recomputed, bounded), else as is.
 
     Gone means: the lease router no longer lists the replica (Serve stopped it on a scale-down, or saw
     it die: LeaseGone), or it died during the call (RayActorError). Either way its pool went with it.
@@ -140,6 +142,8 @@ def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:
         return KVLost(f"{type(callee).__name__}: {callee}")
     if PoolFullError.__name__ in str(exc):  # raised in the verify replica, and wrapped
         return PoolFullError(str(exc))
+    if any(isinstance(e, (LaneOOM, torch.OutOfMemoryError)) for e in (exc, getattr(exc, "cause", None))):
+        return LaneOOM("a lane ran out of device memory in the forward that carried this request")
     return exc
 
 

@@ -18,6 +18,7 @@ from lanes.streams import VERIFY_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
+from lanes.backends import LaneOOM
 from lanes.grammar import merge_bitmasks
 from lanes.kv_pool import PoolFullError
 from lanes.penalties import PenaltyHistory
@@ -56,6 +57,7 @@ class VerifyServer:
         self.rows_verified = 0  # rows of this replica's slots verified here
         self.stale_rows = 0  # rows refused: another replica's slots
         self.rows_shed = 0  # rows not verified for want of KV blocks (their requests are recomputed)
+        self.oom_retries = 0  # verify forwards that ran out of device memory and were retried in halves
         self.stale_releases = 0  # slots of another replica whose release was ignored
         self.owners = SlotOwners(self._free_slots)
 
@@ -176,7 +178,7 @@ class VerifyServer:
         timed = TIMELINE.timed("verify", self.lane.verify, rows=rows, calls=len(batches))
         fit = self.lane.rows_that_fit(merged)
         if len(fit) == rows:
-            result = await self.worker.run(timed, merged)
+            result = await self._verify_in_halves_on_oom(timed, merged)
         else:  # out of blocks for some rows: verify the rest, and have the decode replicas recompute these
             kept = set(fit)
             shed = [row for row in range(rows) if row not in kept]
@@ -185,13 +187,30 @@ class VerifyServer:
             parts = [(shed, PoolFullError(f"no free KV blocks for this row's drafts ({len(shed)} of {rows} "
                                           "rows shed)"))]
             if fit:
-                parts.append((fit, await self.worker.run(timed, merged.select(fit))))
+                parts.append((fit, await self._verify_in_halves_on_oom(timed, merged.select(fit))))
             result = merge_rows(rows, parts)
         self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
         pool = self.lane.pool
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
         self.metrics.set_kv_blocks(pool.shape.num_blocks - pool.num_free_blocks, pool.shape.num_blocks, "target")
         return split_result(result, [len(b.target_slots) for b in batches])
+
+    async def _verify_in_halves_on_oom(self, timed, batch: VerifyBatch) -> VerifyResult:
+        """Verify `batch`; where its forward runs out of device memory (other work on the GPU took it),
+        verify each half apart, down to one row, whose error (LaneOOM) has its decode replica recompute it.
+        Nothing of a failed forward is kept: the pool's lengths change only once a result is read."""
+        try:
+            return await self.worker.run(timed, batch)
+        except torch.OutOfMemoryError as exc:
+            self.oom_retries += 1
+            self.metrics.record_oom_recoveries(1)
+            rows = len(batch.target_slots)
+            log.warning("verify: out of device memory in a forward of %d rows; retrying in halves: %s", rows, exc)
+            if rows == 1:
+                return merge_rows(1, [([0], LaneOOM("the verify lane ran out of device memory for this row"))])
+            halves = [list(range(rows // 2)), list(range(rows // 2, rows))]
+            return merge_rows(rows, [(half, await self._verify_in_halves_on_oom(timed, batch.select(half)))
+                                     for half in halves])
 
     def _check_lease(self, lease: str | None) -> None:
         if lease is not None and lease != self.lease:
@@ -206,7 +225,8 @@ class VerifyServer:
                 "kv_blocks_free": self.lane.pool.num_free_blocks, "kv_blocks_total": self.lane.pool.shape.num_blocks,
                 "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
                 "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
-                "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed}
+                "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed,
+                "oom_retries": self.oom_retries}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""

@@ -25,6 +25,12 @@ class KVLost(RuntimeError):
     down) or died. The request keeps every token it has and is recomputed elsewhere (EngineCore)."""
 
 
+class LaneOOM(RuntimeError):
+    """A remote lane ran out of device memory in the forward that carried this request, after retrying
+    it smaller: the request is recomputed, as after an out-of-memory error in the engine's own step
+    (EngineCore; bounded by max_oom_attempts)."""
+
+
 class PendingResult(Protocol):
     def result(self) -> VerifyResult:
         """Wait for the verify step (its device work or its remote call) and read what it accepted."""

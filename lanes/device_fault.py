@@ -19,6 +19,8 @@ def device_fault(device: torch.device) -> str | None:
     try:
         torch.ones(1, device=device).add_(1).cpu()
         torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError:
+        return None  # memory is short, not the context broken: the next step may fit (lanes/step_cap.py)
     except Exception as exc:  # noqa: BLE001 - whatever the context raises now is the finding
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None

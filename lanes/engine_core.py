@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from lanes.backends import KVLost, LocalPrefiller, LocalVerifier, PendingResult, Prefiller, Verifier
+from lanes.backends import KVLost, LaneOOM, LocalPrefiller, LocalVerifier, PendingResult, Prefiller, Verifier
 from lanes.detokenizer import IncrementalDetokenizer
 from lanes.device_fault import device_fault
 from lanes.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer
@@ -32,8 +32,9 @@ from lanes.penalties import PenaltyHistory, check_request
 from lanes.prefill import PrefillLane
 from lanes.rollback import rollback_after_verify
 from lanes.scheduler import Scheduler
-from lanes.sequence import Sequence
+from lanes.sequence import SeqStatus, Sequence
 from lanes.spec_stats import SpecDecodeStats
+from lanes.step_cap import StepCap, free_cached_memory, is_oom
 from lanes.step_profile import StepProfile
 from lanes.streams import LaneStreams, on
 from lanes.tensor_parallel import TPGroup, shard_model
@@ -60,13 +61,20 @@ class EngineConfig:
     # max_num_seqs sequences of max_model_len)
     gpu_memory_utilization: float = 0.9  # share of the device's memory this lane's models and pools may use
     enable_prefix_caching: bool = True  # share the KV of full prompt blocks between requests
-    # Plain speculative decoding (mode spec): no step decodes while a prompt waits for prefill, as in
-    # an engine without chunked prefill (vLLM V0's default). Prefill still runs in forwards of
-    # idle_prefill_tokens, so a burst of prompts never becomes one forward of unbounded size.
+    # Plain speculative decoding (mode spec): no step both prefills and decodes, as in an engine
+    # without chunked prefill (vLLM V0's default), and waiting prompts go first: while prompts wait
+    # and requests decode, prefill-only and decode-only steps alternate, so at most one prefill forward
+    # (of idle_prefill_tokens at most) runs between two decode steps. A burst of long prompts then
+    # stalls decoding by one forward, not by the whole burst (seconds at 7B, issue 28); with nothing
+    # decoding, prefill-only steps run back to back.
     prefill_first: bool = False
     # Times a request is recomputed on another replica when the verify replica holding its KV leaves
     # or dies (KVLost); once more fails it. 0: such a request fails at once.
     max_migrations: int = 3
+    # Times a request may meet a device out-of-memory error in a step already at its smallest size (one
+    # decode row, one block of prefill) or in a remote lane, before it fails (lanes/step_cap.py). Before
+    # that it is recomputed, never failed.
+    max_oom_attempts: int = 3
     lane_name: str = "engine"  # whose memory plan and refusals the log and errors name
     kv_copied_out: bool = False  # each prompt's KV is copied out of its blocks (the prefill lane's hand-over)
 
@@ -81,6 +89,8 @@ class EngineConfig:
             raise ValueError("block_size >= 1 and 0 < gpu_memory_utilization <= 1 required")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if self.max_oom_attempts < 1:
+            raise ValueError("max_oom_attempts must be >= 1")
 
     @property
     def slot_capacity_tokens(self) -> int:
@@ -121,6 +131,10 @@ class EngineCore:
         self.total_stats = SpecDecodeStats()
         self.step_profile = StepProfile()  # steps by what they launched (benchmarks/serving_overhead.py)
         self.num_migrations = 0  # requests recomputed because a remote lane lost their KV
+        # Rows and prefill tokens a step may carry: below the configured maxima after an out-of-memory error.
+        self.step_cap = StepCap(config.max_num_seqs, config.idle_prefill_tokens, config.block_size)
+        self._row_cursor = 0  # where the next capped decode step starts in the running list
+        self._prefilled_last = False  # prefill_first: the last step was prefill-only
         # Set when a failed batch left the device unusable (lanes/device_fault.py): the loop that
         # steps this engine stops, and the replica's health check fails.
         self.device_fault: str | None = None
@@ -254,39 +268,98 @@ class EngineCore:
         """One step's outputs, and how many running requests it decoded."""
         self.scheduler.admit()
         self.scheduler.make_room(self._tokens_after_step)
+        ooms = self.step_cap.num_oom_recoveries
         outputs, launched = [], None
-        prefill_only = self.config.prefill_first and self.scheduler.prefilling
-        running = [] if prefill_only else list(self.scheduler.running)
+        prefill_only = self._prefill_turn()
+        running = [] if prefill_only else self._decode_rows()
         if running:
             try:
                 launched = self._launch_decode(running)
             except Exception as exc:
-                outputs = self._fail(running, exc)
+                outputs = self._on_error(running, exc, prefill=False)
         # Prefill work is launched while the GPU (or the verify lane) verifies: its host-side launch
-        # cost overlaps the verify step instead of adding to it.
-        budget = self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens
+        # cost overlaps the verify step instead of adding to it. prefill_first never mixes the two.
+        budget = min(self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens,
+                     self.step_cap.prefill_tokens)
         prefilling = list(self.scheduler.prefilling)
+        self.scheduler.planned = []
         prefill_outputs = []
-        if prefilling or self.prefiller.has_replies:  # replies of aborted requests give their slots back
-            prefill_outputs = self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)))
+        may_prefill = not (self.config.prefill_first and running)
+        if may_prefill and (prefilling or self.prefiller.has_replies):  # replies of aborted requests give their slots back
+            prefill_outputs = self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)),
+                                            prefill=True)
         if launched is not None:
             outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
+        self._prefilled_last = prefill_only
+        if self.step_cap.num_oom_recoveries == ooms:
+            self.step_cap.observe_clean_step()
         return outputs + prefill_outputs, len(running)
+
+    def _prefill_turn(self) -> bool:
+        """prefill_first: whether this step prefills only. Prompts waiting go first, but not twice in a
+        row while requests decode (EngineConfig.prefill_first)."""
+        if not (self.config.prefill_first and self.scheduler.prefilling):
+            return False
+        return not (self._prefilled_last and self.scheduler.running)
+
+    def _decode_rows(self) -> list[Sequence]:
+        """The running requests this step decodes: all of them, unless an out-of-memory error capped the
+        rows of a step; then a window of the cap's size that moves on each step, so every request advances."""
+        running, cap = self.scheduler.running, self.step_cap.rows
+        if len(running) <= cap:
+            return list(running)
+        start = self._row_cursor % len(running)
+        self._row_cursor = start + cap
+        return (running[start:] + running[:start])[:cap]
 
     def _tokens_after_step(self, seq: Sequence) -> int:
         """Tokens a running sequence's KV holds once this step's forwards wrote (the target's: the
         draft's is one fewer)."""
         return len(seq.token_ids) + (seq.step_draft_len(self.config.max_draft_len) if self.proposer else 0)
 
-    def _guarded(self, seqs: list[Sequence], run) -> list[RequestOutput]:
+    def _guarded(self, seqs: list[Sequence], run, prefill: bool = False) -> list[RequestOutput]:
         try:
             return run()
         except Exception as exc:
-            return self._fail(seqs, exc)
+            return self._on_error(seqs, exc, prefill)
+
+    def _on_error(self, seqs: list[Sequence], exc: Exception, prefill: bool) -> list[RequestOutput]:
+        return self._recover_oom(seqs, exc, prefill) if is_oom(exc) else self._fail(seqs, exc)
+
+    def _recover_oom(self, seqs: list[Sequence], exc: Exception, prefill: bool) -> list[RequestOutput]:
+        """The step's activations did not fit: free what it held, recompute its requests (they keep their
+        tokens; preemption rebuilds their KV, draft and rollback state included), and make the next
+        steps smaller. Not a device fault: the device still runs work."""
+        at_min = self.step_cap.at_min(prefill)
+        free_cached_memory(self.streams.device)
+        self.step_cap.shrink(None if prefill else len(seqs))
+        log.warning("out of device memory in a %s step of requests %s; recomputing them, next steps at most "
+                    "%d rows and %d prefill tokens: %s", "prefill" if prefill else "decode",
+                    [s.request_id for s in seqs], self.step_cap.rows, self.step_cap.prefill_tokens, exc)
+        # A prefill step preempts every prompt it was advancing, but counts the attempt only against those
+        # its failed forward carried.
+        carried = self.scheduler.planned if prefill else seqs
+        outputs = []
+        for seq in seqs:
+            if seq.finish_reason is None and seq.status is not SeqStatus.WAITING:
+                outputs += self._recompute_after_oom(seq, counts=at_min and seq in carried)
+        return outputs
+
+    def _recompute_after_oom(self, seq: Sequence, counts: bool) -> list[RequestOutput]:
+        """Preempt `seq` for recompute; `counts`: the error met it at the smallest step size (or in a
+        remote lane), and after max_oom_attempts of those it fails, so that it cannot loop forever."""
+        seq.num_ooms += counts
+        if seq.num_ooms < self.config.max_oom_attempts:
+            self.scheduler.preempt(seq)
+            return []
+        log.error("request %s: out of device memory %d times at the smallest step size; failing it",
+                  seq.request_id, seq.num_ooms)
+        self._finish(seq, "error")
+        return [self._output(seq, [], "", error=f"out of device memory {seq.num_ooms} times at the smallest step")]
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
         # A failing batch fails its own requests and frees their slots; the engine keeps serving.
-        log.exception("engine step failed for %d requests", len(seqs))
+        log.exception("engine step failed for requests %s", [s.request_id for s in seqs])
         self.device_fault = self.device_fault or device_fault(self.streams.device)
         outputs = []
         for seq in seqs:
@@ -337,6 +410,9 @@ class EngineCore:
                 continue
             if isinstance(error, KVLost) and self._migrate(seq, error):
                 continue
+            if isinstance(error, LaneOOM):  # the verify lane ran out of device memory, smallest retry included
+                outputs += self._recompute_after_oom(seq, counts=True)
+                continue
             if error is not None:  # its verifier failed: this request only
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, [], "", error=f"verify failed: {type(error).__name__}: {error}"))
@@ -376,6 +452,9 @@ class EngineCore:
                 self.scheduler.preempt(seq)  # a remote lane out of KV blocks: queued again, never failed
                 continue
             if isinstance(first, KVLost) and self._migrate(seq, first):
+                continue
+            if isinstance(first, LaneOOM):  # the prefill lane ran out of device memory, smallest retry included
+                outputs += self._recompute_after_oom(seq, counts=True)
                 continue
             if isinstance(first, BaseException):  # a remote prefill failed: this request only
                 self._finish(seq, "error")

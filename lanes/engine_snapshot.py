@@ -22,6 +22,7 @@ class EngineSnapshot:
     draft_blocks: tuple[int, int] | None = None  # (used, total) KV blocks of the draft pool; None without one
     target_blocks: tuple[int, int] | None = None  # the same for a local target pool
     prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache since start, and found
+    num_oom_recoveries: int = 0  # out-of-memory errors in a step recovered from since start (lanes/step_cap.py)
 
 
 def snapshot(core: EngineCore) -> EngineSnapshot:
@@ -39,6 +40,7 @@ def snapshot(core: EngineCore) -> EngineSnapshot:
         draft_blocks=_blocks(draft_pool),
         target_blocks=_blocks(target_pool),
         prefix_cache=(cache.num_queries, cache.num_hits) if (cache := sched.prefix_cache) is not None else (0, 0),
+        num_oom_recoveries=core.step_cap.num_oom_recoveries,
     )
 
 
@@ -60,6 +62,7 @@ def core_report(core: EngineCore) -> dict:
                       for pool, name in s.pools},
         "num_preemptions": s.num_preemptions,
         "num_migrations": core.num_migrations,  # requests recomputed after their verify replica left or died
+        "num_oom_recoveries": core.step_cap.num_oom_recoveries,  # steps that ran out of device memory, recomputed
         "prefix_cache": ({"queries": s.prefix_cache.num_queries, "hits": s.prefix_cache.num_hits}
                          if s.prefix_cache is not None else None),
         "default_draft_len": core.default_draft_len,

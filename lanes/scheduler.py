@@ -43,6 +43,7 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens planned into this engine's own prefill chunks, since start
+        self.planned: list[Sequence] = []  # the sequences of the prefill chunks planned last (a failed forward's)
         # Set by the engine from its prefiller (lanes/backends.py): whether a prefill in flight elsewhere
         # writes a prefilling sequence's blocks (freed when its result lands), and what to do with
         # one's work in flight here when it is released.
@@ -116,6 +117,7 @@ class Scheduler:
     def prefill_chunks(self, budget_tokens: int) -> list[PrefillChunk]:
         chunks = plan_chunks(self.prefilling, budget_tokens)
         self.num_prefill_tokens += sum(c.length for c in chunks)
+        self.planned = [c.seq for c in chunks]
         return chunks
 
     def mark_prefilled(self, chunk: PrefillChunk) -> None:

@@ -49,6 +49,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache keys of its prefill's full blocks
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage)
     num_migrations: int = 0  # times it was recomputed because a remote lane lost its KV (EngineCore)
+    num_ooms: int = 0  # out-of-memory errors it met at the smallest step size or in a remote lane (EngineCore)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -2,11 +2,13 @@
 error event and [DONE], /health says 503, Serve's health check replaces the replica, and the app
 then serves the same greedy output again without a redeploy."""
 
+import json
 import time
 
 import httpx
 import pytest
 
+from tests.client_errors import assert_clean
 from tests.serve_helpers import HTTP_PORT, app_config, greedy_choice, kill_under_streams, lane_stats, serving
 from tests.tiny_pair import save_tiny_pair
 
@@ -39,6 +41,7 @@ def test_killed_engine_fails_its_streams_cleanly_and_serve_replaces_it():
         assert ended_s - killed_s < 10.0
         # Each stream ends with an error event, then [DONE].
         assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+        assert_clean(json.loads(events[-2])["error"]["message"])
 
     down = _health()
     assert down.status_code == 503 and down.json()["status"] == "unavailable"

@@ -9,6 +9,7 @@ redeploy: the decode replica finds the new prefill or verify replica by itself, 
 frees a slot of the dead verify replica in the new one (the verify lane's lease).
 """
 
+import json
 import threading
 import time
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from ray import serve
 
+from tests.client_errors import assert_clean
 from tests.serve_helpers import (
     HTTP_PORT, app_config, base_url, greedy_choice, kill_under_streams, lane_stats, record_stream, serving,
     wait_until_idle)
@@ -78,6 +80,7 @@ def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(mode, de
         assert status in (200, 503), status
         if status == 200:
             assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+            assert_clean(json.loads(events[-2])["error"]["message"])
     # pdv's one verify replica is on every stream's path: each stream is recomputed on its replacement
     # (lanes/engine_core.py `_migrate`) if that is up within PEER_CALL_TIMEOUT_S, else it fails; either
     # way it ends within the bound above.

@@ -8,6 +8,7 @@ replica's work at once and the replica is replaced: the engine's in nospec, the 
 (A replica whose worker never came would not answer /health: rank 0 waits in the group's rendezvous
 for every rank before it builds its shards.)"""
 
+import json
 import time
 
 import httpx
@@ -16,6 +17,7 @@ from ray import serve
 
 from lanes.models import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
+from tests.client_errors import assert_clean
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, greedy_choice, kill_under_streams, openai_client, serving
 
 MODES = ("unified", "nospec", "pd", "pdv")
@@ -65,6 +67,7 @@ def test_a_dead_worker_rank_fails_its_replicas_requests_at_once_and_serve_replac
             continue  # finished before the kill
         assert ended_s - killed_s < 10.0, f"ended {ended_s - killed_s:.1f} s after the kill"
         assert status == 200 and events[-1] == "[DONE]" and '"error"' in events[-2], (status, events[-3:])
+        assert_clean(json.loads(events[-2])["error"]["message"])
     deadline = time.monotonic() + 180
     while httpx.get(f"http://127.0.0.1:{HTTP_PORT}/{app}/health", timeout=10).status_code != 200 or \
             lane.pid.remote().result(timeout_s=30) == replica_pid:
