@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 
 from benchmarks import gpu_modes  # noqa: E402
 from benchmarks.gpu_modes import Load, log, run_app, save_pair, wait_for_device_memory  # noqa: E402
+from benchmarks.lane_timelines import lane_activity, timelines  # noqa: E402
 from benchmarks.serving import git_commit, machine, start_cluster  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.report import Point  # noqa: E402
@@ -192,12 +193,17 @@ def main(argv: list[str] | None = None) -> None:
         for i, mode in enumerate(args.modes):
             share_s = (deadline_s - time.monotonic()) / (len(args.modes) - i)
             name = f"{mode}-{args.part}"
+
+            def lanes_of(start_s: float, end_s: float, name=name, mode=mode) -> dict:
+                # Where the lane modes spend their time: each lane's busy share, the prefill path's waits.
+                return lane_activity(timelines(name, mode, start_s), start_s, end_s + 0.01)
+
             run = run_app(name, gpu_modes.app_args(mode, pair, harness), port,
                           loads_of(mode, args, requests, capacity_rps), time.monotonic() + share_s,
                           deploy_timeout_s=harness.deploy_timeout_s, request_timeout_s=harness.request_timeout_s,
-                          seed=0)
+                          seed=0, lanes_of=lanes_of if mode in ("pd", "pdv") else None)
             docs.append({"mode": mode, "status": run.status, "error": run.error, "deploy_s": run.deploy_s,
-                         "skipped": run.skipped,
+                         "skipped": run.skipped, "lanes": run.lanes,
                          "points": [gpu_modes.point_document(load, point) for load, point in run.points]})
             rows += [row(mode, load, point) for load, point in run.points]
             closed = next((p for load, p in run.points if load.name.startswith("mixed c")), None)
@@ -218,14 +224,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def memory_lines() -> str:
-    """Each replica's memory plan and graph captures, and any refusal, from its log."""
+    """Each replica's memory plan and graph captures, refusals and logged errors, from its log."""
     try:
         logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
     except Exception as exc:  # a private API: never let it end the run
         return f"(replica logs not found: {exc})"
-    wanted = ("budget", "captured", "KVMemoryError", "OutOfMemoryError")
-    return "\n".join(f"{path.name}: {line.strip()}" for path in sorted(logs.glob("replica_*.log"))
-                     for line in path.read_text(errors="replace").splitlines() if any(w in line for w in wanted))
+    wanted = ("budget", "CUDA graphs of", "Error", "error", "failed", "recomput")
+    lines = [f"{path.name}: {line.strip()}" for path in sorted(logs.glob("replica_*.log"))
+             for line in path.read_text(errors="replace").splitlines() if any(w in line for w in wanted)]
+    return "\n".join(lines[:400])
 
 
 def _write(out: Path, part: str, context: dict, rows: list[dict], docs: list[dict]) -> None:
