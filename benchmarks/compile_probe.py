@@ -21,9 +21,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_check import CONTEXT, TINYLLAMA, decode_forward_ms  # noqa: E402
-from lanes.cuda_graphs import GraphedForward  # noqa: E402
-from lanes.engine_core import EngineConfig, build_runner  # noqa: E402
-from lanes.models import build_random_model  # noqa: E402
+from lanes.engine.core import EngineConfig, build_runner  # noqa: E402
+from lanes.model.cuda_graphs import GraphedForward  # noqa: E402
+from lanes.model.loader import build_random_model  # noqa: E402
 
 
 def probe_logits(runner) -> torch.Tensor:

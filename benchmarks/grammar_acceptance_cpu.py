@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.serving import git_commit, load_average, machine  # noqa: E402
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from lanes.engine_core import EngineConfig, EngineCore  # noqa: E402
-from lanes.grammar import StructuredOutput, apply_token_bitmask  # noqa: E402
-from lanes.models import load_model  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
+from lanes.engine.core import EngineConfig, EngineCore  # noqa: E402
+from lanes.model.loader import load_model  # noqa: E402
+from lanes.sample.grammar import apply_token_bitmask  # noqa: E402
+from lanes.sample.params import SamplingParams, StructuredOutput  # noqa: E402
 
 PROMPTS = ["config = ", "def load_settings(path):\n    return ", "import json\n\nDEFAULTS = ", "    data = ",
            "person = ", "    return {", "response = requests.get(url)\nitem = ", "CONFIG = json.loads('''"]

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serving import git_commit, load_average, machine  # noqa: E402
 from benchmarks.single_stream import engine_run  # noqa: E402
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
-from lanes.engine_core import EngineConfig, EngineCore  # noqa: E402
-from lanes.models import LoadedModel, load_model  # noqa: E402
-from lanes.ngram import NgramProposer  # noqa: E402
+from lanes.engine.core import EngineConfig, EngineCore  # noqa: E402
+from lanes.model.loader import LoadedModel, load_model  # noqa: E402
+from lanes.spec.ngram import NgramProposer  # noqa: E402
 
 # (stdlib function, what the prompt asks for, the first line of the answer: the target writes the rest).
 # Edits copy the function with a change; continuations write its sibling in the same module.

@@ -2,9 +2,9 @@
 
 On one H200, gpu_modes.py's prefill lane took 132-160 ms a forward of one or two ~130-token prompts
 at its first loads and 37 ms at its last, which repeats an earlier load's prompts. This probe runs
-the prefill lane's own code (lanes/prompt_prefiller.py, random-weight Llama-2-7B target and
+the prefill lane's own code (lanes/spec/prompt_prefiller.py, random-weight Llama-2-7B target and
 TinyLlama draft, bf16, no Ray, nothing else on the GPU) over prompt lengths it has not seen, then
-over the same lengths again, with the SDPA backends the lanes allow (lanes/attention.py) and with
+over the same lengths again, with the SDPA backends the lanes allow (lanes/model/attention.py) and with
 cuDNN's or the math backend alone in their place, and names the attention kernels that ran.
 
     python benchmarks/prefill_shapes.py --out DIR      (writes prefill_shapes.json)
@@ -27,14 +27,14 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lanes.attention  # noqa: E402
+import lanes.model.attention  # noqa: E402
 from benchmarks.gpu_check import LLAMA2_7B, TINYLLAMA  # noqa: E402
-from lanes.engine_core import EngineConfig, build_runner  # noqa: E402
-from lanes.models import build_random_model  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
-from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller  # noqa: E402
+from lanes.engine.core import EngineConfig, build_runner  # noqa: E402
+from lanes.model.loader import build_random_model  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
+from lanes.spec.prompt_prefiller import PrefillRequest, PromptPrefiller  # noqa: E402
 
-BACKENDS = {"lanes": lanes.attention.SDPA_BACKENDS, "cudnn": [SDPBackend.CUDNN_ATTENTION],
+BACKENDS = {"lanes": lanes.model.attention.SDPA_BACKENDS, "cudnn": [SDPBackend.CUDNN_ATTENTION],
             "math": [SDPBackend.MATH]}
 
 
@@ -45,7 +45,7 @@ def timed_ms(prefiller: PromptPrefiller, lengths: list[int], backend) -> list[fl
         rows = entry if isinstance(entry, list) else [entry]
         requests = [PrefillRequest(f"{n}-{i}", torch.randint(1, 32000, (L,)).tolist(), SamplingParams(), i)
                     for i, L in enumerate(rows)]
-        lanes.attention.SDPA_BACKENDS = backend
+        lanes.model.attention.SDPA_BACKENDS = backend
         torch.cuda.synchronize()
         start = time.perf_counter()
         prefiller.prefill(requests)

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.constructed_pair import build_constructed_pair, shape_configs  # noqa: E402
-from lanes.engine_core import EngineConfig, EngineCore  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
+from lanes.engine.core import EngineConfig, EngineCore  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
 
 TINY_TARGET = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -21,7 +21,7 @@ import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from lanes.kv_pool import KVPool, PoolShape
+from lanes.kv.pool import KVPool, PoolShape
 
 
 @dataclass(frozen=True)

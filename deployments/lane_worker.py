@@ -1,6 +1,6 @@
 """A single worker thread per replica for GPU work, so the replica's event loop stays responsive
 and every mutation of a lane's pool is serialised without locks. On a GPU the thread issues its
-work on a stream of the lane's priority (lanes/streams.py), which also orders lanes of different
+work on a stream of the lane's priority (lanes/device/streams.py), which also orders lanes of different
 replicas that share the GPU."""
 
 import asyncio
@@ -10,8 +10,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from lanes.device_fault import device_fault
-from lanes.streams import lane_stream
+from lanes.device.fault import device_fault
+from lanes.device.streams import lane_stream
 
 T = TypeVar("T")
 

@@ -3,11 +3,11 @@ hands out are those of each prompt run on its own."""
 
 import torch
 
-from lanes.engine_core import EngineConfig, build_runner
-from lanes.params import SamplingParams
-from lanes.prefill import plan_whole_prompts
-from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
-from lanes.sequence import Sequence
+from lanes.engine.core import EngineConfig, build_runner
+from lanes.engine.sequence import Sequence
+from lanes.sample.params import SamplingParams
+from lanes.spec.prefill import plan_whole_prompts
+from lanes.spec.prompt_prefiller import PrefillRequest, PromptPrefiller
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts
 
