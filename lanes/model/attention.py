@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 POOL_ATTENTION = "vpd_pool"
 # Not cuDNN: it builds an execution plan for every new (batch, length) shape, and prompt lengths
 # rarely repeat. On an H200 a 7B + 1.1B prefill of one prompt took 105 ms at a length seen for the
-# first time and 16 ms at a repeat (benchmarks/prefill_shapes.py); flash attention has no plans.
+# first time and 16 ms at a repeat (docs/diagnoses.md); flash attention has no plans.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
