@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lanes.engine_core import EngineConfig, EngineCore  # noqa: E402
-from lanes.models import LoadedModel, build_random_model  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
-from lanes.spec_stats import SpecDecodeStats  # noqa: E402
+from lanes.engine.core import EngineConfig, EngineCore  # noqa: E402
+from lanes.model.loader import LoadedModel, build_random_model  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
+from lanes.spec.stats import SpecDecodeStats  # noqa: E402
 from tests.engine_helpers import random_prompts, run_to_completion  # noqa: E402
 
 _NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)

@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-capture", action="store_true", help="diagnosis: graphs captured on first use only")
     parser.add_argument("--one-stream", action="store_true", help="diagnosis: every lane on one CUDA stream")
     parser.add_argument("--prefill-graph-tokens", type=int, default=None,
-                        help="diagnosis: lanes.cuda_graphs.PREFILL_GRAPH_TOKENS (0: no prefill graphs)")
+                        help="diagnosis: lanes.model.cuda_graphs.PREFILL_GRAPH_TOKENS (0: no prefill graphs)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -193,14 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one_stream:
-        import lanes.engine_core
-        from lanes.streams import LaneStreams
+        import lanes.engine.core
+        from lanes.device.streams import LaneStreams
 
-        lanes.engine_core.LaneStreams = lambda device, separate=True: LaneStreams(device, separate=False)
+        lanes.engine.core.LaneStreams = lambda device, separate=True: LaneStreams(device, separate=False)
     if args.prefill_graph_tokens is not None:
-        import lanes.cuda_graphs
+        import lanes.model.cuda_graphs
 
-        lanes.cuda_graphs.PREFILL_GRAPH_TOKENS = args.prefill_graph_tokens
+        lanes.model.cuda_graphs.PREFILL_GRAPH_TOKENS = args.prefill_graph_tokens
     target = draft = None
     if args.device == "cuda":
         pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device)

@@ -24,10 +24,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lanes.engine_core import EngineConfig, EngineCore, build_runner  # noqa: E402
-from lanes.models import build_random_model  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
-from lanes.verify import VerifyBatch, VerifyLane  # noqa: E402
+from lanes.engine.core import EngineConfig, EngineCore, build_runner  # noqa: E402
+from lanes.model.loader import build_random_model  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
+from lanes.spec.verify import VerifyBatch, VerifyLane  # noqa: E402
 
 LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
@@ -98,7 +98,7 @@ def serve_pdv_check() -> dict:
     from ray import serve
 
     from deployments.builder import build_app
-    from lanes.models import load_model
+    from lanes.model.loader import load_model
     from tests.engine_helpers import hf_greedy, random_prompts
     from tests.serve_helpers import wait_until_idle
     from tests.tiny_pair import save_tiny_pair
@@ -167,8 +167,8 @@ def decode_forward_ms(runner, batch: int) -> float:
 
 def draft_propose_ms(runner, batch: int, draft_len: int) -> float:
     """A whole draft step: L tokens for every row (L forwards, sampling on the device)."""
-    from lanes.draft import DraftLane
-    from lanes.sequence import Sequence
+    from lanes.engine.sequence import Sequence
+    from lanes.spec.draft import DraftLane
 
     slots = fill_pool(runner, batch, CONTEXT - 1)
     params = SamplingParams(max_tokens=64)

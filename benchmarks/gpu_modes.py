@@ -71,12 +71,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.constructed_pair import (build_constructed_pair, map_fidelity,  # noqa: E402
                                          predicted_acceptance, probe_prompts, shape_configs,
                                          successor_maps)
+from benchmarks.lane_timelines import lane_activity, prefill_path_table, timelines  # noqa: E402
 from benchmarks.serving import (ALL_MODES, REPO, benchmark_app_args, deploy, git_commit, load_average,  # noqa: E402
                                 machine, start_cluster)
-from benchmarks.lane_timelines import lane_activity, prefill_path_table, timelines  # noqa: E402
 from deployments.factories import PREFILL_BATCH_MAX  # noqa: E402
-from lanes.engine_core import EngineConfig  # noqa: E402
-from lanes.models import load_model, resolve_dtype  # noqa: E402
+from lanes.engine.core import EngineConfig  # noqa: E402
+from lanes.model.loader import load_model, resolve_dtype  # noqa: E402
 from loadtest.arrivals import Arrivals, ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.report import (Point, comparison_table, markdown_table,  # noqa: E402
                              plot_latency_cdfs, plot_load_curves)

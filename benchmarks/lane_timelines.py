@@ -1,6 +1,6 @@
 """Lane timelines (deployments/timeline.py) fetched from a served app and read: how busy each lane
 was, whether verify overlapped drafting, and where pd / pdv requests waited before decoding.
-Shared by benchmarks/dual_gpu.py, benchmarks/gpu_modes.py and benchmarks/prefill_path_cpu.py.
+Shared by benchmarks/dual_gpu.py and benchmarks/gpu_modes.py.
 """
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_check import CONTEXT, LLAMA2_7B, TINYLLAMA, fill_pool  # noqa: E402
-from lanes.draft import DraftLane  # noqa: E402
-from lanes.engine_core import EngineConfig, build_runner  # noqa: E402
-from lanes.models import build_random_model  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
-from lanes.sequence import Sequence  # noqa: E402
-from lanes.verify import VerifyBatch, VerifyLane  # noqa: E402
+from lanes.engine.core import EngineConfig, build_runner  # noqa: E402
+from lanes.engine.sequence import Sequence  # noqa: E402
+from lanes.model.loader import build_random_model  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
+from lanes.spec.draft import DraftLane  # noqa: E402
+from lanes.spec.verify import VerifyBatch, VerifyLane  # noqa: E402
 
 KINDS = (("attention (pool kernel)", ("_split_kernel", "_merge_kernel")), ("GEMM", ("gemm", "Gemm", "sm90", "cutlass", "nvjet")),
          ("fused norm / rotary+KV write / act-mul", ("_add_rms_norm_kernel", "_rope_store_kernel", "_act_mul_kernel")),

@@ -48,15 +48,15 @@ from transformers import AutoConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.gpu_modes import GPU_SHARES, MAX_ONGOING, free_device_memory, save_pair  # noqa: E402
-from benchmarks.ttft_hops import hops_table, ttft_hops  # noqa: E402
 from benchmarks.serving import (ALL_MODES, benchmark_app_args, deploy, git_commit,  # noqa: E402
                                 load_average, machine, start_cluster)
+from benchmarks.ttft_hops import hops_table, ttft_hops  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from deployments.factories import build_proposer  # noqa: E402
-from lanes.engine_core import EngineCore  # noqa: E402
-from lanes.models import load_model  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
-from lanes.step_profile import STALL_STEP_MS, StepProfile  # noqa: E402
+from lanes.engine.core import EngineCore  # noqa: E402
+from lanes.engine.step_profile import STALL_STEP_MS, StepProfile  # noqa: E402
+from lanes.model.loader import load_model  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
 from loadtest.arrivals import ClosedLoop  # noqa: E402
 from loadtest.records import RequestRecord  # noqa: E402
 from loadtest.runner import run_load  # noqa: E402
@@ -333,7 +333,7 @@ def markdown(doc: dict) -> str:
                      f"{b['step_ratio']} |")
     lines += [""] + hops_table(doc.get("ttft_hops", {}))
     lines += ["## Engine steps by what they launched", "",
-              "Counted by the engine itself (lanes/step_profile.py): the share of steps that launched a prefill "
+              "Counted by the engine itself (lanes/engine/step_profile.py): the share of steps that launched a prefill "
               "forward, the prompt tokens each ran, running requests per step, and the mean time of each kind of step.",
               "", "| mode | way | steps | prefill steps share | prefill tokens per prefill step | rows mean | "
               "decode-only step ms | prefill step ms | stall steps (>= 200 ms) | stall ms |",

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.constructed_pair import build_constructed_pair, shape_configs  # noqa: E402
-from lanes.engine_core import EngineConfig, EngineCore  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
+from lanes.engine.core import EngineConfig, EngineCore  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
 
 
 def sync(device: str) -> None:

@@ -3,7 +3,7 @@
     python benchmarks/tp_verify_step.py --tp 2 --shape llama2-7b --out benchmarks/results/tp_h100x2   # N GPUs
     python benchmarks/tp_verify_step.py --tp 2 --shape tiny --device cpu --out /tmp/tp_smoke          # gloo
 
-For each of TP = 1 and TP = N (ranks 1..N-1 spawned as processes, lanes/tp_worker.py): the nospec
+For each of TP = 1 and TP = N (ranks 1..N-1 spawned as processes, lanes/parallel/worker.py): the nospec
 engine's greedy output for 8 random prompts (TP = N must equal TP = 1 token for token; in bf16 a
 near-tie may flip a token, so the count of equal prompts is reported, not asserted), then one verify
 step of 4 drafts over `batch` sequences of context 512 (random KV; the issue's goal: TP = 2 at batch
@@ -30,11 +30,11 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_check import LLAMA2_7B, fill_pool  # noqa: E402
-from lanes.engine_core import EngineConfig, EngineCore  # noqa: E402
-from lanes.models import LoadedModel, build_random_model  # noqa: E402
-from lanes.params import SamplingParams  # noqa: E402
-from lanes.tp_worker import worker_processes  # noqa: E402
-from lanes.verify import VerifyBatch, VerifyLane  # noqa: E402
+from lanes.engine.core import EngineConfig, EngineCore  # noqa: E402
+from lanes.model.loader import LoadedModel, build_random_model  # noqa: E402
+from lanes.parallel.worker import worker_processes  # noqa: E402
+from lanes.sample.params import SamplingParams  # noqa: E402
+from lanes.spec.verify import VerifyBatch, VerifyLane  # noqa: E402
 from tests.conftest import ARCH_CONFIGS  # noqa: E402
 from tests.engine_helpers import random_prompts, run_to_completion  # noqa: E402
 
@@ -56,7 +56,7 @@ def build_target(shape: str, dtype: str, device: str) -> LoadedModel:
 
 
 def load_on_worker(shape: str, dtype: str, device_type: str):
-    """A worker's loader (lanes.tp_worker.Loader): its device is cuda:<rank> on GPUs."""
+    """A worker's loader (lanes.parallel.worker.Loader): its device is cuda:<rank> on GPUs."""
     device = f"cuda:{dist.get_rank()}" if device_type == "cuda" else "cpu"
     return engine_config(), [build_target(shape, dtype, device).model], (True,)
 

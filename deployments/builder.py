@@ -6,8 +6,8 @@ import ray
 from ray.serve import Application
 from transformers import AutoConfig, AutoTokenizer
 
-from lanes.families import UnsupportedModelError
-from lanes.tensor_parallel import check_shardable
+from lanes.model.families import UnsupportedModelError
+from lanes.parallel.tensor_parallel import check_shardable
 
 from controller.actor import ControllerDeployment
 from deployments.config import AppConfig

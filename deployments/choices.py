@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from deployments.openai_logprobs import ChoiceExtras
 from deployments.openai_protocol import usage
-from lanes.outputs import RequestOutput
-from lanes.params import INT64_MIN, SamplingParams
-from lanes.spec_stats import SpecDecodeStats
+from lanes.engine.outputs import RequestOutput
+from lanes.sample.params import INT64_MIN, SamplingParams
+from lanes.spec.stats import SpecDecodeStats
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from controller.config import ControllerConfig
 from deployments.gpu_binding import lane_device, peer_access_env
-from lanes.engine_core import EngineConfig
+from lanes.engine.core import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = str(REPO_ROOT / "models" / "vpd-target")
@@ -50,7 +50,7 @@ class ModelSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(default="float32")
     tensor_parallel_size: int = Field(default=1, ge=1, description="Ranks the model's layers are sharded over "
                                       "(column/row-parallel attention and MLP, KV pools by KV head; "
-                                      "lanes/tensor_parallel.py), one GPU each, in the placement group of the "
+                                      "lanes/parallel/tensor_parallel.py), one GPU each, in the placement group of the "
                                       "lane's replica. Llama-family models (llama, mistral, qwen2, qwen3) only; served "
                                       "in modes unified, spec and nospec. A draft's is 1 or the target's.")
 

@@ -7,8 +7,8 @@ import uuid
 from collections import deque
 
 from deployments.metrics import LaneMetrics
-from lanes.engine_snapshot import EngineSnapshot
-from lanes.spec_stats import SpecDecodeStats
+from lanes.engine.snapshot import EngineSnapshot
+from lanes.spec.stats import SpecDecodeStats
 
 STEP_WINDOW_S = 10.0  # the p95 covers the steps of the last 10 s: an idle lane reports none
 GAUGE_REFRESH_S = 1.0  # while idle, gauges are re-set this often (Ray drops gauges nobody sets)

@@ -17,11 +17,11 @@ from deployments.kv_transfer import Placement
 from deployments.metrics import read_gpu_stats
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
-from lanes.async_engine import AsyncEngine
-from lanes.engine_process import ProcessEngine
-from lanes.engine_snapshot import EngineSnapshot, core_report
-from lanes.outputs import RequestOutput
-from lanes.params import ParamError, SamplingParams
+from lanes.engine.async_engine import AsyncEngine
+from lanes.engine.outputs import RequestOutput
+from lanes.engine.process import ProcessEngine
+from lanes.engine.snapshot import EngineSnapshot, core_report
+from lanes.sample.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 

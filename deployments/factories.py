@@ -11,15 +11,15 @@ import torch
 from deployments.config import AppConfig, LaneConfig
 from deployments.kv_transfer import Placement
 from deployments.remote import RemotePrefiller, RemoteVerifier
-from lanes.backends import LocalVerifier
-from lanes.engine_core import EngineConfig, EngineCore, build_runner, build_runners, eos_token_ids
-from lanes.models import LoadedModel, Vocabulary, check_compatible, load_model, load_vocabulary
-from lanes.ngram import NgramProposer
-from lanes.prompt_prefiller import PromptPrefiller
-from lanes.streams import LaneStreams
-from lanes.tp_kv import ShardedKVPool
-from lanes.tensor_parallel import TPGroup, init_group
-from lanes.verify import VerifyLane
+from lanes.device.streams import LaneStreams
+from lanes.engine.backends import LocalVerifier
+from lanes.engine.core import EngineConfig, EngineCore, build_runner, build_runners, eos_token_ids
+from lanes.model.loader import LoadedModel, Vocabulary, check_compatible, load_model, load_vocabulary
+from lanes.parallel.kv_handover import ShardedKVPool
+from lanes.parallel.tensor_parallel import TPGroup, init_group
+from lanes.spec.ngram import NgramProposer
+from lanes.spec.prompt_prefiller import PromptPrefiller
+from lanes.spec.verify import VerifyLane
 
 PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lane's scratch slots
 
@@ -100,7 +100,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     owner = f"decode-{uuid.uuid4().hex[:8]}"
     if cfg.mode == "pd":
         # pd's decode lane holds the target: sharded over the replica's ranks where it is (the draft
-        # runs whole on rank 0), and its pool then takes each prompt's KV through Ray (lanes/tp_kv.py).
+        # runs whole on rank 0), and its pool then takes each prompt's KV through Ray (lanes/parallel/kv_handover.py).
         tp = _rank0(cfg, tp_address, device)
         target = _target(cfg, "cpu" if tp else device)
         _check_pair(cfg, draft, target)
@@ -129,7 +129,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
 
 def load_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, ...]]:
     """What a worker rank of the engine (decode-lane) replica builds its shards from
-    (`lanes.tp_worker.Loader`): the engine's config and the models it shards, on the host (a draft that
+    (`lanes.parallel.worker.Loader`): the engine's config and the models it shards, on the host (a draft that
     runs whole on rank 0 is not loaded)."""
     draft = _draft(cfg, "cpu") if cfg.shard_draft else None
     return (_engine_config(cfg, cfg.decode_lane, f"{cfg.mode} engine"), [_target(cfg, "cpu").model, draft.model if draft else None],

@@ -29,9 +29,9 @@ from deployments.openai_protocol import (
     error_body, new_id, response_body, running_usage,
 )
 from deployments.timeline import TIMELINE, replica_report
-from lanes.outputs import RequestOutput, merge_outputs
-from lanes.params import ParamError
-from lanes.spec_stats import SpecDecodeStats
+from lanes.engine.outputs import RequestOutput, merge_outputs
+from lanes.sample.params import ParamError
+from lanes.spec.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="Verify-PD")

@@ -21,7 +21,7 @@ import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from lanes.kv_pool import KVPool, PoolShape
+from lanes.kv.pool import KVPool, PoolShape
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class HostKV:
     """A request's KV on the host, [2, layers, kv_heads, tokens, head_dim], in the form Ray moves fastest.
 
     Pickling a torch tensor serialises its storage in-band (torch.save into bytes): 64 MiB took
-    ~0.2 s each way (`benchmarks/kv_serialization.py`), which made every cross-GPU hand-over cost
+    ~0.2 s each way (docs/diagnoses.md), which made every cross-GPU hand-over cost
     1.4 ms per prompt token. A numpy array goes through pickle protocol 5 out-of-band: one copy into
     the object store, and the receiver maps it without another.
     """

@@ -4,7 +4,7 @@ arrived meanwhile (up to `max_batch`) goes into the next one.
 Why not Ray Serve's `@serve.batch`: it closes a batch once its wait timeout passes after the first
 arrival, whether or not the lane is free, and queues the closed batches behind the one running
 (Ray 2.60, `_BatchQueue._process_batches`). Under load that makes many small forwards run one after
-another: on the CPU probe (benchmarks/prefill_path_cpu.py) 32 requests went through 14 prefill
+another: on the CPU probe (docs/diagnoses.md) 32 requests went through 14 prefill
 forwards of 2.3 prompts each while they waited about 1 s in that queue. Here a batch is formed only
 when the lane can run it, so the forward holds everyone waiting, and an idle lane starts at once.
 """

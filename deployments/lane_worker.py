@@ -1,6 +1,6 @@
 """A single worker thread per replica for GPU work, so the replica's event loop stays responsive
 and every mutation of a lane's pool is serialised without locks. On a GPU the thread issues its
-work on a stream of the lane's priority (lanes/streams.py), which also orders lanes of different
+work on a stream of the lane's priority (lanes/device/streams.py), which also orders lanes of different
 replicas that share the GPU."""
 
 import asyncio
@@ -10,9 +10,9 @@ from typing import Callable, TypeVar
 
 import torch
 
-from lanes.device_fault import device_fault
-from lanes.step_cap import free_cached_memory
-from lanes.streams import lane_stream
+from lanes.device.fault import device_fault
+from lanes.device.streams import lane_stream
+from lanes.engine.step_cap import free_cached_memory
 
 T = TypeVar("T")
 

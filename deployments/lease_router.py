@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from lanes.backends import KVLost
+from lanes.engine.backends import KVLost
 
 LEASE_KWARG = "lease"
 # Serve tells each caller's router of a new replica within a moment of its start; a lease unknown
@@ -39,7 +39,7 @@ class LeaseGone(KVLost):
     """The verify replica that owns this lease (and the KV of the requests it holds) is gone.
 
     Serve pickles a request router's module by value, so a router in another process raises a copy of
-    this class: callers there recognise it by its base, KVLost (lanes/backends.py, pickled by reference)."""
+    this class: callers there recognise it by its base, KVLost (lanes/engine/backends.py, pickled by reference)."""
 
 
 def replica_lease() -> str:

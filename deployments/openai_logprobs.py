@@ -7,8 +7,8 @@ Token strings are each token decoded on its own, as vLLM writes them.
 
 from transformers import PreTrainedTokenizerBase
 
-from lanes.logprobs import TokenLogprobs
-from lanes.outputs import RequestOutput
+from lanes.engine.outputs import RequestOutput
+from lanes.sample.logprobs import TokenLogprobs
 
 
 class ChoiceExtras:

@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.openai_structured import structured_output
-from lanes.params import MAX_LOGPROBS, ParamError, SamplingParams
-from lanes.spec_stats import SpecDecodeStats
+from lanes.sample.params import MAX_LOGPROBS, ParamError, SamplingParams
+from lanes.spec.stats import SpecDecodeStats
 
 
 class _Open(BaseModel):
@@ -98,7 +98,7 @@ class _SamplingFields(_Open):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, description="Choices per prompt (1 to 16), each sampled as a request of its own; "
                    "with a seed, choice i draws with seed + i")
-    # Penalties and constraints (lanes/penalties.py); null means off, as vLLM takes it.
+    # Penalties and constraints (lanes/sample/penalties.py); null means off, as vLLM takes it.
     presence_penalty: float | None = Field(default=None, description="In [-2, 2]: subtracted from the logit of "
                                            "every token already in the output")
     frequency_penalty: float | None = Field(default=None, description="In [-2, 2]: subtracted once per occurrence "
@@ -143,7 +143,7 @@ class _SamplingFields(_Open):
             raise ParamError("n", f"must be in [1, {MAX_N}], got {self.n}")
 
     def sampling_params(self) -> SamplingParams:
-        """Raises lanes.params.ParamError (-> 400) on values out of range or fields not served."""
+        """Raises lanes.sample.params.ParamError (-> 400) on values out of range or fields not served."""
         self.check_served()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         logprobs, prompt_logprobs = self.logprob_counts()

@@ -6,15 +6,14 @@
   and its older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 At most one constraint per request. Shapes are checked here (400 naming the field); whether a
-schema, regex or grammar parses is checked when the engine admits the request (lanes/grammar.py),
+schema, regex or grammar parses is checked when the engine admits the request (lanes/sample/grammar.py),
 which answers the same way.
 """
 
 import json
 from typing import Any
 
-from lanes.grammar import StructuredOutput
-from lanes.params import ParamError
+from lanes.sample.params import ParamError, StructuredOutput
 
 # vLLM's structured_outputs keys served here (disable_fallback and disable_additional_properties change
 # nothing: xgrammar is the only backend, and its schemas are strict already), and those refused by name.
@@ -65,7 +64,7 @@ def _structured_outputs(so: dict | None) -> StructuredOutput | None:
     if len(constraints) != 1:
         raise ParamError("structured_outputs", f"exactly one of json, regex, choice, grammar, json_object must be set, "
                                                f"got {constraints or 'none'}")
-    whitespace = so.get("disable_any_whitespace") is False  # compact unless asked (lanes/grammar.py says why)
+    whitespace = so.get("disable_any_whitespace") is False  # compact unless asked (lanes/sample/grammar.py says why)
     kind = constraints[0]
     if kind == "json_object":
         return StructuredOutput("json_object", "", "structured_outputs.json_object", whitespace)

@@ -10,17 +10,17 @@ from typing import Callable
 import torch
 from ray import serve
 
-from deployments.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
 from deployments.factories import PREFILL_BATCH_MAX
+from deployments.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
-from lanes.streams import PREFILL_PRIORITY
 from deployments.metrics import LaneMetrics
 from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
-from lanes.backends import KVLost, LaneOOM
-from lanes.prompt_prefiller import PrefilledKV, PromptPrefiller
+from lanes.device.streams import PREFILL_PRIORITY
+from lanes.engine.backends import KVLost, LaneOOM
+from lanes.spec.prompt_prefiller import PrefilledKV, PromptPrefiller
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Proxies that let the decode loop (running on its engine thread) reach other lanes' replicas.
 
-They implement lanes.backends.Verifier / Prefiller. Each remote call is scheduled on the replica's
+They implement lanes.engine.backends.Verifier / Prefiller. Each remote call is scheduled on the replica's
 event loop with run_coroutine_threadsafe; the engine thread waits only where the decode step needs
 the answer (verification), never for prefill, whose results are collected between steps.
 """
@@ -16,17 +16,17 @@ from dataclasses import dataclass
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from lanes.backends import KVLost, LaneOOM
-from lanes.grammar import compiled, first_token_bitmask
-from lanes.kv_pool import KVPool, PoolFullError
-from lanes.logprobs import TokenLogprobs
-from lanes.prefill import PrefillChunk
-from lanes.prompt_prefiller import PrefillRequest
-from lanes.scheduler import Scheduler
-from lanes.sequence import SeqStatus, Sequence
-from lanes.verify import VerifyBatch, VerifyResult
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.timeline import TIMELINE
+from lanes.engine.backends import KVLost, LaneOOM
+from lanes.engine.scheduler import Scheduler
+from lanes.engine.sequence import SeqStatus, Sequence
+from lanes.kv.pool import KVPool, PoolFullError
+from lanes.sample.grammar import compiled, first_token_bitmask
+from lanes.sample.logprobs import TokenLogprobs
+from lanes.spec.prefill import PrefillChunk
+from lanes.spec.prompt_prefiller import PrefillRequest
+from lanes.spec.verify import VerifyBatch, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -258,10 +258,10 @@ class RemotePrefiller:
     def _job(self, seq: Sequence) -> PrefillJob:
         in_place = self._peer is not None and self._peer.can_write_into(self.placement)
         draft_in_place = in_place and self.draft_pool is not None
-        # A sharded target pool takes its KV through Ray and scatters it to its ranks (lanes/tp_kv.py).
+        # A sharded target pool takes its KV through Ray and scatters it to its ranks (lanes/parallel/kv_handover.py).
         target_in_place = in_place and self.target_pool is not None and self.target_pool.in_place_writable
         return PrefillJob(
-            # After a preemption: every token but the last (lanes/sequence.py), whose KV is recomputed.
+            # After a preemption: every token but the last (lanes/engine/sequence.py), whose KV is recomputed.
             request=PrefillRequest(seq.request_id, seq.token_ids[: seq.num_prefill_tokens], seq.params, seq.seed,
                                    first_token_bitmask(seq)),
             draft_slot=seq.draft_slot,

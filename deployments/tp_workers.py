@@ -4,7 +4,7 @@ Every lane that holds the target shards it alike: the engine (decode-lane) repli
 modes and in pd, the prefill lane in pd and pdv, the verify lane in pdv. The replica (rank 0: it runs
 the engine or the lane) is placed in bundle 0 of the placement group Serve creates for it
 (`LaneConfig.deployment_options`, `placement_group_bundles`); worker rank r goes to bundle r, so all N
-ranks sit on one node (STRICT_PACK) with a GPU each. Each worker runs `lanes.tp_worker.run_worker`: it
+ranks sit on one node (STRICT_PACK) with a GPU each. Each worker runs `lanes.parallel.worker.run_worker`: it
 loads the models on the host, keeps its shard on its device and repeats rank 0's forwards and KV
 hand-overs until rank 0 stops it. The actors are the replica's: Ray ends them when it ends.
 
@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import AppConfig
 from deployments.gpu_binding import lane_device
-from lanes.tp_worker import Loader, free_port, run_worker
+from lanes.parallel.worker import Loader, free_port, run_worker
 
 log = logging.getLogger(__name__)
 

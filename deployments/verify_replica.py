@@ -12,18 +12,18 @@ from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from deployments.lease_router import LeaseRouter, replica_lease
+from deployments.metrics import LaneMetrics
 from deployments.remote import merge_rows
 from deployments.slot_owners import SlotOwners
-from lanes.streams import VERIFY_PRIORITY
-from deployments.metrics import LaneMetrics
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
-from lanes.backends import LaneOOM
-from lanes.grammar import merge_bitmasks
-from lanes.kv_pool import PoolFullError
-from lanes.penalties import PenaltyHistory
-from lanes.rejection import point_mass
-from lanes.verify import VerifyBatch, VerifyLane, VerifyResult
+from lanes.device.streams import VERIFY_PRIORITY
+from lanes.engine.backends import LaneOOM
+from lanes.kv.pool import PoolFullError
+from lanes.sample.grammar import merge_bitmasks
+from lanes.sample.penalties import PenaltyHistory
+from lanes.spec.rejection import point_mass
+from lanes.spec.verify import VerifyBatch, VerifyLane, VerifyResult
 
 VERIFY_CALLS_MAX = 16  # decode replicas' calls merged into one verify forward
 
@@ -85,7 +85,7 @@ class VerifyServer:
 
     async def pool_handle(self, lease: str | None = None) -> PoolHandle | None:
         """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once per replica);
-        None where a peer cannot write a whole KV into it (a sharded target: lanes/tp_kv.py)."""
+        None where a peer cannot write a whole KV into it (a sharded target: lanes/parallel/kv_handover.py)."""
         self._check_lease(lease)
         if not self.lane.pool.in_place_writable:
             return None

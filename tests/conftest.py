@@ -13,7 +13,7 @@ import copy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lanes.models import LoadedModel, build_random_model  # noqa: E402
+from lanes.model.loader import LoadedModel, build_random_model  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from lanes.engine_core import EngineConfig, EngineCore
-from lanes.models import LoadedModel
-from lanes.params import SamplingParams
+from lanes.engine.core import EngineConfig, EngineCore
+from lanes.model.loader import LoadedModel
+from lanes.sample.params import SamplingParams
 
 
 def run_to_completion(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
@@ -33,7 +33,7 @@ def hf_greedy(model: LoadedModel, prompt: list[int], max_new_tokens: int, **gene
 
 def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
                         eos_ids: set[int]) -> torch.Tensor:
-    """vLLM's penalties of one position [V], written out token by token: a reference for lanes/penalties.py."""
+    """vLLM's penalties of one position [V], written out token by token: a reference for lanes/sample/penalties.py."""
     x = logits.double().clone()
     if len(output) < params.min_tokens:
         for t in set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids):

@@ -14,7 +14,7 @@ sampled during the load, never shows a queue past the admission bound; after it 
 free and every replica's RSS is back near its start (RSS_SLACK_MB, RSS_SLACK_FRACTION).
 
 Long runs: `VPD_CANCEL_COUNT=1000 VPD_OVERLOAD_S=120 pytest tests/test_cancel_overload.py`
-(results in README, "Cancellation and overload").
+(results in docs/serving.md, "Cancellation and overload").
 """
 
 import asyncio

@@ -18,16 +18,16 @@ from fastapi import FastAPI
 from deployments.engine_replica import EngineServer
 from deployments.ingress import Ingress, InternalErrorMiddleware
 from deployments.openai_protocol import CompletionRequest
-from lanes.async_engine import AsyncEngine
-from lanes.backends import KVLost
-from lanes.engine_core import EngineCore, EngineConfig
-from lanes.models import load_model
+from lanes.engine.async_engine import AsyncEngine
+from lanes.engine.backends import KVLost
+from lanes.engine.core import EngineCore, EngineConfig
+from lanes.model.loader import load_model
 from tests.client_errors import assert_clean
 from tests.serve_helpers import MODEL, app_config
 from tests.test_kv_migration import _losing
 from tests.test_oom_recovery import OOM_TEXT, _inject_oom
 
-LEAKY = RuntimeError('Process 455 has 2.67 GiB memory in use; File "/work/lanes/verify.py", line 132')
+LEAKY = RuntimeError('Process 455 has 2.67 GiB memory in use; File "/work/lanes/spec/verify.py", line 132')
 
 
 class _Replica:

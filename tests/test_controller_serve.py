@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from deployments.builder import ConfigError, build_app
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.conftest import perturbed_copy
 from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, serving
 from tests.tiny_pair import save_tiny_pair

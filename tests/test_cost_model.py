@@ -13,8 +13,8 @@ from controller.cost_model import StepCost, StepCostModel, fastest_draft_len, fi
 from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
 from deployments.engine_metrics import EngineMetrics
-from lanes.engine_snapshot import snapshot
-from lanes.params import SamplingParams
+from lanes.engine.snapshot import snapshot
+from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import random_prompts, small_engine
 

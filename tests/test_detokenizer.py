@@ -5,10 +5,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lanes.detokenizer import IncrementalDetokenizer
-from lanes.engine_core import EngineCore
-from lanes.models import load_model
-from lanes.params import SamplingParams
+from lanes.engine.core import EngineCore
+from lanes.model.loader import load_model
+from lanes.sample.detokenizer import IncrementalDetokenizer
+from lanes.sample.params import SamplingParams
 from tests.engine_helpers import small_engine
 from tests.tiny_pair import save_tiny_pair
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from deployments.lane_worker import LaneLost, LaneWorker
-from lanes.async_engine import AsyncEngine
-from lanes.engine_process import ProcessEngine
-from lanes.params import SamplingParams
+from lanes.engine.async_engine import AsyncEngine
+from lanes.engine.process import ProcessEngine
+from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import pair_engine, random_prompts
 
@@ -47,9 +47,9 @@ def _fail_verify_after(core, good_steps: int, before_raise=None):
 
 def faulty_engine():
     """An engine whose device turns unusable after its third verify (built in the engine process)."""
-    import lanes.engine_core
+    import lanes.engine.core
 
-    lanes.engine_core.device_fault = lambda device: FAULT
+    lanes.engine.core.device_fault = lambda device: FAULT
     return _fail_verify_after(pair_engine("llama"), good_steps=3)
 
 
@@ -143,7 +143,7 @@ def test_a_lane_that_loses_a_worker_rank_fails_the_job_it_waits_on_and_every_lat
 
 
 def test_engine_thread_stops_and_fails_every_stream_on_a_device_fault(monkeypatch):
-    monkeypatch.setattr("lanes.engine_core.device_fault", lambda device: FAULT)
+    monkeypatch.setattr("lanes.engine.core.device_fault", lambda device: FAULT)
     prompts = random_prompts(4, VOCAB, 5, 20, seed=3)
 
     async def main():
@@ -183,7 +183,7 @@ def test_engine_process_exits_and_fails_every_stream_on_a_device_fault():
 
 CUDA_PROBE = """
 import torch
-from lanes.device_fault import device_fault
+from lanes.device.fault import device_fault
 device = torch.device("cuda")
 print("before:", device_fault(device))
 try:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lanes.async_engine import AsyncEngine
-from lanes.params import ParamError, SamplingParams
+from lanes.engine.async_engine import AsyncEngine
+from lanes.sample.params import ParamError, SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (lanes/engine_process.py): the same streams as the engine
+"""The engine in a process of its own (lanes/engine/process.py): the same streams as the engine
 thread, requests that fail cleanly when that process dies, and no process left behind."""
 
 import asyncio
@@ -9,9 +9,9 @@ from functools import partial
 
 import pytest
 
-from lanes.engine_process import EngineProcessDied, ProcessEngine
-from lanes.engine_snapshot import EngineSnapshot, core_report
-from lanes.params import ParamError, SamplingParams
+from lanes.engine.process import EngineProcessDied, ProcessEngine
+from lanes.engine.snapshot import EngineSnapshot, core_report
+from lanes.sample.params import ParamError, SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, pair_engine, random_prompts
 

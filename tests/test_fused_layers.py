@@ -5,11 +5,11 @@ working."""
 import pytest
 import torch
 
-from lanes.fused_decoder import FusedDecoder, supports, unsupported_reason
-from lanes.fused_ops import add_gemma_rms_norm, add_rms_norm, gelu_tanh_and_mul, rope_store, silu_and_mul
-from lanes.kv_pool import KVPool, PoolShape
-from lanes.models import build_random_model
-from lanes.params import SamplingParams
+from lanes.kv.pool import KVPool, PoolShape
+from lanes.model.fused_decoder import FusedDecoder, supports, unsupported_reason
+from lanes.model.fused_ops import add_gemma_rms_norm, add_rms_norm, gelu_tanh_and_mul, rope_store, silu_and_mul
+from lanes.model.loader import build_random_model
+from lanes.sample.params import SamplingParams
 from tests.conftest import ARCH_CONFIGS, VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 from tests.paged_helpers import paginate
@@ -155,7 +155,7 @@ def test_fused_decoder_equals_hf_hidden_states_and_shares_the_weights(arch, use_
     qkv = decoder.layers[0].qkv_w
     assert attn.k_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == bytes_before
-    from lanes.attention import PoolAttentionMeta
+    from lanes.model.attention import PoolAttentionMeta
 
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
     positions = torch.arange(9).expand(2, 9)

@@ -8,12 +8,13 @@ import torch
 import xgrammar
 
 from deployments.config import DEFAULT_TARGET
-from lanes.draft import DraftProposal
-from lanes.grammar import (ColumnMasks, FirstTokenMask, Grammars, StructuredOutput, apply_token_bitmask,
-                           first_token_bitmask, mask_first_tokens, merge_bitmasks, verify_bitmask)
-from lanes.models import load_model
-from lanes.params import ParamError, SamplingParams
-from lanes.sequence import Sequence
+from lanes.engine.sequence import Sequence
+from lanes.model.loader import load_model
+from lanes.sample.grammar import (ColumnMasks, Grammars, apply_token_bitmask, first_token_bitmask, mask_first_tokens,
+                                  merge_bitmasks)
+from lanes.sample.matcher import FirstTokenMask
+from lanes.sample.params import ParamError, SamplingParams, StructuredOutput
+from lanes.spec.draft import DraftProposal, verify_bitmask
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}

@@ -11,11 +11,11 @@ import torch
 import xgrammar
 
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET
-from lanes.engine_core import EngineConfig, EngineCore
-from lanes.grammar import StructuredOutput, apply_token_bitmask
-from lanes.models import load_model
-from lanes.ngram import NgramProposer
-from lanes.params import SamplingParams
+from lanes.engine.core import EngineConfig, EngineCore
+from lanes.model.loader import load_model
+from lanes.sample.grammar import apply_token_bitmask
+from lanes.sample.params import SamplingParams, StructuredOutput
+from lanes.spec.ngram import NgramProposer
 from tests.engine_helpers import run_to_completion
 
 SCHEMA = {"type": "object", "properties": {

@@ -2,9 +2,9 @@
 
 import pytest
 
-from lanes.params import SamplingParams
-from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts, run_to_completion, small_engine
+from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
+from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts, run_to_completion, small_engine
 
 NUM_PROMPTS = 20
 MAX_NEW = 24
@@ -41,7 +41,7 @@ def test_greedy_output_equals_target_greedy(pair, prompts_and_refs, draft_len):
 @pytest.mark.parametrize("captured_at_start", [False, True])
 @pytest.mark.parametrize("draft_len", [0, 3])
 def test_prefill_replayed_in_width_buckets_keeps_greedy_output(pair, prompts_and_refs, draft_len, captured_at_start):
-    """Whole-prompt prefill through GraphedPrefill (lanes/cuda_graphs.py): off CUDA its "graphs" run
+    """Whole-prompt prefill through GraphedPrefill (lanes/model/cuda_graphs.py): off CUDA its "graphs" run
     eagerly on the same padded static buffers, so this proves the padding to (batch, width) buckets
     changes no token, in both models' caches. With `captured_at_start` every graph is captured on the
     pad slot before the first request (EngineCore.capture_graphs, what serving does): no output
@@ -73,7 +73,7 @@ def test_nospec_engine_equals_target_greedy(llama_pair):
         assert outputs[str(i)] == hf_greedy(target, p, 16)
 
 
-# Penalties change the greedy output; speculation must not (lanes/penalties.py).
+# Penalties change the greedy output; speculation must not (lanes/sample/penalties.py).
 PENALISED = {
     "repetition": dict(repetition_penalty=1.3),
     "presence_frequency": dict(presence_penalty=1.2, frequency_penalty=0.6),

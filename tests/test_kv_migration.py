@@ -12,10 +12,10 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from deployments.lease_router import LeaseGone
 from deployments.remote import lane_error, merge_rows
-from lanes.backends import KVLost
-from lanes.kv_pool import PoolFullError
-from lanes.params import SamplingParams
-from lanes.verify import VerifyResult
+from lanes.engine.backends import KVLost
+from lanes.kv.pool import PoolFullError
+from lanes.sample.params import SamplingParams
+from lanes.spec.verify import VerifyResult
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 

@@ -1,14 +1,14 @@
-"""KV memory sizing from a lane's profile (lanes/kv_sizing.py): the arithmetic, the refusal, and two
+"""KV memory sizing from a lane's profile (lanes/kv/sizing.py): the arithmetic, the refusal, and two
 lanes sized from their shares of one device without overlap. The profile run itself needs CUDA
-(lanes/memory_profile.py; exercised by benchmarks/lanes_1gpu.py on the GPU)."""
+(lanes/model/memory_profile.py; exercised by benchmarks/lanes_1gpu.py on the GPU)."""
 
 import pytest
 import torch
 
 from deployments.config import AppConfig
 from deployments.factories import _prefill_config, _verify_config
-from lanes.kv_pool import PoolShape
-from lanes.kv_sizing import GIB, KVMemoryError, MemoryPlan, check_free, num_kv_blocks
+from lanes.kv.pool import PoolShape
+from lanes.kv.sizing import GIB, KVMemoryError, MemoryPlan, check_free, num_kv_blocks
 
 TOTAL = 80 * GIB
 SHAPE = PoolShape(num_layers=32, num_kv_heads=32, head_dim=128, num_slots=16, capacity_tokens=3264, block_size=16)

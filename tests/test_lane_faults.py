@@ -82,7 +82,7 @@ def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(mode, de
             assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
             assert_clean(json.loads(events[-2])["error"]["message"])
     # pdv's one verify replica is on every stream's path: each stream is recomputed on its replacement
-    # (lanes/engine_core.py `_migrate`) if that is up within PEER_CALL_TIMEOUT_S, else it fails; either
+    # (lanes/engine/core.py `_migrate`) if that is up within PEER_CALL_TIMEOUT_S, else it fails; either
     # way it ends within the bound above.
     if deployment == "DecodeLane":  # one of the two decode replicas: its streams fail, the other's finish
         assert failed >= 1 and completed >= 1, (completed, failed)

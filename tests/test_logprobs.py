@@ -4,8 +4,8 @@ an accepted draft, a correction after a rejected draft, or a bonus token. Models
 import pytest
 import torch
 
-from lanes.engine_core import EngineCore
-from lanes.params import ParamError, SamplingParams
+from lanes.engine.core import EngineCore
+from lanes.sample.params import ParamError, SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import random_prompts, small_engine
 

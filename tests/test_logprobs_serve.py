@@ -6,7 +6,7 @@ import httpx
 import pytest
 import torch
 
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving
 
 PROMPT = "def add(a, b):"

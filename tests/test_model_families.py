@@ -9,12 +9,12 @@ import torch
 
 from transformers import AutoConfig
 
-from lanes.attention import PoolAttentionMeta, pool_attention_forward
-from lanes.engine_core import EngineConfig, build_runner
-from lanes.families import UnsupportedModelError, check_supported
-from lanes.fused_decoder import supports
-from lanes.models import build_random_model, load_model
-from lanes.params import SamplingParams
+from lanes.engine.core import EngineConfig, build_runner
+from lanes.model.attention import PoolAttentionMeta, pool_attention_forward
+from lanes.model.families import UnsupportedModelError, check_supported
+from lanes.model.fused_decoder import supports
+from lanes.model.loader import build_random_model, load_model
+from lanes.sample.params import SamplingParams
 from tests.conftest import perturbed_copy
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from deployments.config import REPO_ROOT, AppConfig, NgramSpec
 from deployments.factories import build_engine, build_prompt_prefiller
-from lanes.engine_core import EngineConfig, EngineCore
-from lanes.ngram import NgramProposer
-from lanes.params import SamplingParams
-from lanes.prompt_prefiller import PrefillRequest
-from lanes.sequence import Sequence
+from lanes.engine.core import EngineConfig, EngineCore
+from lanes.engine.sequence import Sequence
+from lanes.sample.params import SamplingParams
+from lanes.spec.ngram import NgramProposer
+from lanes.spec.prompt_prefiller import PrefillRequest
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, penalised_greedy, run_to_completion
 from tests.tiny_pair import save_tiny_pair

@@ -5,8 +5,8 @@ still runs out of memory at the smallest step size fails after max_oom_attempts 
 
 import torch
 
-from lanes.params import SamplingParams
-from lanes.step_cap import RESTORE_AFTER_STEPS
+from lanes.engine.step_cap import RESTORE_AFTER_STEPS
+from lanes.sample.params import SamplingParams
 from tests.client_errors import assert_clean
 from tests.conftest import VOCAB
 from tests.engine_helpers import random_prompts, run_to_completion, small_engine
@@ -125,7 +125,7 @@ def test_a_remote_lanes_oom_comes_back_as_a_recompute_not_an_error(llama_pair):
     from ray.exceptions import RayTaskError
 
     from deployments.remote import lane_error
-    from lanes.backends import LaneOOM
+    from lanes.engine.backends import LaneOOM
     from tests.test_kv_migration import _losing
 
     behind_prefill = RayTaskError("prefill", "Traceback ...", LaneOOM("prefill lane")).as_instanceof_cause()
@@ -157,10 +157,9 @@ def test_no_forward_exceeds_the_step_shape_the_lanes_memory_profile_measures(lla
     """Activations are bounded by admission: a decode forward carries at most max_num_seqs rows and a
     prefill forward at most idle_prefill_tokens tokens, in the engine and in the prefill lane's
     PromptPrefiller, whatever the burst (the peak the memory profile measures is at these maxima)."""
-    from lanes.engine_core import build_runners
-    from lanes import prompt_prefiller
-    from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
-    from lanes.engine_core import EngineConfig
+    from lanes.engine.core import EngineConfig, build_runners
+    from lanes.spec import prompt_prefiller
+    from lanes.spec.prompt_prefiller import PrefillRequest, PromptPrefiller
 
     target, draft = llama_pair
     engine = small_engine(target, draft, max_num_seqs=4, idle_prefill_tokens=64, prefill_chunk_tokens=32)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from lanes.kv_pool import KVPool, PoolFullError, PoolShape
-from lanes.params import SamplingParams
+from lanes.kv.pool import KVPool, PoolFullError, PoolShape
+from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 
@@ -216,7 +216,7 @@ def test_prefix_hits_while_the_owner_still_runs_and_under_preemption(llama_pair)
 
 
 def test_eviction_takes_plain_blocks_first_then_the_least_recently_used_and_never_a_held_one():
-    from lanes.block_allocator import BlockAllocator
+    from lanes.kv.block_allocator import BlockAllocator
 
     alloc = BlockAllocator(4)
     a, b, c, d = alloc.allocate(4)
@@ -235,8 +235,8 @@ def test_eviction_takes_plain_blocks_first_then_the_least_recently_used_and_neve
 
 
 def test_prompt_prefiller_prefix_hit_hands_out_the_kv_of_a_miss(llama_pair):
-    from lanes.engine_core import EngineConfig, build_runners
-    from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
+    from lanes.engine.core import EngineConfig, build_runners
+    from lanes.spec.prompt_prefiller import PrefillRequest, PromptPrefiller
 
     target, draft = llama_pair
     config = EngineConfig(max_model_len=200, max_num_seqs=4, block_size=4)
@@ -256,8 +256,8 @@ def test_prompt_prefiller_prefix_hit_hands_out_the_kv_of_a_miss(llama_pair):
 def test_a_verify_lane_out_of_blocks_requeues_its_rows_instead_of_failing_them(llama_pair):
     """pdv's verify lane refuses a batch whose blocks it cannot back (PoolFullError, before touching
     its pool): the decode engine preempts those rows and recomputes them, and output is unchanged."""
-    from lanes.verify import VerifyResult
     from deployments.remote import merge_rows
+    from lanes.spec.verify import VerifyResult
 
     target, draft = llama_pair
     prompts = random_prompts(3, VOCAB, 5, 30, seed=47)
@@ -287,7 +287,7 @@ def test_a_verify_lane_out_of_blocks_requeues_its_rows_instead_of_failing_them(l
 def test_a_verify_lane_short_of_blocks_picks_the_rows_it_can_back_first_come(llama_pair):
     """VerifyLane.rows_that_fit: every row while the free blocks cover the batch; else, in row order,
     each row whose drafts still fit (a later, smaller row may fit where an earlier one did not)."""
-    from lanes.verify import VerifyBatch
+    from lanes.spec.verify import VerifyBatch
 
     target, draft = llama_pair
     engine = small_engine(target, draft, block_size=4, num_kv_blocks=30, max_model_len=40)

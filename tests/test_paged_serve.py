@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair

@@ -11,7 +11,7 @@ import torch
 
 from deployments.gpu_binding import lane_device, peer_access_env
 from deployments.kv_transfer import Placement, PoolHandle, PoolViews, write_all
-from lanes.kv_pool import KVPool, PoolShape
+from lanes.kv.pool import KVPool, PoolShape
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one node")
 

@@ -4,10 +4,10 @@ sees (accepted, rejected and bonus), what travels, and what a request without th
 import pytest
 import torch
 
-from lanes.params import ParamError, SamplingParams
-from lanes.penalties import Penalties, PenaltyHistory, check_request
-from lanes.rejection import greedy_verify
-from lanes.sequence import Sequence
+from lanes.engine.sequence import Sequence
+from lanes.sample.params import ParamError, SamplingParams
+from lanes.sample.penalties import Penalties, PenaltyHistory, check_request
+from lanes.spec.rejection import greedy_verify
 from tests.conftest import VOCAB
 from tests.engine_helpers import random_prompts, reference_penalties, run_to_completion, small_engine
 

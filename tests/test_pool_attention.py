@@ -5,9 +5,9 @@ attention; and the engine's greedy equality with the kernel in the loop."""
 import pytest
 import torch
 
-from lanes.attention import PoolAttentionMeta, _gathered_attention
-from lanes.params import SamplingParams
-from lanes.triton_attention import pool_attention, split_count
+from lanes.model.attention import PoolAttentionMeta, _gathered_attention
+from lanes.model.triton_attention import pool_attention, split_count
+from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 from tests.paged_helpers import dense_attention, paginate
@@ -104,7 +104,7 @@ def test_engine_with_the_kernel_equals_target_greedy(llama_pair):
 
 
 def test_head_dims_the_kernel_cannot_take_fall_back_to_the_gathered_path():
-    from lanes.triton_attention import head_dim_supported
+    from lanes.model.triton_attention import head_dim_supported
 
     assert head_dim_supported(16) and head_dim_supported(128)
     assert not head_dim_supported(8) and not head_dim_supported(80) and not head_dim_supported(96)

@@ -3,11 +3,11 @@ hands out are those of each prompt run on its own."""
 
 import torch
 
-from lanes.engine_core import EngineConfig, build_runner
-from lanes.params import SamplingParams
-from lanes.prefill import plan_whole_prompts
-from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
-from lanes.sequence import Sequence
+from lanes.engine.core import EngineConfig, build_runner
+from lanes.engine.sequence import Sequence
+from lanes.sample.params import SamplingParams
+from lanes.spec.prefill import plan_whole_prompts
+from lanes.spec.prompt_prefiller import PrefillRequest, PromptPrefiller
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts
 
@@ -59,7 +59,7 @@ def test_batched_prefill_hands_out_what_each_prompt_gets_alone(llama_pair):
 
 
 def test_chunks_keep_the_padded_forward_within_the_budget():
-    from lanes.prefill import plan_chunks
+    from lanes.spec.prefill import plan_chunks
 
     a, b, c = _seq("a", 300), _seq("b", 40), _seq("c", 40)
     plan = plan_chunks([a, b, c], 256)

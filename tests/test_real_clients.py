@@ -19,8 +19,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
-from lanes.models import load_model
-from lanes.params import ParamError
+from lanes.model.loader import load_model
+from lanes.sample.params import ParamError
 from tests.engine_helpers import hf_greedy
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 

@@ -2,12 +2,12 @@
 
 import torch
 
-from lanes.params import SamplingParams
-from lanes.penalties import Penalties, PenaltyHistory
-from lanes.rejection import greedy_verify, point_mass, rejection_sample
-from lanes.sampling import (
+from lanes.sample.params import SamplingParams
+from lanes.sample.penalties import Penalties, PenaltyHistory
+from lanes.sample.sampling import (
     STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, SamplingTensors, logits_to_probs, sample_from, uniform_noise,
 )
+from lanes.spec.rejection import greedy_verify, point_mass, rejection_sample
 from tests.engine_helpers import reference_penalties, run_to_completion, small_engine
 
 V = 6
@@ -155,7 +155,7 @@ def test_greedy_fast_path_equals_the_general_rule_on_one_hot_inputs():
 
 
 def test_sampled_tokens_follow_a_min_p_filtered_target():
-    """min-p filters the target's distribution before the accept test (lanes/sampling.py): the emitted
+    """min-p filters the target's distribution before the accept test (lanes/sample/sampling.py): the emitted
     tokens follow the filtered target, and a token min-p removed is never emitted, even where the
     draft (filtered by its own logits) proposes it often."""
     seeds, positions, _, _ = _draws()
@@ -217,7 +217,7 @@ def _column_one_chi2s(tokens: torch.Tensor) -> list[float]:
 
 
 def test_sampled_tokens_follow_the_penalised_target_given_the_drafts_before_them():
-    """Penalties make p at column c depend on the drafts before it (lanes/penalties.py). The emitted
+    """Penalties make p at column c depend on the drafts before it (lanes/sample/penalties.py). The emitted
     tokens follow the penalised target: column 0 the one of the committed output, column 1 the one
     that also counts the accepted draft 0."""
     tokens = _sample_penalised(count_drafts=True)

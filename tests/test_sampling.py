@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lanes.params import SamplingParams
-from lanes.sampling import SamplingTensors, logits_to_probs, sample_from, uniform_noise
+from lanes.sample.params import SamplingParams
+from lanes.sample.sampling import SamplingTensors, logits_to_probs, sample_from, uniform_noise
 
 
 def _probs(logits: list[float], **kwargs) -> torch.Tensor:

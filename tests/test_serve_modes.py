@@ -10,8 +10,8 @@ from ray import serve
 
 from deployments.builder import ConfigError, build_app
 from deployments.timeline import event_rows
-from lanes.models import load_model
-from lanes.params import SamplingParams
+from lanes.model.loader import load_model
+from lanes.sample.params import SamplingParams
 from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts
 from tests.serve_helpers import ALL_MODES, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 

@@ -3,7 +3,7 @@ decode lane holds no model, the prefill lane prefills no draft, and greedy outpu
 
 import pytest
 
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.engine_helpers import hf_greedy
 from tests.serve_helpers import MODEL, app_config, lane_stats, openai_client, serving, wait_until_idle
 from tests.tiny_pair import save_tiny_pair

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET
-from lanes.engine_core import EngineConfig, EngineCore
-from lanes.models import check_compatible, load_model
-from lanes.params import SamplingParams
+from lanes.engine.core import EngineConfig, EngineCore
+from lanes.model.loader import check_compatible, load_model
+from lanes.sample.params import SamplingParams
 from tests.engine_helpers import run_to_completion
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]

@@ -1,8 +1,8 @@
-"""StepProfile (lanes/step_profile.py): steps counted by what they launched, stalls apart."""
+"""StepProfile (lanes/engine/step_profile.py): steps counted by what they launched, stalls apart."""
 
 from dataclasses import replace
 
-from lanes.step_profile import STALL_STEP_MS, StepProfile
+from lanes.engine.step_profile import STALL_STEP_MS, StepProfile
 
 
 def test_steps_are_split_by_prefill_and_stalls_are_counted_apart():

@@ -4,10 +4,10 @@ reordered, the first chunk is never held, and the last one is not held either.""
 import asyncio
 import time
 
-from lanes.async_engine import AsyncEngine
-from lanes.outputs import RequestOutput, merge_outputs
-from lanes.params import SamplingParams
-from lanes.spec_stats import SpecDecodeStats
+from lanes.engine.async_engine import AsyncEngine
+from lanes.engine.outputs import RequestOutput, merge_outputs
+from lanes.sample.params import SamplingParams
+from lanes.spec.stats import SpecDecodeStats
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, small_engine
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU: TP = 2 over gloo, the worker a spawned process (lanes/tp_worker.py).
+"""Tensor parallelism on the CPU: TP = 2 over gloo, the worker a spawned process (lanes/parallel/worker.py).
 
 On tiny random-weight Llama (GQA; and with attention and MLP biases, so that the row-parallel
 o_proj and down_proj biases must be added once), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
@@ -21,12 +21,12 @@ from transformers import AutoConfig
 
 from deployments.builder import ConfigError, build_app
 from deployments.config import REPO_ROOT, AppConfig
-from lanes.engine_core import EngineConfig, EngineCore, build_runners
-from lanes.families import UnsupportedModelError
-from lanes.models import LoadedModel, build_random_model
-from lanes.params import SamplingParams
-from lanes.tensor_parallel import TPGroup, check_shardable
-from lanes.tp_worker import worker_processes
+from lanes.engine.core import EngineConfig, EngineCore, build_runners
+from lanes.model.families import UnsupportedModelError
+from lanes.model.loader import LoadedModel, build_random_model
+from lanes.parallel.tensor_parallel import TPGroup, check_shardable
+from lanes.parallel.worker import worker_processes
+from lanes.sample.params import SamplingParams
 from tests.conftest import ARCH_CONFIGS, VOCAB, perturbed_copy
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
 

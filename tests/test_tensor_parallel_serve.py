@@ -3,7 +3,7 @@ DecodeLane in unified and nospec; the PrefillLane and DecodeLane in pd; the Pref
 VerifyLane in pdv) owns a placement group of two bundles, its worker rank is a Ray actor in the
 second (deployments/tp_workers.py), and the ranks meet over gloo. Greedy output over HTTP equals HF's
 greedy `generate` of the whole target: in pd and pdv every prompt's KV went from the prefill lane's
-two ranks to the other lane's two ranks (lanes/tp_kv.py). A worker rank killed under load fails its
+two ranks to the other lane's two ranks (lanes/parallel/kv_handover.py). A worker rank killed under load fails its
 replica's work at once and the replica is replaced: the engine's in nospec, the verify lane's in pdv.
 (A replica whose worker never came would not answer /health: rank 0 waits in the group's rendezvous
 for every rank before it builds its shards.)"""
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from ray import serve
 
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.client_errors import assert_clean
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, greedy_choice, kill_under_streams, openai_client, serving

@@ -12,8 +12,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from deployments.config import AppConfig
-from lanes.models import (IncompatibleModelsError, LoadedModel, build_random_model, check_compatible,
-                          tokenizer_differences)
+from lanes.model.loader import (IncompatibleModelsError, LoadedModel, build_random_model, check_compatible,
+                                tokenizer_differences)
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "vpd-target"
 

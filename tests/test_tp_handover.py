@@ -1,4 +1,4 @@
-"""KV hand-over into and out of a tensor-parallel lane (lanes/tp_kv.py), on the CPU over gloo.
+"""KV hand-over into and out of a tensor-parallel lane (lanes/parallel/kv_handover.py), on the CPU over gloo.
 
 A prefill lane whose target is sharded over two ranks gathers each prompt's KV from both ranks' heads:
 it equals the KV an unsharded prefill lane computes for the same prompts (float64: the all-reduce adds
@@ -10,12 +10,12 @@ from the lane's prefix cache hand over the same KV as an unsharded lane's.
 
 import torch
 
-from lanes.engine_core import EngineConfig, build_runners
-from lanes.kv_pool import KVPool
-from lanes.models import build_random_model
-from lanes.params import SamplingParams
-from lanes.prompt_prefiller import PrefillRequest, PromptPrefiller
-from lanes.tp_worker import worker_processes
+from lanes.engine.core import EngineConfig, build_runners
+from lanes.kv.pool import KVPool
+from lanes.model.loader import build_random_model
+from lanes.parallel.worker import worker_processes
+from lanes.sample.params import SamplingParams
+from lanes.spec.prompt_prefiller import PrefillRequest, PromptPrefiller
 from tests.conftest import ARCH_CONFIGS, VOCAB, perturbed_copy
 from tests.engine_helpers import random_prompts
 

@@ -19,7 +19,7 @@ import pytest
 from ray import serve
 
 from deployments.lease_router import UNKNOWN_LEASE_WAIT_S, LeaseGone
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import (MODEL, app_config, base_url, lane_stats, serving, streams_across,
                                  wait_for_replicas, wait_until_idle)

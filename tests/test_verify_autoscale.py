@@ -11,7 +11,7 @@ greedy output, the decode replicas keep running, and no slot stays held.
 
 import pytest
 
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.engine_helpers import greedy_references
 from tests.serve_helpers import (
     app_config, decode_state, lane_stats, serving, streams_across, wait_for_replicas, wait_until_idle)

@@ -5,7 +5,7 @@ The app is deployed as `serve deploy` of a config file does (import path + args)
 lane's replica count in the config's `deployments:` section, and rescaled by declaring it again
 with another count: Serve's lightweight update, which stops or starts verify replicas and leaves
 every other replica running. On a scale-down from 3 to 1, the requests whose KV was in a stopped
-replica are recomputed on the survivor (lanes/engine_core.py `_migrate`): every stream completes
+replica are recomputed on the survivor (lanes/engine/core.py `_migrate`): every stream completes
 with the target's greedy output, and no slot stays held in any lane. A scale-up from 1 to 3 moves
 nothing and loses nothing, and the new replicas take new requests.
 """
@@ -18,7 +18,7 @@ import pytest
 import ray
 from ray import serve
 
-from lanes.models import load_model
+from lanes.model.loader import load_model
 from tests.engine_helpers import greedy_references
 from tests.serve_helpers import (
     MODEL, app_config, base_url, declare, decode_state, lane_stats, start_ray, streams_across, wait_answering,

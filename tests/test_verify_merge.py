@@ -11,11 +11,11 @@ import torch
 from deployments import prefill_replica
 from deployments.kv_transfer import HostKV
 from deployments.remote import PrefillDone, PrefillJob, RemoteVerifier, merge_rows
-from lanes.backends import KVLost
 from deployments.verify_replica import merge_batches, split_result
-from lanes.params import SamplingParams
-from lanes.prompt_prefiller import PrefillRequest
-from lanes.verify import VerifyBatch, VerifyResult
+from lanes.engine.backends import KVLost
+from lanes.sample.params import SamplingParams
+from lanes.spec.prompt_prefiller import PrefillRequest
+from lanes.spec.verify import VerifyBatch, VerifyResult
 
 
 def _batch(rows: int, width: int, greedy: bool, vocab: int = 11) -> VerifyBatch:
@@ -72,7 +72,7 @@ def test_rows_a_verify_replica_shed_keep_their_errors_through_split_and_merge():
     """A verify replica out of KV blocks verifies the rows that fit and sheds the rest with
     PoolFullError (VerifyServer._forward): each caller's part keeps its rows' errors, and the decode
     replica's merge by lease keeps them too, so it recomputes only those rows."""
-    from lanes.kv_pool import PoolFullError
+    from lanes.kv.pool import PoolFullError
 
     shed = PoolFullError("no free KV blocks")
     replica = merge_rows(4, [([1, 3], shed), ([0, 2], VerifyResult([[1], [2, 3]], [0, 1]))])

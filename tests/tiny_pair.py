@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lanes.models import build_random_model
+from lanes.model.loader import build_random_model
 from tests.conftest import perturbed_copy
 
 CHAT_TEMPLATE = (

@@ -1,0 +1,140 @@
+"""Decode lane: the draft model proposes up to L tokens for every active sequence, one batched
+forward per drafted position.
+
+Host work per step is one pass over the sequences and one host-to-device copy of their inputs;
+between the L forwards the rows advance on the device, and nothing is read back.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from lanes.device.batching import pad_rows, pad_tokens, to_device
+from lanes.engine.sequence import Sequence
+from lanes.model.runner import ModelRunner, Rows
+from lanes.sample.grammar import ColumnMasks
+from lanes.sample.penalties import Penalties, PenaltyHistory
+from lanes.sample.sampling import STREAM_DRAFT, SamplingTensors, draw
+
+CATCH_UP_CHUNK = 64  # tokens per catch-up forward for a sequence whose draft cache fell behind
+
+
+@dataclass
+class DraftProposal:
+    """What travels from the decode lane to the verify lane: token ids and probabilities only."""
+
+    tokens: torch.Tensor  # [B, L] int64, rows padded past their own length
+    probs: torch.Tensor | None  # [B, L, V] the distribution q each token was drawn from; None when q
+    # is one-hot at every token (greedy rows, or a lookup proposer): 4 bytes a token travel, not 4 V
+    num_draft: list[int]  # tokens drafted per row (a lookup proposer may find fewer than asked)
+    masks: ColumnMasks | None = None  # rows with a grammar: the bitmasks the draft was sampled under
+
+    @classmethod
+    def empty(cls, batch: int, device) -> "DraftProposal":
+        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device), None, [0] * batch)
+
+
+def verify_bitmask(seqs: list["Sequence"], proposal: "DraftProposal") -> torch.Tensor | None:
+    """The verify batch's per-column bitmasks [B, L + 1, W] (host), or None when no row has a grammar.
+    Drafts the grammar cuts short are cut in `proposal.num_draft` too."""
+    masks = proposal.masks
+    if masks is None:
+        masks = ColumnMasks.of(seqs, proposal.num_draft, proposal.tokens.shape[1] + 1)
+    if masks is None:
+        return None
+    masks.follow(proposal.tokens)
+    proposal.num_draft = masks.num_draft
+    return masks.bitmask()
+
+
+class Proposer(Protocol):
+    """What the decode loop drafts with: a draft model (DraftLane) or prompt lookup (NgramProposer)."""
+
+    def propose(self, seqs: list[Sequence], draft_lens: list[int]) -> DraftProposal:
+        """At most `draft_lens[i]` draft tokens for `seqs[i]`."""
+
+
+class DraftLane:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def propose(self, seqs: list[Sequence], draft_lens: list[int]) -> DraftProposal:
+        """Draft `draft_lens[i]` tokens for `seqs[i]` (0 allowed), sampling as each request asks."""
+        batch, max_len = len(seqs), max(draft_lens, default=0)
+        device = self.runner.device
+        if max_len == 0:
+            return DraftProposal.empty(batch, device)
+        drafting = [i for i, n in enumerate(draft_lens) if n > 0]
+        asked = draft_lens  # the model drafts every token asked for
+        masks = ColumnMasks.of(seqs, asked, max_len + 1)  # None unless a row has a grammar
+        if len(drafting) < batch:
+            seqs, draft_lens = [seqs[i] for i in drafting], [draft_lens[i] for i in drafting]
+        slots = [s.draft_slot for s in seqs]
+        num_tokens = [len(s.token_ids) for s in seqs]
+        self._catch_up(seqs, slots, num_tokens)
+        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
+        tokens, probs = self._draft(seqs, slots, num_tokens, draft_lens, max_len, st,
+                                    masks, drafting)  # [B', L], [B', L, V] | None
+        if len(drafting) == batch:
+            return DraftProposal(tokens, probs, asked, masks)
+        index = to_device(drafting, torch.long, device)
+        full_tokens = tokens.new_zeros(batch, max_len).index_copy_(0, index, tokens)
+        full_probs = None if probs is None else probs.new_zeros(batch, max_len, probs.shape[-1]).index_copy_(0, index, probs)
+        return DraftProposal(full_tokens, full_probs, asked, masks)
+
+    def _draft(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int], draft_lens: list[int],
+               max_len: int, st: SamplingTensors, masks: ColumnMasks | None = None,
+               batch_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`masks`: the grammar's, by `batch_rows` (the batch rows of `seqs`); each position is drawn under
+        its mask, and the drawn token is read back to the host to give the next position's."""
+        pool = self.runner.pool
+        kv_lens = pool.lengths[slots].tolist()
+        pool.reserve(slots, np.add(num_tokens, draft_lens) - 1)  # up to draft n - 1 (later drafts are junk)
+        # 1 or 2 tokens after catch-up: the last committed one, and the one before it after a full accept.
+        pending, last = pad_rows([s.token_ids[n:] for s, n in zip(seqs, kv_lens)])
+        # Every per-row input of the L forwards in one copy: [4 + Q, B].
+        host = to_device([slots, kv_lens, last, num_tokens, *zip(*pending)], torch.long, self.runner.device)
+        slot_ids, starts, keep, base = host[:4]  # base: absolute position of draft 0, len(token_ids)
+        logits = self.runner.forward(Rows(slot_ids, starts, max(kv_lens)), host[4:].T, keep=keep)  # [B, V]
+        rows = Rows(slot_ids, base, max(num_tokens))  # every row now holds its committed tokens
+        # The target's penalties on the draft's own proposals, for acceptance (correctness never needs them).
+        penalties = Penalties.build([s.params for s in seqs], PenaltyHistory.of(seqs), logits.shape[-1], logits.device)
+        tokens, probs = [], []
+        for j in range(max_len):
+            if masks is not None:
+                logits = masks.apply(logits, j, batch_rows)
+            scores = logits[:, None] if penalties is None else penalties.apply(logits[:, None], _cat(tokens), first=j)
+            token, q = draw(scores, st, base[:, None] + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
+            if masks is not None:
+                masks.advance(j, token[:, 0].tolist(), batch_rows)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if j + 1 < max_len:
+                logits = self.runner.forward(rows, token)[:, 0]
+                rows = rows.advanced(1)
+        # Fed everything up to draft n - 1; draft n was sampled but not fed.
+        pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
+        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None  # [B, L], [B, L, V]
+
+    def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> None:
+        """Feed tokens the draft has not seen (after a stretch with L = 0) until at most two remain,
+        so that drafting itself starts from a short, bounded input."""
+        pool = self.runner.pool
+        while True:
+            behind = np.flatnonzero(np.subtract(num_tokens, pool.lengths[slots]) > 2).tolist()
+            if not behind:
+                return
+            behind_slots = [slots[i] for i in behind]
+            starts = pool.lengths[behind_slots].tolist()
+            chunks = [seqs[i].token_ids[n : min(n + CATCH_UP_CHUNK, num_tokens[i] - 2)] for i, n in zip(behind, starts)]
+            ids, last = pad_tokens(chunks, self.runner.device)
+            pool.reserve(behind_slots, np.add(starts, [len(chunk) for chunk in chunks]))
+            self.runner.forward(self.runner.rows(behind_slots, starts), ids, keep=last, prefill=True)
+            pool.lengths[behind_slots] = np.add(starts, [len(chunk) for chunk in chunks])
+
+
+def _cat(tokens: list[torch.Tensor]) -> torch.Tensor | None:
+    return torch.cat(tokens, dim=1) if tokens else None

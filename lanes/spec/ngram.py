@@ -1,0 +1,86 @@
+"""Decode lane without a draft model: n-gram prompt lookup (vLLM's `ngram` method).
+
+For each sequence, the longest suffix n-gram (prompt_lookup_max >= n >= prompt_lookup_min) of its
+tokens (prompt + output) that occurred earlier in them is looked up, and the tokens that followed
+its most recent earlier occurrence are proposed. Code, retrieval and editing outputs copy their
+prompts, so such proposals are often right; where nothing matches, the row drafts nothing.
+
+The proposal is deterministic, so its q is a point mass at each drafted token (`probs=None`): the
+rejection rule then accepts a draft x with probability p(x) and on rejection samples
+norm(max(p - one_hot(x), 0)), and the output keeps the target's distribution.
+
+The search runs on the host, where the token ids already are, over the whole batch at once: one
+pass of array comparisons per n-gram length, no Python loop over tokens, no device work.
+"""
+
+import numpy as np
+import torch
+
+from lanes.engine.sequence import Sequence
+from lanes.spec.draft import DraftProposal
+
+PAD = -1  # left padding of the token matrix; never equal to a token id
+
+
+class NgramProposer:
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, device: str | torch.device = "cpu"):
+        assert 1 <= prompt_lookup_min <= prompt_lookup_max, (prompt_lookup_min, prompt_lookup_max)
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+        self.device = torch.device(device)
+
+    def propose(self, seqs: list[Sequence], draft_lens: list[int]) -> DraftProposal:
+        """Up to `draft_lens[i]` looked-up tokens for `seqs[i]`; `num_draft` says how many each row got."""
+        batch, max_len = len(seqs), max(draft_lens, default=0)
+        if max_len == 0:
+            return DraftProposal.empty(batch, self.device)
+        lens = np.asarray(draft_lens, dtype=np.int64)
+        rows = np.flatnonzero(lens)
+        tokens = right_aligned([seqs[i].token_ids for i in rows])  # [B', W]
+        drafted, counts = lookup(tokens, lens[rows], self.min_n, self.max_n, max_len)  # [B', L], [B']
+        full = np.zeros((batch, max_len), dtype=np.int64)
+        full[rows] = drafted
+        num_draft = np.zeros(batch, dtype=np.int64)
+        num_draft[rows] = counts
+        return DraftProposal(torch.from_numpy(full).to(self.device), None, num_draft.tolist())
+
+
+def right_aligned(rows: list[list[int]]) -> np.ndarray:
+    """[B, W] int64: each row's tokens at its right end, PAD before them (W = the longest row)."""
+    width = max(map(len, rows))
+    out = np.full((len(rows), width), PAD, dtype=np.int64)
+    for i, ids in enumerate(rows):
+        out[i, width - len(ids):] = ids
+    return out
+
+
+def lookup(tokens: np.ndarray, draft_lens: np.ndarray, min_n: int, max_n: int, max_len: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt lookup for every row of `tokens` [B, W] (right-aligned, PAD-padded).
+
+    Returns drafts [B, max_len] (0 past a row's count, so every id can go through an embedding)
+    and counts [B]: min(draft_lens, tokens after the match) where an n-gram of length >= min_n
+    matched, else 0.
+    """
+    batch, width = tokens.shape
+    assert draft_lens.shape == (batch,) and width >= 1
+    # run[b, j]: how many tokens ending at position j equal the row's last tokens (up to max_n).
+    # j stops at W - 2, so a match is never the suffix itself and has a token after it to propose.
+    ends = width - 1
+    run = np.zeros((batch, ends), dtype=np.int64)
+    alive = np.ones((batch, ends), dtype=bool)
+    for k in range(min(max_n, ends)):
+        suffix_token = tokens[:, width - 1 - k]  # [B]; PAD where the row is shorter than k + 1
+        eq = np.zeros((batch, ends), dtype=bool)
+        eq[:, k:] = (tokens[:, : ends - k] == suffix_token[:, None]) & (suffix_token[:, None] != PAD)
+        alive &= eq
+        run += alive
+    longest = run.max(axis=1, initial=0)  # [B]
+    # The most recent occurrence among the longest: the last j whose run reaches it.
+    last = ends - 1 - np.argmax((run == longest[:, None])[:, ::-1], axis=1) if ends else np.zeros(batch, np.int64)
+    start = last + 1  # [B] first token to propose
+    counts = np.where(longest >= min_n, np.minimum(draft_lens, width - start), 0)  # [B]
+    columns = np.arange(max_len)
+    index = np.minimum(start[:, None] + columns, width - 1)  # [B, L]
+    drafts = np.take_along_axis(tokens, index, axis=1)
+    return np.where(columns < counts[:, None], drafts, 0), counts

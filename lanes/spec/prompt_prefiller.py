@@ -1,0 +1,118 @@
+"""Prefill of whole prompts for a prefill lane that runs apart from the decode and verify lanes.
+
+Prompts are prefilled in batches into this lane's own scratch slots; each request's KV is then
+gathered from its blocks, and the deployment copies it into blocks of the destination pools (a
+device copy into a CUDA IPC view on the same GPU or a peer GPU, or through Ray's object store
+elsewhere) before it releases the slots.
+
+The scratch pools double as this lane's prefix cache (lanes/kv/prefix_cache.py): released blocks keep
+their KV until evicted, so a prompt that starts with a cached prefix is prefilled from its end. The
+hand-over still carries the whole prompt's KV: the receiving pools hold no cache of their own.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lanes.engine.sequence import Sequence
+from lanes.kv.prefix_cache import PrefixCache
+from lanes.model.runner import ModelRunner
+from lanes.sample.logprobs import TokenLogprobs, concat
+from lanes.sample.matcher import FirstTokenMask
+from lanes.sample.params import SamplingParams
+from lanes.spec.prefill import PrefillLane, PrefillLogprobs, plan_whole_prompts
+
+
+@dataclass
+class PrefillRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    token_bitmask: torch.Tensor | None = None  # structured output: the first token's [ceil(V / 32)] int32
+
+
+@dataclass
+class PrefilledKV:
+    first_token: int
+    target_kv: torch.Tensor  # [2, layers, kv_heads, prompt_len, head_dim]
+    draft_kv: torch.Tensor | None
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
+    logprobs: TokenLogprobs | None = None  # the first token's, when the request asked (the target's, raw)
+    prompt_logprobs: TokenLogprobs | None = None  # echo: the prompt tokens', when asked
+
+
+class PromptPrefiller:
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, chunk_tokens: int, prefix_caching: bool = True):
+        self.target = target  # runners over this lane's own scratch pools
+        self.draft = draft
+        self.chunk_tokens = chunk_tokens
+        self.pools = [(target.pool, "target_slot")] + ([(draft.pool, "draft_slot")] if draft is not None else [])
+        self.prefix_cache = PrefixCache(self.pools) if prefix_caching else None
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[PrefilledKV]:
+        """Prefill into scratch slots, copy each request's KV out, free the slots."""
+        kvs, release = self.prefill_in_scratch(requests)
+        try:
+            return [PrefilledKV(kv.first_token, kv.target_kv.clone(),
+                                kv.draft_kv.clone() if kv.draft_kv is not None else None, kv.num_cached_tokens,
+                                kv.logprobs, kv.prompt_logprobs)
+                    for kv in kvs]
+        finally:
+            release()
+
+    def prefill_in_scratch(self, requests: list[PrefillRequest]) -> tuple[list[PrefilledKV], Callable[[], None]]:
+        """Prefill into scratch slots; the KV returned are gathered from their blocks (exactly each
+        prompt's length, never a slot's capacity); `release()` frees the slots once they are sent.
+        """
+        t_slots = [self.target.pool.allocate() for _ in requests]
+        d_slots = [self.draft.pool.allocate() for _ in requests] if self.draft else [None] * len(requests)
+
+        def release() -> None:
+            for t, d in zip(t_slots, d_slots):
+                self.target.pool.free(t)
+                if d is not None:
+                    self.draft.pool.free(d)
+
+        seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d,
+                         grammar=None if r.token_bitmask is None else FirstTokenMask(r.token_bitmask))
+                for r, t, d in zip(requests, t_slots, d_slots)]
+        try:
+            for seq in seqs:
+                self._attach(seq)
+            first = self._run(seqs)
+            # Reading a prompt's KV out copies it (the hand-over): it can fail too, and must free the slots.
+            return [PrefilledKV(tok, self.target.pool.read_slot(s.target_slot),
+                                self.draft.pool.read_slot(s.draft_slot) if self.draft else None, s.num_cached_tokens,
+                                logprobs, s.prompt_logprobs)
+                    for (tok, logprobs), s in zip(first, seqs)], release
+        except BaseException:
+            release()
+            raise
+
+    def _attach(self, seq: Sequence) -> None:
+        """A scratch slot's blocks: the cached ones of the prompt's prefix, then new ones for the rest."""
+        if self.prefix_cache is not None:
+            seq.num_prefilled = seq.num_cached_tokens = self.prefix_cache.attach(seq)
+        for pool, slot in self.pools:
+            pool.reserve([getattr(seq, slot)], [seq.num_prompt_tokens])
+
+    def _run(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
+        """Each prompt's first token and its logprobs (when asked); prompt logprobs (echo) are left in
+        each sequence's `prompt_logprobs`."""
+        lane = PrefillLane(self.target, self.draft)
+        first: dict[str, tuple[int, TokenLogprobs | None]] = {}
+        while len(first) < len(seqs):
+            chunks = plan_whole_prompts([s for s in seqs if s.request_id not in first], self.chunk_tokens)
+            layout = PrefillLogprobs.of(chunks)
+            rows = lane.run(chunks).cpu()  # [B, 1 + packed logprobs]: one column unless a row asked
+            for chunk, row in zip(chunks, rows):
+                seq = chunk.seq
+                seq.num_prefilled += chunk.length
+                seq.prompt_logprobs = concat([seq.prompt_logprobs, layout.prompt(chunk, row)])
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(seq)
+                if chunk.completes_prompt:
+                    first[seq.request_id] = int(row[0]), layout.first_token(chunk, row)
+        return [first[s.request_id] for s in seqs]

@@ -1,0 +1,25 @@
+"""The one place where KV lengths shrink after verification.
+
+Each model wrote KV for every token it was fed, drafts included. After the target accepts k of the
+n drafts, the committed sequence is the T tokens that existed before this step plus the k accepted
+drafts (the recovered or bonus token that follows has not been fed to either model yet). So a
+model's cache stays valid up to T + k tokens and no further:
+  target: fed the last token and all n drafts -> wrote T + n, keeps T + k;
+  draft:  fed up to draft n - 1              -> wrote T + n - 1, keeps T + min(k, n - 1);
+  a model fed nothing this step keeps what it had.
+Positions past the new length are left as they are; the next write overwrites them and the mask
+hides them until then. Whole blocks past the new length hold only rejected tokens: they go back to
+the pool now, so that a long draft never holds memory a step longer than it is useful. (HF's
+DynamicCache is mutated in place by forward passes, so rolling back by copying caches would not be
+safe; lengths over a fixed pool are.)
+"""
+
+import numpy as np
+
+from lanes.kv.pool import KVPool
+
+
+def rollback_after_verify(pool: KVPool, slots: list[int], num_tokens_before, num_accepted) -> None:
+    """Every row of a verified batch at once: `slots` [B], T [B] and k [B] (lists or arrays)."""
+    pool.lengths[slots] = np.minimum(pool.lengths[slots], np.add(num_tokens_before, num_accepted))
+    pool.release_past_lengths(slots)
