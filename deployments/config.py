@@ -13,7 +13,7 @@
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from controller.config import ControllerConfig
 from deployments.gpu_binding import lane_device, peer_access_env
@@ -170,11 +170,17 @@ class EngineArgs(_Strict):
                                 "verify replica when the one holding its KV is scaled down or dies (its "
                                 "output goes on where it stopped); once more, it fails. 0: it fails at once.")
 
+    _max_model_len_unset: bool = PrivateAttr(default=False)  # set by AppConfig when it resolves max_model_len
+
     def engine_config(self, mode: str) -> EngineConfig:
         assert self.max_model_len is not None, "AppConfig resolves max_model_len from the target"
         values = self.model_dump()
         if mode == "nospec":
             values["num_speculative_tokens"] = 0
+        # Left unset, max_model_len is the target's context; a co-located engine whose memory cannot hold
+        # one sequence of it takes the longest that fits instead, as vLLM's auto length does
+        # (lanes/engine/core.py build_runners). Lanes of pd and pdv must agree on it: they refuse.
+        values["fit_max_model_len"] = self._max_model_len_unset and mode in ("unified", "spec", "nospec")
         if mode == "spec":
             # Plain speculative decoding: no chunked prefill (no step both prefills and decodes) and
             # waiting prompts go first, as an engine without lane priorities does; prefill runs in
@@ -240,6 +246,7 @@ class AppConfig(_Strict):
             raise ValueError("controller.max_draft_len must be <= engine.max_draft_len")
         if self.engine.max_model_len is None:
             self.engine.max_model_len = model_context(self.target.path)
+            self.engine._max_model_len_unset = True
         self._check_tensor_parallel()
         return self
 

@@ -19,7 +19,8 @@ def _plan(budget_share: float, held: int = 14 * GIB, activations: int = 2 * GIB,
           lane: str = "decode lane") -> MemoryPlan:
     return MemoryPlan(lane=lane, total_bytes=TOTAL, budget_bytes=int(TOTAL * budget_share), held_bytes=held,
                       activation_bytes=activations, graph_bytes=graphs, block_bytes=BLOCK,
-                      blocks_per_seq=SHAPE.blocks_per_slot, max_blocks=SHAPE.num_slots * SHAPE.blocks_per_slot)
+                      blocks_per_seq=SHAPE.blocks_per_slot, block_size=SHAPE.block_size, slack_tokens=64,
+                      max_blocks=SHAPE.num_slots * SHAPE.blocks_per_slot)
 
 
 def test_the_pools_get_what_weights_activations_graphs_and_the_context_leave():
@@ -44,6 +45,23 @@ def test_a_lane_that_cannot_hold_one_sequence_is_refused_in_one_line_with_bytes_
     assert "budget of 21.60 GiB" in message
     for knob in ("num_gpus", "gpu_memory_utilization", "max_model_len"):
         assert knob in message
+    assert "would fit" not in message  # nothing does
+
+
+def test_the_longest_context_that_fits_is_named_and_taken_where_max_model_len_was_left_unset():
+    # 0.3 of 80 GiB at 0.9 = 21.6 GiB; 15 + 2 + 1 + 1 GiB leave 2.6 GiB = 332 blocks of 8 MiB, one the pad:
+    # 331 blocks of 16 tokens, less the slot's 64 tokens of slack.
+    plan = _plan(0.9 * 0.3, held=15 * GIB)
+    assert plan.longest_context_tokens() == 331 * 16 - 64
+    short = _plan(0.9 * 0.3, held=15 * GIB, activations=int(4.5 * GIB))  # 0.1 GiB left: 11 blocks
+    assert short.longest_context_tokens() == 11 * 16 - 64
+    assert f"(max_model_len {11 * 16 - 64} would fit)" in short.refusal()
+    # Only a co-located engine takes it: the lanes of pd and pdv must agree on one length, so they refuse.
+    unset = AppConfig(mode="unified", target={"path": "models/vpd-target"}, draft={"path": "models/vpd-draft"})
+    assert unset.engine.engine_config("unified").fit_max_model_len
+    assert not unset.engine.engine_config("pdv").fit_max_model_len
+    explicit = AppConfig(mode="unified", engine={"max_model_len": 512})
+    assert not explicit.engine.engine_config("unified").fit_max_model_len
 
 
 def test_two_lanes_on_one_device_are_sized_from_their_shares_not_from_free_memory():
@@ -76,3 +94,30 @@ def test_the_verify_lane_pool_holds_every_decode_replica_and_the_prefill_lane_ba
     assert _verify_config(cfg).lane_name == "verify lane"
     prefill = _prefill_config(cfg)
     assert prefill.num_kv_blocks is None and prefill.max_num_seqs == 8 and prefill.lane_name == "prefill lane"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the profile run measures CUDA memory")
+def test_on_cuda_an_unset_context_too_long_for_memory_becomes_the_longest_that_fits():
+    """The whole path on a GPU: profile, plan, the fitted max_model_len, and a request served at it.
+    A tiny Llama whose context (2**20 tokens) cannot fit a budget of 1.25 GiB, of which 1 GiB is
+    the CUDA context's allowance."""
+    from lanes.engine.core import EngineConfig, EngineCore
+    from lanes.model.loader import build_random_model
+    from lanes.sample.params import SamplingParams
+    from tests.conftest import ARCH_CONFIGS
+
+    config = {**ARCH_CONFIGS["llama"], "max_position_embeddings": 1 << 20}
+    target = build_random_model(config, dtype="bfloat16", device="cuda", seed=1)
+    draft = build_random_model(config, dtype="bfloat16", device="cuda", seed=2)
+    total = torch.cuda.mem_get_info()[1]
+    engine = EngineCore.colocated(target, draft, EngineConfig(
+        max_model_len=1 << 20, max_num_seqs=4, fit_max_model_len=True, gpu_memory_utilization=1.25 * GIB / total))
+    fitted = engine.config.max_model_len
+    assert 1024 < fitted < 1 << 20
+    with pytest.raises(Exception, match="context"):
+        engine.add_request("long", list(range(1, fitted + 1)), SamplingParams(max_tokens=1))
+    engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    tokens = []
+    while engine.has_work:
+        tokens += [t for out in engine.step() for t in out.token_ids if out.request_id == "ok"]
+    assert len(tokens) == 4

@@ -77,6 +77,7 @@ class EngineConfig:
     max_oom_attempts: int = 3
     lane_name: str = "engine"  # whose memory plan and refusals the log and errors name
     kv_copied_out: bool = False  # each prompt's KV is copied out of its blocks (the prefill lane's hand-over)
+    fit_max_model_len: bool = False  # max_model_len was left unset: lower it to the longest that fits (CUDA)
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -164,6 +165,11 @@ class EngineCore:
         tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         target_runner, draft_runner = build_runners(config, target.model, draft.model if draft is not None else None,
                                                     tp=tp, sharded=(True, shard_draft))
+        # The pools may hold less than an unset max_model_len asked (build_runners): requests are checked
+        # against what they hold.
+        slack = config.slot_capacity_tokens - config.max_model_len
+        config = replace(config, max_model_len=min(config.max_model_len,
+                                                   target_runner.pool.shape.capacity_tokens - slack))
         streams = LaneStreams(target_runner.device, separate=tp is None)
         prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
         eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
@@ -556,6 +562,14 @@ def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPG
         live = [r for r in runners if r is not None]
         draft = runners[draft_index] if draft_index is not None and draft_index < len(runners) else None
         plan = plan_memory(live, config, live.index(draft) if draft is not None else None)
+        fitted = plan.longest_context_tokens()
+        if config.fit_max_model_len and tp is None and 2 <= fitted < config.max_model_len:
+            log.info("%s: max_model_len unset, and one sequence of the model's %d tokens does not fit: it is %d, "
+                     "the longest that does", config.lane_name, config.max_model_len, fitted)
+            del runners, live, draft
+            torch.cuda.empty_cache()
+            return build_runners(replace(config, max_model_len=fitted, fit_max_model_len=False), *models,
+                                 draft_index=draft_index)
         blocks = num_kv_blocks(list(shapes.values()), dtypes, device, config.max_num_seqs, None, plan)
     else:
         blocks = num_kv_blocks(list(shapes.values()), dtypes, device, config.max_num_seqs, config.num_kv_blocks)

@@ -56,6 +56,8 @@ class MemoryPlan:
     graph_bytes: int  # what the CUDA graphs captured after sizing will hold (estimated)
     block_bytes: int  # one block in every pool of this engine
     blocks_per_seq: int  # one sequence of max_model_len (the slot's capacity)
+    block_size: int  # tokens per block
+    slack_tokens: int  # a slot's room past max_model_len (a draft or catch-up chunk's padded writes)
     max_blocks: int  # every slot at full capacity: more could never be used
     non_torch_bytes: int = NON_TORCH_BYTES
     # The prefill lane copies each prompt's KV out of its blocks for the hand-over, a batch at once
@@ -71,6 +73,12 @@ class MemoryPlan:
         per_block = self.block_bytes * (2 if self.copied_out else 1)
         return min(self.max_blocks, max(0, self.kv_bytes // per_block - 1))  # one pad block per pool
 
+    def longest_context_tokens(self) -> int:
+        """The longest max_model_len whose one sequence (plus the slot's slack) these pools would hold."""
+        per_block = self.block_bytes * (2 if self.copied_out else 1)
+        blocks = max(0, self.kv_bytes // per_block - 1)
+        return blocks * self.block_size - self.slack_tokens
+
     def describe(self) -> str:
         return (f"{self.lane}: budget {_gib(self.budget_bytes)} of {_gib(self.total_bytes)} = weights "
                 f"{_gib(self.held_bytes)} + activations {_gib(self.activation_bytes)} + CUDA graphs "
@@ -85,7 +93,12 @@ class MemoryPlan:
                 f"{_gib(self.budget_bytes)} (weights {_gib(self.held_bytes)}, activations "
                 f"{_gib(self.activation_bytes)}, CUDA graphs {_gib(self.graph_bytes)}, CUDA context "
                 f"{_gib(self.non_torch_bytes)}): raise the lane's num_gpus or engine.gpu_memory_utilization, "
-                f"or lower engine.max_model_len, max_num_seqs or idle_prefill_tokens")
+                f"or lower engine.max_model_len, max_num_seqs or idle_prefill_tokens{self._fit_note()}")
+
+    def _fit_note(self) -> str:
+        fitted = self.longest_context_tokens()
+        return f" (max_model_len {fitted} would fit)" if fitted >= self.block_size else ""
+
 
 
 def num_kv_blocks(shapes: list[PoolShape], dtypes: list[torch.dtype], device: torch.device, num_slots: int,

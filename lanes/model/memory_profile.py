@@ -35,6 +35,8 @@ def plan_memory(runners: list[ModelRunner], config, draft_index: int | None) -> 
         graph_bytes=sum(graph_bytes(r, config, i == draft_index, p) for i, (r, p) in enumerate(zip(runners, peaks))),
         block_bytes=block_bytes(shapes, [r.pool.kv.dtype for r in runners]),
         blocks_per_seq=shapes[0].blocks_per_slot,
+        block_size=shapes[0].block_size,
+        slack_tokens=config.slot_capacity_tokens - config.max_model_len,
         max_blocks=config.max_num_seqs * shapes[0].blocks_per_slot,
         copied_out=config.kv_copied_out,
     )
