@@ -115,7 +115,7 @@ def test_on_cuda_an_unset_context_too_long_for_memory_becomes_the_longest_that_f
     fitted = engine.config.max_model_len
     assert 1024 < fitted < 1 << 20
     with pytest.raises(Exception, match="context"):
-        engine.add_request("long", list(range(1, fitted + 1)), SamplingParams(max_tokens=1))
+        engine.add_request("long", [1] * fitted, SamplingParams(max_tokens=1))
     engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     tokens = []
     while engine.has_work:

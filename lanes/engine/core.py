@@ -5,6 +5,7 @@ then a bounded amount of prefill. In the co-located modes (`EngineCore.colocated
 the local lanes; the deployments inject proxies to other replicas for the disaggregated modes.
 """
 
+import gc
 import logging
 import random
 import time
@@ -567,6 +568,7 @@ def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPG
             log.info("%s: max_model_len unset, and one sequence of the model's %d tokens does not fit: it is %d, "
                      "the longest that does", config.lane_name, config.max_model_len, fitted)
             del runners, live, draft
+            gc.collect()  # runner <-> fused decoder cycles hold the one-sequence pools until collected
             torch.cuda.empty_cache()
             return build_runners(replace(config, max_model_len=fitted, fit_max_model_len=False), *models,
                                  draft_index=draft_index)
