@@ -145,8 +145,9 @@ class LaneConfig(_Strict):
 class EngineArgs(_Strict):
     max_model_len: int | None = Field(default=None, ge=2, description="Prompt + output tokens per request. "
                                       "None: the target's own context (its max_position_embeddings), as vLLM "
-                                      "does; KV memory is allocated in blocks as sequences grow, so a long "
-                                      "context reserves nothing.")
+                                      "does, or in unified, spec and nospec the longest whose one sequence fits "
+                                      "the GPU memory (logged); KV memory is allocated in blocks as sequences "
+                                      "grow, so a long context reserves nothing.")
     max_num_seqs: int = Field(default=16, ge=1, description="Requests a replica runs at once (a cap, not a "
                               "memory reservation: KV memory is allocated in blocks as sequences grow).")
     num_speculative_tokens: int = Field(default=4, ge=0, description="Default draft length L.")
