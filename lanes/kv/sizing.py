@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # The CUDA context, cuBLAS and Triton workspaces of one process: outside torch's allocator, so no
-# profile of torch's sees them (a CUDA 13 context with cuBLAS loaded takes about 0.5 GiB on an H100).
+# profile of torch's sees them. An allowance, not a measurement: on a GPU shared by several processes
+# the driver's figures cannot tell this process's part.
 NON_TORCH_BYTES = 1 * GIB
 # float32 [rows, L + 1, vocab] copies that sampling and rejection hold beside a verify forward's
 # logits (probabilities of target and draft); the forward's own logits are in the profile.
@@ -69,15 +70,17 @@ class MemoryPlan:
         return self.budget_bytes - self.held_bytes - self.activation_bytes - self.graph_bytes - self.non_torch_bytes
 
     @property
-    def num_blocks(self) -> int:
+    def _fitting_blocks(self) -> int:
         per_block = self.block_bytes * (2 if self.copied_out else 1)
-        return min(self.max_blocks, max(0, self.kv_bytes // per_block - 1))  # one pad block per pool
+        return max(0, self.kv_bytes // per_block - 1)  # one pad block per pool
+
+    @property
+    def num_blocks(self) -> int:
+        return min(self.max_blocks, self._fitting_blocks)
 
     def longest_context_tokens(self) -> int:
         """The longest max_model_len whose one sequence (plus the slot's slack) these pools would hold."""
-        per_block = self.block_bytes * (2 if self.copied_out else 1)
-        blocks = max(0, self.kv_bytes // per_block - 1)
-        return blocks * self.block_size - self.slack_tokens
+        return self._fitting_blocks * self.block_size - self.slack_tokens
 
     def describe(self) -> str:
         return (f"{self.lane}: budget {_gib(self.budget_bytes)} of {_gib(self.total_bytes)} = weights "
@@ -98,7 +101,6 @@ class MemoryPlan:
     def _fit_note(self) -> str:
         fitted = self.longest_context_tokens()
         return f" (max_model_len {fitted} would fit)" if fitted >= self.block_size else ""
-
 
 
 def num_kv_blocks(shapes: list[PoolShape], dtypes: list[torch.dtype], device: torch.device, num_slots: int,

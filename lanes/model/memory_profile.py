@@ -23,7 +23,7 @@ def plan_memory(runners: list[ModelRunner], config, draft_index: int | None) -> 
     held = torch.cuda.memory_allocated(device) - pools_bytes
     peaks = [profile_activations(r, config, i == draft_index) for i, r in enumerate(runners)]
     shapes = [r.pool.shape for r in runners]
-    verify_rows = config.max_num_seqs * (config.num_speculative_tokens + 1)
+    verify_rows = config.max_num_seqs * (config.max_draft_len + 1)  # as the profile's verify forward
     sampling = SAMPLING_LOGITS_COPIES * verify_rows * runners[0].vocab_size * LOGIT_BYTES
     total = torch.cuda.mem_get_info(device)[1]
     return MemoryPlan(
