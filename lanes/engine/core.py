@@ -412,22 +412,27 @@ class EngineCore:
         errors = result.errors or [None] * len(running)
         for seq, num_draft, tokens, num_accepted, lp, error in zip(running, proposal.num_draft, result.tokens,
                                                                    result.num_accepted, logprobs, errors):
-            if isinstance(error, PoolFullError):
-                self.scheduler.preempt(seq)  # a remote verify lane out of KV blocks: recompute it later
-                continue
-            if isinstance(error, KVLost) and self._migrate(seq, error):
-                continue
-            if isinstance(error, LaneOOM):  # the verify lane ran out of device memory, smallest retry included
-                outputs += self._recompute_after_oom(seq, counts=True)
-                continue
-            if error is not None:  # its verifier failed: this request only
-                self._finish(seq, "error")
-                outputs.append(self._output(seq, [], "", error=f"verify failed: {type(error).__name__}: {error}"))
+            if error is not None:
+                outputs += self._remote_error(seq, error, "verify")
                 continue
             seq.stats.observe(num_draft, num_accepted)
             self.total_stats.observe(num_draft, num_accepted)
             outputs.append(self._append(seq, tokens, lp))
         return outputs
+
+    def _remote_error(self, seq: Sequence, error: BaseException, stage: str) -> list[RequestOutput]:
+        """What a remote lane's failure of one request becomes: a recompute where load or a lost
+        replica caused it (out of KV blocks, KV lost, out of device memory at its smallest retry),
+        else an error of this request only."""
+        if isinstance(error, PoolFullError):
+            self.scheduler.preempt(seq)  # queued again, never failed
+            return []
+        if isinstance(error, KVLost) and self._migrate(seq, error):
+            return []
+        if isinstance(error, LaneOOM):
+            return self._recompute_after_oom(seq, counts=True)
+        self._finish(seq, "error")
+        return [self._output(seq, [], "", error=f"{stage} failed: {type(error).__name__}: {error}")]
 
     def _migrate(self, seq: Sequence, lost: KVLost) -> bool:
         """Recompute a request whose KV a remote lane lost (its verify replica was scaled down or
@@ -455,18 +460,10 @@ class EngineCore:
             if seq.resumed and not isinstance(first, BaseException):
                 seq.prompt_logprobs = None  # KV recomputed after a preemption: its next token is known already
                 continue
-            if isinstance(first, PoolFullError):
-                self.scheduler.preempt(seq)  # a remote lane out of KV blocks: queued again, never failed
+            if isinstance(first, BaseException):
+                outputs += self._remote_error(seq, first, "prefill")
                 continue
-            if isinstance(first, KVLost) and self._migrate(seq, first):
-                continue
-            if isinstance(first, LaneOOM):  # the prefill lane ran out of device memory, smallest retry included
-                outputs += self._recompute_after_oom(seq, counts=True)
-                continue
-            if isinstance(first, BaseException):  # a remote prefill failed: this request only
-                self._finish(seq, "error")
-                outputs.append(self._output(seq, [], "", error=f"prefill failed: {type(first).__name__}: {first}"))
-            elif seq.params.max_tokens == 0:  # scoring: the prompt's logprobs were the whole answer
+            if seq.params.max_tokens == 0:  # scoring: the prompt's logprobs were the whole answer
                 self._finish(seq, "length")
                 outputs.append(self._output(seq, [], "", prompt_logprobs=seq.prompt_logprobs))
             else:
