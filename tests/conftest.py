@@ -72,3 +72,28 @@ def two_fake_gpus():
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--module-durations", type=int, default=None, metavar="N",
+                     help="print the N slowest test modules by wall time (setup, call and teardown; 0: all)")
+
+
+_module_s: dict[str, list] = {}  # module path -> [tests, seconds]
+
+
+def pytest_runtest_logreport(report):
+    entry = _module_s.setdefault(report.nodeid.split("::")[0], [0, 0.0])
+    entry[0] += report.when == "call" or (report.when == "setup" and report.skipped)
+    entry[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.getoption("--module-durations")
+    if count is None or not _module_s:
+        return
+    rows = sorted(_module_s.items(), key=lambda kv: -kv[1][1])
+    terminalreporter.write_sep("=", "wall time per module")
+    for module, (tests, seconds) in rows[:count or None]:
+        terminalreporter.write_line(f"{seconds:8.1f} s {tests:5d} tests  {module}")
+    terminalreporter.write_line(f"{sum(s for _, s in _module_s.values()):8.1f} s in all")
