@@ -32,6 +32,8 @@ from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_to
 from tests import serve_helpers
 from tests.serve_helpers import app_config, serving
 
+pytestmark = pytest.mark.serve
+
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 4096
 # Short requests finish in well under a second here; a slow one needs about 4000 decode steps'
