@@ -129,6 +129,9 @@ async def _open_loop(send: Send, workload: list[WorkloadRequest], arrivals: Open
         if duration_s is not None and due_s >= duration_s:
             break
         await asyncio.sleep(max(0.0, origin_s + due_s - time.perf_counter()))
+        # A busy host may wake us past the end: `duration_s` bounds when requests are sent, not when due.
+        if duration_s is not None and time.perf_counter() - origin_s >= duration_s:
+            break
         task = asyncio.create_task(send(index, request, origin_s))
         task.add_done_callback(lambda _: bar.update(1))
         tasks.append(task)

@@ -56,9 +56,9 @@ def llama_pair() -> tuple[LoadedModel, LoadedModel]:
     return make_pair("llama")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pair_paths(tmp_path_factory) -> tuple[str, str]:
-    """The tiny target and draft saved as model directories with a tokenizer, once per module."""
+    """The tiny target and draft saved as model directories with a tokenizer, once per session."""
     from tests.tiny_pair import save_tiny_pair
 
     return save_tiny_pair(tmp_path_factory.mktemp("pair"))
@@ -66,9 +66,66 @@ def pair_paths(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def two_fake_gpus():
-    """Ray with two logical GPUs (none need exist): where Ray places GPU replicas and what it tells them."""
-    import ray
+    """Ray with two logical GPUs (none need exist; on a machine with two, they are those): where Ray places
+    GPU replicas and what it tells them."""
+    from tests.serve_helpers import ray_cluster
 
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    ray_cluster(num_gpus=2, with_serve=False)
+
+
+# Tests that need a Ray cluster carry the `serve` mark (`-m "not serve"` is the quick tier). A whole
+# session shares one cluster (tests/serve_helpers.py), so modules run grouped by the cluster they need,
+# each group once: no cluster; two logical GPUs; Serve with apps kept for the next module of the group
+# (`serve(shared_apps=True)`); Serve; a cluster of other settings (`serve(cluster=...)`), one module at a time.
+def _cluster_group(item) -> int:
+    mark = item.get_closest_marker("serve")
+    if mark is None:
+        return 0
+    if "two_fake_gpus" in item.fixturenames:
+        return 1
+    if mark.kwargs.get("shared_apps"):
+        return 2
+    return 4 if mark.kwargs.get("cluster") else 3
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "two_fake_gpus" in item.fixturenames:
+            item.add_marker(pytest.mark.serve)
+    group: dict[str, int] = {}
+    for item in items:
+        group[item.module.__name__] = max(group.get(item.module.__name__, 0), _cluster_group(item))
+    items.sort(key=lambda item: group[item.module.__name__])  # stable: files and tests keep their order
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    if "tests.serve_helpers" in sys.modules:  # Ray stays down where no served module was collected
+        sys.modules["tests.serve_helpers"].stop_ray()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--module-durations", type=int, default=None, metavar="N",
+                     help="print the N slowest test modules by wall time (setup, call and teardown; 0: all)")
+
+
+_module_s: dict[str, list] = {}  # module path -> [tests, seconds]
+
+
+def pytest_runtest_logreport(report):
+    entry = _module_s.setdefault(report.nodeid.split("::")[0], [0, 0.0])
+    entry[0] += report.when == "call" or (report.when == "setup" and report.skipped)
+    entry[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.getoption("--module-durations")
+    if count is None or not _module_s:
+        return
+    rows = sorted(_module_s.items(), key=lambda kv: -kv[1][1])
+    terminalreporter.write_sep("=", "wall time per module")
+    for module, (tests, seconds) in rows[:count or None]:
+        terminalreporter.write_line(f"{seconds:8.1f} s {tests:5d} tests  {module}")
+    terminalreporter.write_line(f"{sum(s for _, s in _module_s.values()):8.1f} s in all")

@@ -1,4 +1,5 @@
-"""Starting Ray once per test module and deploying apps of every mode on the tiny pair."""
+"""One Ray cluster and one Serve instance for the whole test session, and apps of every mode on the
+tiny pair deployed on it once per test module (or kept for the next module that asks for the same)."""
 
 import asyncio
 import contextlib
@@ -33,12 +34,56 @@ MODEL = "vpd-python"  # the served model name of app_config's apps
 ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
 LANE = {"num_cpus": 0.05}
 
+_cluster: tuple | None = None  # the settings of the Ray cluster this process runs; None: none
+_serve_started = False
+_deployed: dict[str, dict] = {}  # app name -> config, of every app deployed on it
+_shared: set[str] = set()  # those kept by a module that shares its apps (`serving(shared=True)`)
 
-def start_ray() -> None:
-    # Replica logs stay in Ray's session log files (/tmp/ray/session_latest/logs), out of pytest's output.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+
+def ray_cluster(num_gpus: int | None = None, env_vars: dict[str, str] | None = None, with_serve: bool = True) -> None:
+    """Ray (with Serve on it) as the caller needs it: started once per session and shared by every test
+    module that asks for the same settings; restarted for one that asks for others (logical GPUs, a
+    Ray setting read from the environment), which conftest.py runs after those that share the default.
+    `num_gpus=None`: the GPUs the machine has."""
+    global _cluster, _serve_started
+    settings = (num_gpus, tuple(sorted((env_vars or {}).items())))
+    if _cluster != settings:
+        stop_ray()
+        # RAY_* settings are read by the raylet and every worker it starts: in the environment as Ray starts.
+        with _environment(env_vars or {}):
+            # Replica logs stay in Ray's session log files (/tmp/ray/session_latest/logs), out of pytest's output.
+            ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        _cluster = settings
+    if with_serve and not _serve_started:
+        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+        _serve_started = True
+
+
+def stop_ray() -> None:
+    """Shut down Serve and Ray where this process started them (at the session's end, or for other settings)."""
+    global _cluster, _serve_started
+    if _cluster is not None:
+        if _serve_started:
+            serve.shutdown()
+        ray.shutdown()
+        _cluster, _serve_started = None, False
+        _deployed.clear()
+        _shared.clear()
+
+
+@contextlib.contextmanager
+def _environment(env_vars: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in env_vars}
+    os.environ.update(env_vars)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def app_config(mode: str, target: str, draft: str, **overrides) -> dict:
@@ -55,9 +100,27 @@ def app_config(mode: str, target: str, draft: str, **overrides) -> dict:
 
 def deploy(apps: dict[str, dict]) -> None:
     """Deploy several apps at once (route prefix = name) and wait until every one answers."""
+    if not apps:
+        return
+    _deployed.update(apps)
     serve.run_many([serve.RunTarget(build_app(config), name=name, route_prefix=f"/{name}")
                     for name, config in apps.items()], wait_for_applications_running=False)
     wait_answering(apps)
+
+
+def delete(names) -> None:
+    """Delete these apps and wait until they are gone (their replicas stopped)."""
+    names = [name for name in names if name in _deployed]
+    if not names:
+        return
+    for name in names:
+        del _deployed[name]
+        _shared.discard(name)
+    _get_global_client().delete_apps(names, blocking=False)
+    deadline = time.monotonic() + 300  # Serve's own wait gives up after 60 s, short on a busy host
+    while set(names) & set(serve.status().applications):
+        assert time.monotonic() < deadline, f"apps not deleted after 300 s: {names}"
+        time.sleep(0.5)
 
 
 def declare(apps: dict[str, dict], deployments: dict[str, list[dict]] | None = None) -> None:
@@ -65,6 +128,7 @@ def declare(apps: dict[str, dict], deployments: dict[str, list[dict]] | None = N
     options over the builder's (`deployments[app]`, e.g. [{"name": "VerifyLane", "num_replicas": 1}]).
     Declaring the same args again with other deployment options changes only those deployments (Serve's
     lightweight update: other replicas keep running); `serve.run`, or other args, replaces every replica."""
+    _deployed.update(apps)
     schema = ServeDeploySchema.model_validate({
         "http_options": {"host": "127.0.0.1", "port": HTTP_PORT},
         "applications": [{"name": name, "route_prefix": f"/{name}", "import_path": "deployments.builder:build_app",
@@ -85,21 +149,34 @@ def wait_answering(apps) -> None:
                     pending.discard(name)
             except httpx.HTTPError:
                 pass
-        time.sleep(1)
+        if pending:
+            time.sleep(1)
     assert not pending, f"apps never became ready: {pending}"
 
 
 @contextlib.contextmanager
-def serving(apps: dict[str, dict]):
-    """Ray started (once per test module, from its fixture), these apps deployed and answering;
-    everything shut down on exit."""
-    start_ray()
+def serving(apps: dict[str, dict], shared: bool = False, **cluster):
+    """These apps deployed on the session's cluster (`ray_cluster(**cluster)`) and answering.
+
+    Other modules' apps are deleted first, but where this module and theirs share: then the next module
+    that asks for an app of the same name and config gets it as it is, without a deploy, and on exit
+    this module's apps are kept for it; otherwise they are deleted. Only modules whose tests leave
+    an app as they found it (no replica killed, no rescale, no counter read since the replica
+    started) share."""
+    ray_cluster(**cluster)
+    delete([name for name, config in _deployed.items()
+            if apps.get(name) != config and not (shared and name in _shared and name not in apps)])
+    kept = False
     try:
-        deploy(apps)
+        deploy({name: config for name, config in apps.items() if name not in _deployed})
+        wait_answering(apps)  # the kept ones too
+        kept = shared
         yield
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if kept:
+            _shared.update(apps)
+        else:
+            delete(apps)
 
 
 def openai_client(app: str, api_key: str = "unused") -> OpenAI:

@@ -28,7 +28,8 @@ import psutil
 import pytest
 
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, base_url, greedy_choice, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
+
+pytestmark = pytest.mark.serve
 
 MODES = ("pdv", "unified")
 CANCEL_COUNT = int(os.environ.get("VPD_CANCEL_COUNT", "200"))  # per mode
@@ -43,8 +44,8 @@ LONG_PROMPT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n
 
 
 @pytest.fixture(scope="module", autouse=True)
-def apps(tmp_path_factory):
-    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+def apps(pair_paths):
+    target, draft = pair_paths
     configs = {}
     for mode in MODES:
         configs[mode] = app_config(mode, target, draft, max_queued_requests=MAX_QUEUED)

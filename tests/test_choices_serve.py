@@ -11,6 +11,8 @@ from deployments.openai_protocol import MAX_N
 from lanes.model.loader import load_model
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 
+pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next such module (serve_helpers.serving)
+
 MODES = ("unified", "pdv")
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):"]
 GREEDY = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
@@ -19,7 +21,7 @@ GREEDY = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"ignore_eos"
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    with serving({mode: app_config(mode, target, draft) for mode in MODES}):
+    with serving({mode: app_config(mode, target, draft) for mode in MODES}, shared=True):
         yield
 
 

@@ -22,6 +22,8 @@ from tests.conftest import perturbed_copy
 from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, serving
 from tests.tiny_pair import save_tiny_pair
 
+pytestmark = pytest.mark.serve
+
 INTERVAL_S = 0.5
 MOVE_BOUND_S = 20.0
 MAX_DRAFT_LEN = 8

@@ -39,16 +39,18 @@ from loadtest.runner import RunResult, run_load
 from loadtest.workload import LogNormal, load_tokenizer, synthetic
 from tests import serve_helpers
 from tests.serve_helpers import app_config, serving
-from tests.tiny_pair import save_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "monitoring" / "grafana" / "verify-pd-dashboard.json"
 GPU_ONLY_PANELS = {"GPU utilisation", "GPU memory used"}
-REPORT_INTERVAL_MS = "1000"  # Ray's default is 10 s; 1 s keeps this test short
+# Ray's metrics report interval is 10 s by default; 1 s keeps this test short. Read by the raylet and
+# every worker it starts, so this module gets a Ray cluster of its own, started with it.
+CLUSTER = {"env_vars": {"RAY_metrics_report_interval_ms": "1000"}}
 SCRAPE_INTERVAL = "1s"  # the repo's config says 5s, for the same reason
 RATE_INTERVAL = "30s"
 QUERY_DEADLINE_S = 120.0
 LOAD_ROUND_S = 5.0  # the load runs in rounds of this length until the checks are done
+pytestmark = pytest.mark.serve(cluster=CLUSTER)
 
 
 def _free_port() -> int:
@@ -63,19 +65,14 @@ def gpu_present() -> bool:
 
 
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory, gpu_present):
+def app_url(pair_paths, gpu_present):
     """A pdv app on the tiny pair, with Ray exporting metrics every second."""
-    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    target, draft = pair_paths
     lane = {"num_cpus": 0.05, "num_gpus": 0.2 if gpu_present else 0}
     config = app_config("pdv", target, draft, ingress={"num_cpus": 0.05}, prefill_lane=lane,
                         verify_lane=lane, decode_lane={**lane, "num_replicas": 2})
-    # Read by the raylet and every worker it starts, so it must be set before Ray starts.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_metrics_report_interval_ms", REPORT_INTERVAL_MS)
-        # Other Serve instances may share this machine; 8000 is `serve run`'s default port.
-        patch.setattr(serve_helpers, "HTTP_PORT", _free_port())
-        with serving({"pdv": config}):
-            yield serve_helpers.base_url("pdv").removesuffix("/v1"), target
+    with serving({"pdv": config}, **CLUSTER):
+        yield serve_helpers.base_url("pdv").removesuffix("/v1"), target
 
 
 class BackgroundLoad:

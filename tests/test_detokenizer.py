@@ -10,7 +10,6 @@ from lanes.model.loader import load_model
 from lanes.sample.detokenizer import IncrementalDetokenizer
 from lanes.sample.params import SamplingParams
 from tests.engine_helpers import small_engine
-from tests.tiny_pair import save_tiny_pair
 
 CORPUS = ["def main():\n    return 42\n", "print('héllo wörld ✓')\n", "for i in range(10):\n    pass\n"] * 20
 
@@ -120,10 +119,10 @@ def _boundary_stop(tok, tokens: list[int], steps: list[list[int]]) -> tuple[int,
 
 
 @pytest.mark.parametrize("draft_len", [2, 4])
-def test_engine_stops_at_a_stop_string_across_tokens_exactly_as_without_speculation(tmp_path_factory, draft_len):
+def test_engine_stops_at_a_stop_string_across_tokens_exactly_as_without_speculation(pair_paths, draft_len):
     """With speculation a step emits several tokens; the output still ends at the token that completed
     the stop string (inside the step): the same tokens, text and usage as decoding one token a step."""
-    target, draft = (load_model(path) for path in save_tiny_pair(tmp_path_factory.mktemp("pair")))
+    target, draft = (load_model(path) for path in pair_paths)
     tok = target.tokenizer
     prompt = tok.encode("class Point:\n    def __init__(self, x, y):")
     plain = SamplingParams(max_tokens=60, ignore_eos=True)

@@ -10,15 +10,16 @@ import pytest
 
 from tests.client_errors import assert_clean
 from tests.serve_helpers import HTTP_PORT, app_config, greedy_choice, kill_under_streams, lane_stats, serving
-from tests.tiny_pair import save_tiny_pair
+
+pytestmark = pytest.mark.serve
 
 APP = "faults"
 HEALTH_PERIOD_S = 1.0
 
 
 @pytest.fixture(scope="module", autouse=True)
-def app(tmp_path_factory):
-    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+def app(pair_paths):
+    target, draft = pair_paths
     lane = {"num_cpus": 0.05, "health_check_period_s": HEALTH_PERIOD_S}
     config = app_config("unified", target, draft, decode_lane=lane)
     config["engine"]["max_model_len"] = 2048  # streams long enough to be cut by the kill

@@ -14,6 +14,8 @@ from pydantic import BaseModel, Field
 
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 
+pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next such module (serve_helpers.serving)
+
 MODES = ("nospec", "unified", "pd", "pdv")
 # A pattern bounds the random-weight model's strings. (With maxLength instead, sampling from it once drew
 # the UTF-8 bytes of a surrogate code point, which xgrammar counts as one character and Python as three.)
@@ -32,7 +34,7 @@ class Point(BaseModel):
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    with serving({mode: app_config(mode, target, draft) for mode in MODES}):
+    with serving({mode: app_config(mode, target, draft) for mode in MODES}, shared=True):
         yield
 
 

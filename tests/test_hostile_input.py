@@ -12,17 +12,18 @@ from deployments.ingress import API_KEY_ENV, authorized, resolve_api_key
 from schemathesis import GenerationMode
 
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
+
+pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next such module (serve_helpers.serving)
 
 KEY = "sk-test-0123456789"
 MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module", autouse=True)
-def apps(tmp_path_factory):
-    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+def apps(pair_paths):
+    target, draft = pair_paths
     with serving({"keyed": app_config("unified", target, draft, api_key=KEY),
-            "pdv": app_config("pdv", target, draft)}):
+            "pdv": app_config("pdv", target, draft)}, shared=True):
         yield
 
 

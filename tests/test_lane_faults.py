@@ -21,7 +21,8 @@ from tests.client_errors import assert_clean
 from tests.serve_helpers import (
     HTTP_PORT, app_config, base_url, greedy_choice, kill_under_streams, lane_stats, record_stream, serving,
     wait_until_idle)
-from tests.tiny_pair import save_tiny_pair
+
+pytestmark = pytest.mark.serve
 
 MODES = ("pdv", "pd")  # each mode's app is named after it
 KILLS = [("pdv", "PrefillLane"), ("pdv", "VerifyLane"), ("pdv", "DecodeLane"), ("pd", "PrefillLane"),
@@ -32,8 +33,8 @@ RECOVERY_LOG: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def app(tmp_path_factory):
-    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+def app(pair_paths):
+    target, draft = pair_paths
     lane = {"num_cpus": 0.05, "health_check_period_s": HEALTH_PERIOD_S}
     configs = {mode: app_config(mode, target, draft, decode_lane={**lane, "num_replicas": 2}, prefill_lane=lane,
                                 verify_lane=lane) for mode in MODES}

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,8 @@ from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_to
 from tests import serve_helpers
 from tests.serve_helpers import app_config, serving
 
+pytestmark = pytest.mark.serve
+
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 4096
 # Short requests finish in well under a second here; a slow one needs about 4000 decode steps'
@@ -40,23 +41,14 @@ TIMEOUT_S = 4.0
 SLOW_OUTPUT_LEN = 4000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def urls(pair_paths) -> dict[str, str]:
     """pdv and nospec apps, by mode -> base URL (without /v1)."""
     target, draft = pair_paths
     engine = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8, "num_speculative_tokens": 3,
               "prefill_chunk_tokens": 32}
-    with pytest.MonkeyPatch.context() as patch:
-        # Other Serve instances may share this machine; 8000 is `serve run`'s default port.
-        patch.setattr(serve_helpers, "HTTP_PORT", _free_port())
-        with serving({mode: app_config(mode, target, draft, engine=engine) for mode in ("pdv", "nospec")}):
-            yield {mode: serve_helpers.base_url(mode).removesuffix("/v1") for mode in ("pdv", "nospec")}
+    with serving({mode: app_config(mode, target, draft, engine=engine) for mode in ("pdv", "nospec")}):
+        yield {mode: serve_helpers.base_url(mode).removesuffix("/v1") for mode in ("pdv", "nospec")}
 
 
 def mixed_workload(tokenizer_dir: str, seed: int = 0) -> list[WorkloadRequest]:

@@ -9,13 +9,15 @@ import torch
 from lanes.model.loader import load_model
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving
 
+pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next such module (serve_helpers.serving)
+
 PROMPT = "def add(a, b):"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
-    with serving({mode: app_config(mode, target, draft) for mode in ("unified", "pd", "pdv")}):
+    with serving({mode: app_config(mode, target, draft) for mode in ("unified", "pd", "pdv")}, shared=True):
         yield
 
 

@@ -17,7 +17,6 @@ from lanes.spec.ngram import NgramProposer
 from lanes.spec.prompt_prefiller import PrefillRequest
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, penalised_greedy, run_to_completion
-from tests.tiny_pair import save_tiny_pair
 
 
 def _seq(tokens: list[int]) -> Sequence:
@@ -191,8 +190,8 @@ def test_config_refuses_bad_ngram_drafts(draft, message):
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> str:
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))[0]
+def tiny_target(pair_paths) -> str:
+    return pair_paths[0]
 
 
 @pytest.mark.parametrize("mode", ["spec", "unified", "pd", "pdv"])

@@ -11,7 +11,8 @@ import pytest
 from lanes.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import MODEL, app_config, base_url, lane_stats, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
+
+pytestmark = pytest.mark.serve
 
 MODES = ("pd", "pdv")
 # max_model_len 256 + 64 tokens of slack = 20 blocks of 16 per slot: 40 blocks hold four requests of
@@ -21,8 +22,8 @@ TIGHT = {"max_model_len": 256, "max_num_seqs": 8, "num_speculative_tokens": 3, "
 
 
 @pytest.fixture(scope="module")
-def target_path(tmp_path_factory):
-    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+def target_path(pair_paths):
+    target, draft = pair_paths
     with serving({mode: app_config(mode, target, draft, engine=TIGHT) for mode in MODES}):
         yield target
 

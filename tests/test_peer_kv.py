@@ -18,14 +18,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 SHAPE = PoolShape(num_layers=3, num_kv_heads=2, head_dim=16, num_slots=4, capacity_tokens=64)
 
 
-@pytest.fixture(scope="module")
-def ray_two_gpus():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
-
-
 @ray.remote(num_cpus=0)
 class _Lane:
     def __init__(self):
@@ -64,7 +56,7 @@ def _lanes(n: int, num_gpus: float):
     return [_Lane.options(num_gpus=num_gpus, runtime_env=env).remote() for _ in range(n)]
 
 
-def test_kv_written_into_another_gpus_pool_arrives_whole(ray_two_gpus):
+def test_kv_written_into_another_gpus_pool_arrives_whole(two_fake_gpus):
     owner, writer = _lanes(2, 1)
     (owner_at, _), (writer_at, visible) = ray.get([owner.where.remote(), writer.where.remote()])
     assert owner_at.gpu_uuid != writer_at.gpu_uuid and len(visible.split(",")) == 2
@@ -77,7 +69,7 @@ def test_kv_written_into_another_gpus_pool_arrives_whole(ray_two_gpus):
         assert torch.equal(ray.get(owner.read.remote(slot, tokens)), sent)
 
 
-def test_kv_written_into_a_pool_on_the_same_gpu_stays_in_place(ray_two_gpus):
+def test_kv_written_into_a_pool_on_the_same_gpu_stays_in_place(two_fake_gpus):
     owner, writer = _lanes(2, 0.5)  # fractions of one GPU: Ray packs both onto it
     (owner_at, _), (writer_at, _) = ray.get([owner.where.remote(), writer.where.remote()])
     assert owner_at.gpu_uuid == writer_at.gpu_uuid

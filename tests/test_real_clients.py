@@ -24,6 +24,8 @@ from lanes.sample.params import ParamError
 from tests.engine_helpers import hf_greedy
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 
+pytestmark = pytest.mark.serve
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET_DIR = REPO / "models" / "vpd-target"
 DRAFT_DIR = REPO / "models" / "vpd-draft"

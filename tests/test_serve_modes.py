@@ -15,13 +15,15 @@ from lanes.sample.params import SamplingParams
 from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts
 from tests.serve_helpers import ALL_MODES, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 
+pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next such module (serve_helpers.serving)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def apps(pair_paths):
     target, draft = pair_paths
     configs = {mode: app_config(mode, target, draft) for mode in ALL_MODES}
     configs["limited"] = app_config("unified", target, draft, max_queued_requests=2)
-    with serving(configs):
+    with serving(configs, shared=True):
         yield
 
 

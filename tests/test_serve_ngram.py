@@ -6,15 +6,16 @@ import pytest
 from lanes.model.loader import load_model
 from tests.engine_helpers import hf_greedy
 from tests.serve_helpers import MODEL, app_config, lane_stats, openai_client, serving, wait_until_idle
-from tests.tiny_pair import save_tiny_pair
+
+pytestmark = pytest.mark.serve
 
 APP = "pdv_ngram"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
 @pytest.fixture(scope="module")
-def target_path(tmp_path_factory) -> str:
-    target, _ = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+def target_path(pair_paths) -> str:
+    target, _ = pair_paths
     config = app_config("pdv", target, "unused", decode_lane={"num_cpus": 0.05})
     config["draft"] = NGRAM
     with serving({APP: config}):

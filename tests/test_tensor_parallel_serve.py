@@ -20,6 +20,8 @@ from tests.engine_helpers import hf_greedy, random_prompts
 from tests.client_errors import assert_clean
 from tests.serve_helpers import HTTP_PORT, MODEL, app_config, greedy_choice, kill_under_streams, openai_client, serving
 
+pytestmark = pytest.mark.serve
+
 MODES = ("unified", "nospec", "pd", "pdv")
 STREAMS = 4
 

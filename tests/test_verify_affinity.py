@@ -24,6 +24,8 @@ from tests.engine_helpers import hf_greedy, random_prompts
 from tests.serve_helpers import (MODEL, app_config, base_url, lane_stats, serving, streams_across,
                                  wait_for_replicas, wait_until_idle)
 
+pytestmark = pytest.mark.serve
+
 APP = "affinity"
 VERIFY_REPLICAS = 3
 REQUESTS = 200

@@ -16,6 +16,8 @@ from tests.engine_helpers import greedy_references
 from tests.serve_helpers import (
     app_config, decode_state, lane_stats, serving, streams_across, wait_for_replicas, wait_until_idle)
 
+pytestmark = pytest.mark.serve
+
 APP = "autoscale"
 STREAMS = 12
 MAX_TOKENS = 400

@@ -15,14 +15,14 @@ import time
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
 from lanes.model.loader import load_model
 from tests.engine_helpers import greedy_references
 from tests.serve_helpers import (
-    MODEL, app_config, base_url, declare, decode_state, lane_stats, start_ray, streams_across, wait_answering,
+    MODEL, app_config, base_url, declare, decode_state, delete, lane_stats, serving, streams_across, wait_answering,
     wait_for_replicas, wait_until_idle)
+
+pytestmark = pytest.mark.serve
 
 APP = "drain"
 STREAMS = 12
@@ -42,15 +42,14 @@ def config(pair_paths) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def app(config):
-    start_ray()
-    try:
-        _scale_verify_lane(config, 3)
-        wait_answering([APP])
-        _wait_for_verify_replicas(3, 180)
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with serving({}):  # the session's cluster, other modules' apps deleted
+        try:
+            _scale_verify_lane(config, 3)
+            wait_answering([APP])
+            _wait_for_verify_replicas(3, 180)
+            yield
+        finally:
+            delete([APP])
 
 
 @pytest.fixture(scope="module")
