@@ -3,8 +3,9 @@
 import threading
 import time
 
+from deployments import timeline as timeline_module
 from deployments.kv_transfer import Placement
-from deployments.timeline import TIMELINE, Timeline, event_rows, replica_report
+from deployments.timeline import Timeline, event_rows, replica_report
 
 
 def test_timed_records_the_interval_and_passes_results_and_errors():
@@ -45,9 +46,12 @@ def test_recording_from_threads_while_reading():
     assert len(timeline.since(0.0)["prefill"]) == 8000
 
 
-def test_replica_report_pages_its_events_as_columns():
+def test_replica_report_pages_its_events_as_columns(monkeypatch):
+    # The process's timeline holds what earlier tests recorded in this process (in-process lanes
+    # record hand-overs with other fields): the report is read from an empty one.
+    monkeypatch.setattr(timeline_module, "TIMELINE", Timeline())
     for i in range(5):
-        TIMELINE.record("handover", 1e9 + i, 1e9 + i + 0.5, tokens=i, target="copied")
+        timeline_module.TIMELINE.record("handover", 1e9 + i, 1e9 + i + 0.5, tokens=i, target="copied")
     first = replica_report("prefill", Placement("node-1", None), 1e9, offset=0, limit=3)
     assert first["lane"] == "prefill" and first["replica"].startswith("pid-")
     assert first["placement"] == {"node_id": "node-1", "gpu_uuid": None, "peer_uuids": ()}
