@@ -77,6 +77,10 @@ def _engine_config(cfg: AppConfig, lane: LaneConfig, name: str) -> EngineConfig:
     return replace(config, gpu_memory_utilization=config.gpu_memory_utilization * share, lane_name=name)
 
 
+def _decode_lane_name(cfg: AppConfig) -> str:
+    return "decode lane" if cfg.mode in ("pd", "pdv") else f"{cfg.mode} engine"
+
+
 def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None,
                  tp_address: str | None = None) -> EngineCore:
     """The engine of the decode-lane replica (or of the only replica, in one-deployment modes).
@@ -84,7 +88,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     engine is rank 0."""
     _lane_logs_to_replica_log()
     device = cfg.decode_lane.bind_device()
-    config = _engine_config(cfg, cfg.decode_lane, "decode lane" if cfg.mode in ("pd", "pdv") else f"{cfg.mode} engine")
+    config = _engine_config(cfg, cfg.decode_lane, _decode_lane_name(cfg))
     if cfg.mode in ("unified", "spec", "nospec"):
         tp = _rank0(cfg, tp_address, device)
         # A sharded model loads on the host; only its shard moves to the device (build_runners).
@@ -100,7 +104,8 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     owner = f"decode-{uuid.uuid4().hex[:8]}"
     if cfg.mode == "pd":
         # pd's decode lane holds the target: sharded over the replica's ranks where it is (the draft
-        # runs whole on rank 0), and its pool then takes each prompt's KV through Ray (lanes/parallel/kv_handover.py).
+        # runs whole on rank 0), and its pool then takes each prompt's KV through Ray
+        # (lanes/parallel/kv_handover.py).
         tp = _rank0(cfg, tp_address, device)
         target = _target(cfg, "cpu" if tp else device)
         _check_pair(cfg, draft, target)
@@ -132,8 +137,8 @@ def load_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, ...]]:
     (`lanes.parallel.worker.Loader`): the engine's config and the models it shards, on the host (a draft that
     runs whole on rank 0 is not loaded)."""
     draft = _draft(cfg, "cpu") if cfg.shard_draft else None
-    return (_engine_config(cfg, cfg.decode_lane, f"{cfg.mode} engine"), [_target(cfg, "cpu").model, draft.model if draft else None],
-            (True, cfg.shard_draft))
+    return (_engine_config(cfg, cfg.decode_lane, _decode_lane_name(cfg)),
+            [_target(cfg, "cpu").model, draft.model if draft else None], (True, cfg.shard_draft))
 
 
 def load_prefill_shards(cfg: AppConfig) -> tuple[EngineConfig, list, tuple[bool, ...]]:
