@@ -75,7 +75,8 @@ def replica_silent(lease: str) -> KVLost:
     a loss (tests/test_verify_drain.py). A verify call that names no replica and times out means no
     verify replica answered at all: it fails as it is. (A prompt's KV that no replica takes in time is
     recomputed too: deployments/prefill_replica.py.)"""
-    return KVLost(f"verify replica {lease} did not answer in {PEER_CALL_TIMEOUT_S:g} s")
+    return KVLost.after_waiting(f"verify replica {lease} did not answer in {PEER_CALL_TIMEOUT_S:g} s",
+                                PEER_CALL_TIMEOUT_S)
 
 
 class RemoteVerifier:
@@ -234,7 +235,7 @@ class RemotePrefiller:
         return landed
 
     async def _prefill(self, seq: Sequence) -> None:
-        submitted_s = time.time()
+        submitted_s, since_s = time.time(), time.monotonic()
         try:
             if self._peer is None:
                 self._peer = await self.handle.placement.remote()
@@ -242,6 +243,10 @@ class RemotePrefiller:
             result = await self.handle.prefill.remote(self._job(seq))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
             result = lane_error(exc, via_prefill=True)
+            if isinstance(result, KVLost):
+                # This call waited for a replica to take the request's KV from its submission on (its
+                # queue at the prefill lane included): the loss dates from then (EngineCore._migrate).
+                result.waited_s = time.monotonic() - since_s
         with self._lock:
             self._done.append((seq, result, submitted_s, time.time()))
         if self.on_reply is not None:

@@ -112,11 +112,14 @@ class _Stream:
     done: bool = False
     http_status: int | None = None
     response_id: str | None = None
+    under_way: asyncio.Event | None = None
 
     def take(self, event: SseEvent, now_s: float) -> None:
         self.response_id = self.response_id or event.response_id
         if event.text:
             self.chunk_times_s.append(now_s)
+            if self.under_way is not None:
+                self.under_way.set()
         if event.usage is not None:
             self.usage = event.usage
         self.error = event.error or self.error
@@ -125,9 +128,10 @@ class _Stream:
 
 async def send_request(http: httpx.AsyncClient, base_url: str, payload: dict, *, index: int,
                        request: WorkloadRequest, endpoint: Endpoint, timeout_s: float,
-                       origin_s: float) -> RequestRecord:
-    """Send one streaming request and record what happened; times relative to `origin_s`."""
-    stream = _Stream()
+                       origin_s: float, under_way: asyncio.Event | None = None) -> RequestRecord:
+    """Send one streaming request and record what happened; times relative to `origin_s`.
+    `under_way` is set at its first text chunk, or when it ends without one (loadtest/faults.py)."""
+    stream = _Stream(under_way=under_way)
     sent_wall_s = time.time()  # the server's timelines use the wall clock (deployments/timeline.py)
     start_s = time.perf_counter()
     status, error = "failed", None
@@ -140,6 +144,8 @@ async def send_request(http: httpx.AsyncClient, base_url: str, payload: dict, *,
     except Exception as exc:  # connection refused, reset, malformed chunk: the request failed
         error = f"{type(exc).__name__}: {exc}"
     end_s = time.perf_counter()
+    if under_way is not None:
+        under_way.set()
     record = _record(index, request, stream, status, error, start_s, end_s, origin_s)
     record.response_id, record.sent_wall_s = stream.response_id, sent_wall_s
     return record

@@ -93,6 +93,12 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "two_fake_gpus" in item.fixturenames:
             item.add_marker(pytest.mark.serve)
+        # Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/test.sh): every test that needs Ray runs in
+        # one worker, in the order below, over the session's one cluster; the others go a module at a time
+        # to whichever worker is free (a module's fixtures are built once). The Ray group, the largest,
+        # is handed out first, so the other worker runs the rest beside it.
+        group = "ray" if item.get_closest_marker("serve") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
     group: dict[str, int] = {}
     for item in items:
         group[item.module.__name__] = max(group.get(item.module.__name__, 0), _cluster_group(item))

@@ -22,7 +22,18 @@ from lanes.spec.verify import PendingVerify, VerifyBatch, VerifyLane, VerifyResu
 
 class KVLost(RuntimeError):
     """A remote lane no longer holds a request's KV: the verify replica that owned it left (scaled
-    down) or died. The request keeps every token it has and is recomputed elsewhere (EngineCore)."""
+    down) or died. The request keeps every token it has and is recomputed elsewhere (EngineCore).
+
+    `waited_s`: how long the call that found the loss had waited for an answer (a call that timed out),
+    so the engine dates the loss to when that wait began; 0 where the loss was known at once."""
+
+    waited_s: float = 0.0
+
+    @classmethod
+    def after_waiting(cls, message: str, waited_s: float) -> "KVLost":
+        lost = cls(message)
+        lost.waited_s = waited_s  # an instance attribute: it travels with the pickled error
+        return lost
 
 
 class LaneOOM(RuntimeError):

@@ -72,6 +72,12 @@ class EngineConfig:
     # Times a request is recomputed on another replica when the verify replica holding its KV leaves
     # or dies (KVLost); once more fails it. 0: such a request fails at once.
     max_migrations: int = 3
+    # Seconds a request whose KV a remote lane lost may go without a replica that holds it again (from
+    # the start of the call that found the loss); then it fails. A lane whose only replica died gets no
+    # replacement for tens of seconds (Serve's health check, then the replica's start): its requests end
+    # with an error within this bound instead of holding their streams; with a replica left, or one
+    # back in time, they are recomputed there (docs/serving.md, "When a replica dies").
+    recover_within_s: float = 8.0
     # Times a request may meet a device out-of-memory error in a step already at its smallest size (one
     # decode row, one block of prefill) or in a remote lane, before it fails (lanes/engine/step_cap.py). Before
     # that it is recomputed, never failed.
@@ -89,8 +95,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs >= 1 and max_model_len >= 2 required")
         if self.block_size < 1 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("block_size >= 1 and 0 < gpu_memory_utilization <= 1 required")
-        if self.max_migrations < 0:
-            raise ValueError("max_migrations must be >= 0")
+        if self.max_migrations < 0 or self.recover_within_s <= 0:
+            raise ValueError("max_migrations >= 0 and recover_within_s > 0 required")
         if self.max_oom_attempts < 1:
             raise ValueError("max_oom_attempts must be >= 1")
 
@@ -133,6 +139,7 @@ class EngineCore:
         self.total_stats = SpecDecodeStats()
         self.step_profile = StepProfile()  # steps by what they launched (benchmarks/serving_overhead.py)
         self.num_migrations = 0  # requests recomputed because a remote lane lost their KV
+        self._lost: dict[str, Sequence] = {}  # lost requests that no replica holds again yet (recover_within_s)
         # Rows and prefill tokens a step may carry: below the configured maxima after an out-of-memory error.
         self.step_cap = StepCap(config.max_num_seqs, config.idle_prefill_tokens, config.block_size)
         self._row_cursor = 0  # where the next capped decode step starts in the running list
@@ -273,6 +280,7 @@ class EngineCore:
 
     def _step(self) -> tuple[list[RequestOutput], int]:
         """One step's outputs, and how many running requests it decoded."""
+        expired = self._expire_lost()
         self.scheduler.admit()
         self.scheduler.make_room(self._tokens_after_step)
         ooms = self.step_cap.num_oom_recoveries
@@ -300,7 +308,7 @@ class EngineCore:
         self._prefilled_last = prefill_only
         if self.step_cap.num_oom_recoveries == ooms:
             self.step_cap.observe_clean_step()
-        return outputs + prefill_outputs, len(running)
+        return expired + outputs + prefill_outputs, len(running)
 
     def _prefill_turn(self) -> bool:
         """prefill_first: whether this step prefills only. Prompts waiting go first, but not twice in a
@@ -437,16 +445,36 @@ class EngineCore:
     def _migrate(self, seq: Sequence, lost: KVLost) -> bool:
         """Recompute a request whose KV a remote lane lost (its verify replica was scaled down or
         died) on whichever replica its next prefill reaches, as a preemption does: it keeps every token,
-        and its output goes on where it stopped. False once it has moved `max_migrations` times: a
-        request that kills each replica it lands on must not take the whole lane down."""
-        if seq.num_migrations >= self.config.max_migrations:
+        and its output goes on where it stopped. False once it has moved `max_migrations` times (a
+        request that kills each replica it lands on must not take the whole lane down), or has been
+        lost for `recover_within_s` (no replica takes it: `_expire_lost`)."""
+        now_s = time.monotonic()
+        if seq.lost_s is None:  # the first loss of this outage: no replica has held it since its call began
+            seq.lost_s = now_s - lost.waited_s
+        if seq.num_migrations >= self.config.max_migrations or now_s - seq.lost_s >= self.config.recover_within_s:
             return False
+        self._lost[seq.request_id] = seq
         seq.num_migrations += 1
         self.num_migrations += 1
         log.info("request %s: %s; recomputing it elsewhere (move %d of at most %d)", seq.request_id, lost,
                  seq.num_migrations, self.config.max_migrations)
         self.scheduler.preempt(seq)
         return True
+
+    def _expire_lost(self) -> list[RequestOutput]:
+        """Fail the lost requests that no replica has taken back within `recover_within_s`: their
+        streams end with an error now rather than when the lane comes back. One whose prompt is at the
+        prefill lane is dropped as an abort is (its reply, when it comes, frees what it took)."""
+        if not self._lost:
+            return []
+        now_s, outputs = time.monotonic(), []
+        for seq in [s for s in self._lost.values() if now_s - s.lost_s >= self.config.recover_within_s]:
+            log.warning("request %s: its KV was lost %.1f s ago and no replica took it back; failing it",
+                        seq.request_id, now_s - seq.lost_s)
+            self._finish(seq, "error")
+            outputs.append(self._output(seq, [], "", error=f"its KV was lost and no replica took it back within "
+                                                           f"{self.config.recover_within_s:g} s"))
+        return outputs
 
     def _propose(self, running: list[Sequence], draft_lens: list[int]) -> DraftProposal:
         if self.proposer is None or not any(draft_lens):
@@ -457,11 +485,13 @@ class EngineCore:
     def _prefill(self, budget_tokens: int, decoding: bool) -> list[RequestOutput]:
         outputs = []
         for seq, first, logprobs in self.prefiller.step(self.scheduler, budget_tokens, decoding):
-            if seq.resumed and not isinstance(first, BaseException):
-                seq.prompt_logprobs = None  # KV recomputed after a preemption: its next token is known already
-                continue
             if isinstance(first, BaseException):
                 outputs += self._remote_error(seq, first, "prefill")
+                continue
+            if self._lost.pop(seq.request_id, None) is not None:
+                seq.lost_s = None  # a replica holds its KV again
+            if seq.resumed:
+                seq.prompt_logprobs = None  # KV recomputed after a preemption: its next token is known already
                 continue
             if seq.params.max_tokens == 0:  # scoring: the prompt's logprobs were the whole answer
                 self._finish(seq, "length")
@@ -509,6 +539,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._detok.pop(seq.request_id, None)
+        self._lost.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, error: str | None = None,
                 logprobs: TokenLogprobs | None = None, prompt_logprobs: TokenLogprobs | None = None) -> RequestOutput:

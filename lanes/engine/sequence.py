@@ -49,6 +49,9 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache keys of its prefill's full blocks
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage)
     num_migrations: int = 0  # times it was recomputed because a remote lane lost its KV (EngineCore)
+    # Since when (time.monotonic) no replica has held its KV: when the remote call that found it lost
+    # began waiting; None while a replica holds it. One lost for EngineConfig.recover_within_s fails.
+    lost_s: float | None = None
     num_ooms: int = 0  # out-of-memory errors it met at the smallest step size or in a remote lane (EngineCore)
 
     def __post_init__(self):
