@@ -60,9 +60,10 @@ from ray import serve  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
-from benchmarks.gpu_modes import (PRESETS, log, parameter_count, replica_log_tail, save_pair,  # noqa: E402
-                                  wait_for_device_memory)
-from benchmarks.serving import REPO, deploy, git_commit, machine, start_cluster  # noqa: E402
+from benchmarks.lib.apps import PRESETS  # noqa: E402
+from benchmarks.lib.cluster import (REPO, deploy, git_commit, log, machine, replica_log_tail,  # noqa: E402
+                                    start_cluster, wait_for_device_memory)
+from benchmarks.lib.pairs import parameter_count, save_pair  # noqa: E402
 from benchmarks.lane_timelines import lane_activity, prefill_path_table, timelines  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
