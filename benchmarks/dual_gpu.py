@@ -74,7 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
 from benchmarks.lane_timelines import prefill_path_table, timelines  # noqa: E402
 from benchmarks.lib.apps import PRESETS, AppRun, deploy_app, lane_reader, last_point, run_loads  # noqa: E402
-from benchmarks.lib.cluster import REPO, git_commit, log, machine, start_cluster, wait_for_device_memory  # noqa: E402
+from benchmarks.lib.cluster import (REPO, git_commit, log, machine, start_model_cluster,  # noqa: E402
+                                    wait_for_device_memory)
 from benchmarks.lib.loads import MIXED, Load, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, parameter_count, save_pair  # noqa: E402
 from benchmarks.lib.results import (TPOT_SLOS_MS, TTFT_SLO_MS, goodput, plot_bars, pyplot, request_rows,  # noqa: E402
@@ -462,9 +463,10 @@ def goodput_table(document: dict) -> list[dict]:
                    **{k: sum(p["summary"][k] for p in points) for k in ("submitted", "completed", "failed",
                                                                         "timed_out")}}
             for bound in TPOT_SLOS_MS:
-                best = goodput(points, bound)
-                row[f"goodput rps, TPOT<={bound:g}"] = round(best["summary"]["request_throughput_rps"], 2) if best else None
-                row[f"stall ms p99, TPOT<={bound:g}"] = best.get("row", {}).get("stall_ms p99") if best else None
+                best = goodput(points, bound) or {"summary": {"request_throughput_rps": None}, "row": {}}
+                rps = best["summary"]["request_throughput_rps"]
+                row[f"goodput rps, TPOT<={bound:g}"] = None if rps is None else round(rps, 2)
+                row[f"stall ms p99, TPOT<={bound:g}"] = best["row"].get("stall_ms p99")
             rows.append(row)
     return rows
 
@@ -592,11 +594,11 @@ def markdown(document: dict) -> str:
                                  for p in document["placements"] for pt in p.get("sweep", [])
                                  if (pt.get("lanes") or {}).get("prefill_path")])
     lines += ["## Goodput and the decode stall", "",
-              f"Goodput at a bound: the most completed requests/s among a placement's rates at which every submitted "
-              f"request completed, p99 TPOT was within the bound and p99 TTFT within {TTFT_SLO_MS:g} ms (measured rates "
-              "only: known to within the rate grid). Stall: at that rate, p99 over the short requests of each one's "
-              "longest gap between two stream chunks. submitted = completed + failed + timed out, over the whole "
-              "sweep.", "", rows_table(document.get("goodput", [])),
+              "Goodput at a bound: the most completed requests/s among a placement's rates at which every "
+              f"submitted request completed, p99 TPOT was within the bound and p99 TTFT within {TTFT_SLO_MS:g} ms "
+              "(measured rates only: known to within the rate grid). Stall: at that rate, p99 over the short "
+              "requests of each one's longest gap between two stream chunks. submitted = completed + failed + "
+              "timed out, over the whole sweep.", "", rows_table(document.get("goodput", [])),
               "Every point:", "", rows_table([pt["row"] for p in document["placements"] for pt in p.get("sweep", [])
                                               if "row" in pt]), ""]
     lines += ["## Output throughput at a p95 TPOT bound (uniform workload)", "",
@@ -729,10 +731,7 @@ def main(argv: list[str] | None = None) -> None:
             "output_len_median", "min_output_len", "max_output_len", "handover_lens", "handover_reps", "seed",
             "workloads")} | {"mixed": MIXED[args.device]},
         "placements": [], "duration_s": 0.0}
-    # A replica that fails to start is not retried three times (each try would load 13.5 GB again).
-    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
-    port = start_cluster({"TRITON_INTERPRET": os.environ["TRITON_INTERPRET"], "TOKENIZERS_PARALLELISM": "false",
-                          "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    port = start_model_cluster({"TOKENIZERS_PARALLELISM": "false"})
     free_bytes = [torch.cuda.mem_get_info(g["index"])[0] for g in inventory]
     log(f"Ray and Serve up (port {port}); GPUs {[g['name'] for g in inventory] or 'none'}")
     try:

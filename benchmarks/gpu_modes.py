@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from benchmarks.constructed_pair import shape_configs  # noqa: E402
 from benchmarks.lane_timelines import prefill_path_table  # noqa: E402
 from benchmarks.lib.apps import PRESETS, AppRun, app_args, engine_args, lane_reader, run_app  # noqa: E402
 from benchmarks.lib.cluster import (ALL_MODES, STARTED_S, git_commit, load_average, log, machine,  # noqa: E402
-                                    start_cluster, wait_for_device_memory)
+                                    start_model_cluster, wait_for_device_memory)
 from benchmarks.lib.loads import Load, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, SavedPair, parameter_count, save_pair  # noqa: E402
 from benchmarks.lib.results import point_document, rounded, write_document  # noqa: E402
@@ -404,10 +403,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "output_tokens": sum(r.output_len for r in reqs),
                                    "long_prompts": sum(r.kind == "long" for r in reqs)}
                             for name, reqs in requests.items()}}
-    # Replicas: one OpenMP thread each; Triton compiles for the GPU; a failing replica is not
-    # rebuilt three times (each try would load 13.5 GB again).
-    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
-    port = start_cluster({"TRITON_INTERPRET": "0", "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    port = start_model_cluster()
     log(f"Ray and Serve up (port {port})")
     free_bytes = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
     apps_left = len(pairs) * len(args.modes)

@@ -27,7 +27,6 @@ submitted request is counted. Writes lanes_1gpu_<part>.json (every point's summa
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,8 +38,8 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.lib.apps import GPU_SHARES, PRESETS, app_args, engine_args, lane_reader, run_app  # noqa: E402
-from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines, start_cluster,  # noqa: E402
-                                    wait_for_device_memory)
+from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines,  # noqa: E402
+                                    start_model_cluster, wait_for_device_memory)
 from benchmarks.lib.loads import MIXED, Load, exactly, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
 from benchmarks.lib.results import plot_bars, point_document, row, rows_table, write_document  # noqa: E402
@@ -124,8 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     context = {"part": args.part, "command": "python benchmarks/lanes_1gpu.py " + " ".join(argv),
                "machine": machine(), "commit": git_commit(), "engine": engine(args),
                "lane_shares": GPU_SHARES, "pair": {"shape": args.shape, "agreement": args.agreement}}
-    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"  # a replica that fails is not loaded 3 times
-    port = start_cluster({"TRITON_INTERPRET": "0", "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    port = start_model_cluster()
     free_bytes = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
     rows, docs, capacity_rps = [], [], None
     name_of = f"lanes_1gpu_{args.part}"

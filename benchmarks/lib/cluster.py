@@ -83,6 +83,15 @@ def start_cluster(env_vars: dict[str, str] | None = None) -> int:
     return port
 
 
+def start_model_cluster(env_vars: dict[str, str] | None = None) -> int:
+    """start_cluster for apps of large models: a replica that fails to start is not rebuilt three
+    times (each try would load the weights again), and Triton compiles for the GPU (unless the
+    driver's TRITON_INTERPRET says otherwise)."""
+    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
+    return start_cluster({"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"),
+                          "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1", **(env_vars or {})})
+
+
 def deploy(name: str, app_args: dict, timeout_s: float) -> float:
     """Deploy `app_args` as app `name` (route /name) and wait until it runs; returns the seconds taken.
 
