@@ -56,7 +56,6 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -74,18 +73,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
 from benchmarks.lane_timelines import prefill_path_table, timelines  # noqa: E402
 from benchmarks.lib.apps import PRESETS, AppRun, deploy_app, lane_reader, last_point, run_loads  # noqa: E402
-from benchmarks.lib.cluster import (REPO, git_commit, log, machine, start_model_cluster,  # noqa: E402
-                                    wait_for_device_memory)
+from benchmarks.lib.cluster import (REPO, git_commit, gpu_inventory, log, machine, shm_gib,  # noqa: E402
+                                    start_model_cluster, topology, wait_for_device_memory)
 from benchmarks.lib.loads import MIXED, Load, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, parameter_count, save_pair  # noqa: E402
 from benchmarks.lib.results import (TPOT_SLOS_MS, TTFT_SLO_MS, goodput, plot_bars, pyplot, request_rows,  # noqa: E402
-                                    row, rows_table, write_document)
+                                    row, rows_table, summary_from_dict, write_document)
 from deployments.config import AppConfig  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.report import Point, comparison_table, markdown_table, plot_load_curves  # noqa: E402
 from loadtest.runner import RunResult, run_load  # noqa: E402
-from loadtest.spec_stats import SpecDecodeSummary  # noqa: E402
-from loadtest.summary import LatencyStats, Summary  # noqa: E402
+from loadtest.summary import Summary  # noqa: E402
 from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_tokenizer,  # noqa: E402
                                random_prompt, synthetic, usable_token_ids)
 
@@ -122,32 +120,6 @@ PLACEMENTS = {p.key: p for p in (
 
 
 # ---- where replicas run ------------------------------------------------------------------------
-
-def gpu_inventory() -> list[dict]:
-    """The driver's view of this host's GPUs: index, name and UUID (replicas report UUIDs)."""
-    if not torch.cuda.is_available():
-        return []
-    return [{"index": i, "name": torch.cuda.get_device_name(i), "uuid": str(torch.cuda.get_device_properties(i).uuid)}
-            for i in range(torch.cuda.device_count())]
-
-
-def topology() -> str | None:
-    """`nvidia-smi topo -m`: how the GPUs are linked (NVLink or PCIe) decides what a KV copy costs."""
-    try:
-        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() or None
-
-
-def shm_gib() -> float | None:
-    """Size of /dev/shm, where Ray's object store lives (copied KV passes through it)."""
-    try:
-        stat = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
-
 
 def observed_gpus(reports: list[dict], inventory: list[dict]) -> dict:
     """Which GPU each replica got, grouped the way PlacementSpec.gpus states intent."""
@@ -233,17 +205,6 @@ def fixed_length_requests(tokenizer, lengths: list[int], reps: int, seed: int) -
             prompt = random_prompt(tokenizer, usable, length, rng)
             out.append(WorkloadRequest(prompt, count_tokens(tokenizer, prompt), 2))
     return out
-
-
-def summary_of(document_summary: dict) -> Summary:
-    """A Summary back from its JSON (to_dict) form."""
-    def stats(by_metric: dict) -> dict[str, LatencyStats]:
-        return {metric: LatencyStats(**values) for metric, values in by_metric.items()}
-
-    spec = document_summary["spec_decode"]
-    return Summary(**{**document_summary, "latency_ms": stats(document_summary["latency_ms"]),
-                      "latency_ms_by_kind": {kind: stats(v) for kind, v in document_summary["latency_ms_by_kind"].items()},
-                      "spec_decode": SpecDecodeSummary(**spec) if spec else None})
 
 
 # ---- one placement ----------------------------------------------------------------------------
@@ -423,7 +384,7 @@ def p2p_reference(sizes_bytes: list[int]) -> list[dict] | None:
 
 def points_of(document: dict) -> list[Point]:
     """The sweep points as the load tester's Points (for its table and load curves), from the JSON."""
-    return [Point(label=point_label(placement, p), summary=summary_of(p["summary"]),
+    return [Point(label=point_label(placement, p), summary=summary_from_dict(p["summary"]),
                   result=RunResult(base_url="", model="", arrivals=OpenLoop(p["rate_rps"]), records=[],
                                    warmup_records=[]))
             for placement in document["placements"] for p in placement.get("sweep", [])]
@@ -466,7 +427,7 @@ def goodput_table(document: dict) -> list[dict]:
                 best = goodput(points, bound) or {"summary": {"request_throughput_rps": None}, "row": {}}
                 rps = best["summary"]["request_throughput_rps"]
                 row[f"goodput rps, TPOT<={bound:g}"] = None if rps is None else round(rps, 2)
-                row[f"stall ms p99, TPOT<={bound:g}"] = best["row"].get("stall_ms p99")
+                row[f"stall ms p99, TPOT<={bound:g}"] = best.get("row", {}).get("stall_ms p99")  # none in older runs
             rows.append(row)
     return rows
 

@@ -183,6 +183,32 @@ def machine() -> dict:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
+def gpu_inventory() -> list[dict]:
+    """The driver's view of this host's GPUs: index, name and UUID (replicas report UUIDs)."""
+    if not torch.cuda.is_available():
+        return []
+    return [{"index": i, "name": torch.cuda.get_device_name(i), "uuid": str(torch.cuda.get_device_properties(i).uuid)}
+            for i in range(torch.cuda.device_count())]
+
+
+def topology() -> str | None:
+    """`nvidia-smi topo -m`: how the GPUs are linked (NVLink or PCIe) decides what a KV copy costs."""
+    try:
+        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+def shm_gib() -> float | None:
+    """Size of /dev/shm, where Ray's object store lives (copied KV passes through it)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
+
+
 def count_parameters(model_dir: str) -> int:
     """Stored parameters (tied embeddings once), read from the safetensors headers."""
     total = 0

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from benchmarks.lib.loads import Load, decode_stall_ms
 from loadtest.report import Point, _pyplot
+from loadtest.spec_stats import SpecDecodeSummary
+from loadtest.summary import LatencyStats, Summary
 
 TTFT_SLO_MS = 1000.0  # issue 32's goodput: p99 TTFT within 1 s ...
 TPOT_SLOS_MS = (15.0, 20.0, 30.0)  # ... and p99 TPOT within each of these
@@ -54,6 +56,18 @@ def rounded(value):
     if isinstance(value, dict):
         return {k: rounded(v) for k, v in value.items()}
     return value
+
+
+def summary_from_dict(document_summary: dict) -> Summary:
+    """A Summary back from its JSON (to_dict) form."""
+    def stats(by_metric: dict) -> dict[str, LatencyStats]:
+        return {metric: LatencyStats(**values) for metric, values in by_metric.items()}
+
+    spec = document_summary["spec_decode"]
+    return Summary(**{**document_summary, "latency_ms": stats(document_summary["latency_ms"]),
+                      "latency_ms_by_kind": {kind: stats(v) for kind, v in
+                                             document_summary["latency_ms_by_kind"].items()},
+                      "spec_decode": SpecDecodeSummary(**spec) if spec else None})
 
 
 def rows_table(rows: list[dict], labels: int = 2) -> str:
