@@ -305,11 +305,14 @@ def saturated(summary: Summary, sat_ttft_ms: float) -> bool:
 def sweep_points(run: AppRun, sat_ttft_ms: float) -> list[dict]:
     """The measured points as the results keep them, each with its row (counts, p99s, decode stall),
     by workload in run order, then by rate."""
-    points = [{"workload": load.name.split()[0], "rate_rps": load.arrivals.rate_rps, "summary": point.summary.to_dict(),
-             "saturated": saturated(point.summary, sat_ttft_ms), "lanes": run.lanes.get(load.name, {}),
-             "row": row(point, placement=run.name, workload=load.name.split()[0]),
-             "requests": request_rows(point)}
-              for load, point in run.points if load.measured]
+    points = []
+    for load, point in run.points:
+        if load.measured:
+            workload = load.name.split()[0]
+            points.append({"workload": workload, "rate_rps": load.arrivals.rate_rps,
+                           "summary": point.summary.to_dict(), "saturated": saturated(point.summary, sat_ttft_ms),
+                           "lanes": run.lanes.get(load.name, {}),
+                           "row": row(point, placement=run.name, workload=workload), "requests": request_rows(point)})
     workloads = list(dict.fromkeys(p["workload"] for p in points))
     return sorted(points, key=lambda p: (workloads.index(p["workload"]), p["rate_rps"]))
 

@@ -124,7 +124,8 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
         result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{run.name}", load.requests, arrivals,
                                       timeout_s=timeout_s, seed=seed, progress=False))
         if request_counters:
-            result.spec_before, result.spec_after = SpecDecodeCounters(0, 0, 0, []), request_spec_counters(result.records)
+            result.spec_before = SpecDecodeCounters(0, 0, 0, [])
+            result.spec_after = request_spec_counters(result.records)
             result.spec_error = None
         point = Point(label=run.name, result=result, summary=result.summary())
         done[load.name] = point.summary

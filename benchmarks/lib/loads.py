@@ -65,7 +65,8 @@ def mixed_requests(tokenizer: Any, count: int, seed: int, device: str) -> list[W
     return mix_long_prompts(short, size["long_share"], size["long"], tokenizer, seed + 1)
 
 
-def estimate_s(load: Load, arrivals: Arrivals, done: dict[str, Summary], warmups: frozenset[str] = frozenset()) -> float:
+def estimate_s(load: Load, arrivals: Arrivals, done: dict[str, Summary],
+               warmups: frozenset[str] = frozenset()) -> float:
     """How long a load should take, from the closest earlier point (0 before any).
 
     Warm-up points (`warmups`) count only while nothing else has run: their throughput includes
