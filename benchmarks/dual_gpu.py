@@ -534,22 +534,26 @@ def markdown(document: dict) -> str:
             lines += ["", f"{p['key']} hand-over measurement failed: `{p['handover_error']}`"]
         if p.get("reason"):
             lines += ["", f"{p['key']} skipped: {p['reason']}"]
-    lines += ["", "## Rate sweep", "", "| placement | rate/s | done/sent | out tok/s | TTFT p50 / p95 / p99 ms | "
-              "TPOT p50 / p95 / p99 ms | acceptance | in flight | busy: verify or engines | drafting | "
-              "verify while drafting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Rate sweep", "", "| placement | rate/s | done/failed/timed out/sent | out tok/s | "
+              "TTFT p50 / p95 / p99 ms | TPOT p50 / p95 / p99 ms | stall p99 ms | acceptance | in flight | "
+              "busy: verify or engines | drafting | verify while drafting |", "|---" * 12 + "|"]
     for p in document["placements"]:
         for pt in p.get("sweep", []):
             s, lanes, acc = pt["summary"], pt.get("lanes", {}), pt["summary"]["spec_decode"]
             # No completed request (a placement that failed) leaves the counters empty.
             accepted = (f"{acc['acceptance_rate']:.3f} / {acc['mean_acceptance_length']:.2f}"
                         if acc and acc.get("acceptance_rate") is not None else "n/a")
-            busy = lanes.get("verify_busy_share", " / ".join(map(str, lanes.get("engine_busy_share", []))) or "n/a")
+            engines = " / ".join(map(str, lanes.get("engine_busy_share", [])))
+            busy = lanes.get("verify_busy_share", engines or "n/a")
             lines.append(
                 f"| {point_label(p, pt)} | {pt['rate_rps']:g}{' (sat.)' if pt['saturated'] else ''} | "
-                f"{s['completed']}/{s['submitted']} | {s['output_token_throughput_tps']:.0f} | "
-                f"{_triple(s, 'ttft_ms')} | {_triple(s, 'tpot_ms')} | {accepted} | {s['mean_in_flight']:.1f} | "
-                f"{busy} | {lanes.get('drafting_busy_share', 'n/a')} | {lanes.get('verify_with_drafting_share', 'n/a')} |")
-    lines += ["", "acceptance: vLLM's acceptance rate / mean acceptance length, summed over the responses' own "
+                f"{s['completed']}/{s['failed']}/{s['timed_out']}/{s['submitted']} | "
+                f"{s['output_token_throughput_tps']:.0f} | {_triple(s, 'ttft_ms')} | {_triple(s, 'tpot_ms')} | "
+                f"{pt.get('row', {}).get('stall_ms p99', 'n/a')} | {accepted} | {s['mean_in_flight']:.1f} | "
+                f"{busy} | {lanes.get('drafting_busy_share', 'n/a')} | "
+                f"{lanes.get('verify_with_drafting_share', 'n/a')} |")
+    lines += ["", "stall: p99 over the short requests of each one's longest gap between two stream chunks. "
+              "acceptance: vLLM's acceptance rate / mean acceptance length, summed over the responses' own "
               "counters. busy: share of the window the verify lane ran forwards (pdv), or each co-located engine ran "
               "steps (unified); drafting: share during which some decode replica drafted; verify while drafting: "
               "share of the verify lane's busy time during which a decode replica was drafting (0 = the lanes took "
@@ -560,11 +564,9 @@ def markdown(document: dict) -> str:
     lines += ["## Goodput and the decode stall", "",
               "Goodput at a bound: the most completed requests/s among a placement's rates at which every "
               f"submitted request completed, p99 TPOT was within the bound and p99 TTFT within {TTFT_SLO_MS:g} ms "
-              "(measured rates only: known to within the rate grid). Stall: at that rate, p99 over the short "
-              "requests of each one's longest gap between two stream chunks. submitted = completed + failed + "
-              "timed out, over the whole sweep.", "", rows_table(document.get("goodput", [])),
-              "Every point:", "", rows_table([pt["row"] for p in document["placements"] for pt in p.get("sweep", [])
-                                              if "row" in pt]), ""]
+              "(measured rates only: known to within the rate grid). Stall: the rate sweep's stall at that rate. "
+              "submitted = completed + failed + timed out, over the whole sweep.", "",
+              rows_table(document.get("goodput", []))]
     lines += ["## Output throughput at a p95 TPOT bound (uniform workload)", "",
               "The most output tok/s among a placement's unsaturated rates whose p95 TPOT is within the bound.", ""]
     rows = document.get("throughput_at_tpot", [])
