@@ -76,7 +76,6 @@ from loadtest.report import (Point, comparison_table, markdown_table,  # noqa: E
 from loadtest.workload import LogNormal, WorkloadRequest, load_tokenizer, mix_long_prompts, synthetic  # noqa: E402
 
 LANE_MODES = ("unified", "pd", "pdv")  # the modes with lanes; "best lane mode" is the best of these
-MAX_ONGOING = 512  # per deployment: above the most requests a run keeps in flight (Serve's default 256 is not)
 TABLE_ROWS = ["offered_rate_rps", "submitted", "completed", "failed", "timed_out", "wall_s",
               "mean_in_flight", "max_in_flight", "request_throughput_rps",
               "output_token_throughput_tps", "ttft_ms p50", "ttft_ms p95", "ttft_ms p99",
