@@ -33,8 +33,8 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.serving import (ALL_MODES, REPO, count_parameters, git_commit,  # noqa: E402
-                                load_average, machine, mode_args, start_cluster)
+from benchmarks.lib.cluster import (ALL_MODES, REPO, count_parameters, git_commit,  # noqa: E402
+                                    load_average, machine, mode_args, start_cluster)
 from deployments.builder import build_app  # noqa: E402
 from loadtest.arrivals import ClosedLoop  # noqa: E402
 from loadtest.report import (Point, comparison_table, markdown_table,  # noqa: E402

@@ -1,36 +1,48 @@
 """Lanes placed over the two GPUs of one host, against one GPU and against data parallelism
-(issue 8; method and results in docs/dual_gpu.md).
+(issues 8 and 32; method and results in docs/dual_gpu.md).
 
 Placements, each one file of configs/placements/ deployed as it is (only the model paths are
-replaced by the pair this run saves):
+replaced by the pair this run saves, and the context raised where mixed traffic needs it):
 
     a   unified-1gpu        the co-located engine on one GPU (the one-GPU reference)
     a2  pdv-1gpu            the three lanes on one GPU (KV by CUDA IPC)
     b   pdv-verify-apart    prefill + 2 decode replicas on one GPU, verify alone on the other
     c   pdv-prefill-apart   prefill alone on one GPU, 2 decode replicas + verify on the other
     d   unified-dp2         two co-located engines, one per GPU (data parallel)
+    f   pd-prefill-apart    prefill alone on one GPU, one decode replica (draft + verify) on the other
 
-Per placement, in one Ray cluster, one placement at a time: deploy and record which GPU every
-replica got (checked against what the config means); warm up (a burst that passes every CUDA-graph
-batch bucket); a Poisson rate sweep with the load tester (rates doubling until p95 TTFT shows
+Per placement, in one Ray cluster, one placement at a time (the harness of benchmarks/lib/): deploy
+and record which GPU every replica got (checked against what the config means); warm up (a burst
+that passes every CUDA-graph batch bucket, with two long prompts when mixed traffic follows); for
+each of --workloads, a Poisson rate sweep with the load tester (rates doubling until p95 TTFT shows
 queueing or a request fails, then one rate between the last two), every request accounted for,
-acceptance measured from each response's spec-decode counters; from the lanes' timelines
-(deployments/timeline.py), how long the verify lane ran while a decode replica was drafting;
-in pdv placements the cost of each KV hand-over against prompt length (one request at a time).
-Ends with a device-to-device copy between the two GPUs of the same sizes, as a reference for
-what the hand-over could cost over NVLink.
+acceptance measured from each response's spec-decode counters:
+    uniform   prompts and outputs of log-normal lengths, as gpu_modes.py draws them
+    mixed     10 % of prompts 3,000 tokens, the rest 128; 128 out (lib/loads.py's MIXED)
+From the lanes' timelines (deployments/timeline.py), how long the verify lane ran while a decode
+replica was drafting; in pdv placements the cost of each KV hand-over against prompt length (one
+request at a time; --no-handover leaves it out). Ends with a device-to-device copy between the two
+GPUs of the same sizes, as a reference for what the hand-over could cost over NVLink.
+
+Per placement and workload it reports goodput (the most completed requests/s among the rates with
+every request completed, p99 TTFT <= 1 s and p99 TPOT within 15, 20 and 30 ms) and the p99 decode
+stall at that rate (a short request's longest gap between two stream chunks), and per point the
+requests completed, failed and timed out.
 
 The whole run keeps to --budget-s: a placement that no longer fits is recorded as skipped, a
-placement that fails is recorded with its error, and results are rewritten after each placement.
+placement that fails is recorded with its error, a workload's rates stop when its share of the
+placement's time runs out, and results are rewritten after every point.
 
     python3 benchmarks/dual_gpu.py --out DIR                       # two-H200 machine, under 9 minutes
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dual_gpu.py --shape small --device cpu \\
+    python3 benchmarks/dual_gpu.py --out DIR --placements d,b,c,f --workloads uniform,mixed \
+        --rates 4,8,16,32 --sat-ttft-ms 1000 --no-handover --budget-s 520     # issue 32, one device call
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dual_gpu.py --shape small --device cpu \
         --budget-s 1300 --out DIR                                  # CPU dry run: every step, no GPUs
     .venv/bin/python benchmarks/dual_gpu.py --plot-only DIR        # plots from DIR/dual_gpu.json
 
 Writes DIR/dual_gpu.json (everything, every request), dual_gpu.md (tables), dual_gpu.csv (one
 column per placement and rate) and, where matplotlib is installed, dual_gpu_load_curve.png,
-dual_gpu_tpot_throughput.png and dual_gpu_handover.png.
+dual_gpu_tpot_throughput.png, dual_gpu_goodput.png and dual_gpu_handover.png.
 """
 
 from __future__ import annotations
@@ -44,12 +56,11 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
@@ -60,17 +71,19 @@ from ray import serve  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
-from benchmarks.gpu_modes import (PRESETS, log, parameter_count, replica_log_tail, save_pair,  # noqa: E402
-                                  wait_for_device_memory)
-from benchmarks.serving import REPO, deploy, git_commit, machine, start_cluster  # noqa: E402
-from benchmarks.lane_timelines import lane_activity, prefill_path_table, timelines  # noqa: E402
+from benchmarks.lane_timelines import prefill_path_table, timelines  # noqa: E402
+from benchmarks.lib.apps import PRESETS, AppRun, deploy_app, lane_reader, last_point, run_loads  # noqa: E402
+from benchmarks.lib.cluster import (REPO, git_commit, gpu_inventory, log, machine, shm_gib,  # noqa: E402
+                                    start_model_cluster, topology, wait_for_device_memory)
+from benchmarks.lib.loads import MIXED, Load, mixed_requests, warmup_requests  # noqa: E402
+from benchmarks.lib.pairs import PAIR_DIR, parameter_count, save_pair  # noqa: E402
+from benchmarks.lib.results import (TPOT_SLOS_MS, TTFT_SLO_MS, goodput, plot_bars, pyplot, request_rows,  # noqa: E402
+                                    row, rows_table, summary_from_dict, write_document)
 from deployments.config import AppConfig  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
-from loadtest.records import RequestRecord  # noqa: E402
 from loadtest.report import Point, comparison_table, markdown_table, plot_load_curves  # noqa: E402
 from loadtest.runner import RunResult, run_load  # noqa: E402
-from loadtest.spec_stats import SpecDecodeCounters, SpecDecodeSummary  # noqa: E402
-from loadtest.summary import LatencyStats, Summary  # noqa: E402
+from loadtest.summary import Summary  # noqa: E402
 from loadtest.workload import (LogNormal, WorkloadRequest, count_tokens, load_tokenizer,  # noqa: E402
                                random_prompt, synthetic, usable_token_ids)
 
@@ -81,6 +94,7 @@ RESERVE_S = 20.0  # kept back from the budget for the last results and the refer
 MIN_PLACEMENT_S = {"cuda": 75.0, "cpu": 60.0}  # less, and a placement cannot deploy, warm up and run two rates
 DELETE_S = 10.0  # what removing an app takes, allowed for in every placement
 HANDOVER_S = {"cuda": 20.0, "cpu": 30.0}  # the hand-over measurement, allowed for in pdv placements
+WORKLOADS = ("uniform", "mixed")
 
 
 @dataclass(frozen=True)
@@ -100,36 +114,12 @@ PLACEMENTS = {p.key: p for p in (
     PlacementSpec("c", "c-pdv-prefill-apart.yaml", "(c) prefill apart, draft + verify",
                   (("decode", "decode", "verify"), ("prefill",))),
     PlacementSpec("d", "d-unified-dp2.yaml", "(d) unified x2, data parallel", (("engine",), ("engine",))),
+    PlacementSpec("f", "f-pd-prefill-apart.yaml", "(f) pd, prefill apart, draft + verify in one engine",
+                  (("decode",), ("prefill",))),
 )}
 
 
 # ---- where replicas run ------------------------------------------------------------------------
-
-def gpu_inventory() -> list[dict]:
-    """The driver's view of this host's GPUs: index, name and UUID (replicas report UUIDs)."""
-    if not torch.cuda.is_available():
-        return []
-    return [{"index": i, "name": torch.cuda.get_device_name(i), "uuid": str(torch.cuda.get_device_properties(i).uuid)}
-            for i in range(torch.cuda.device_count())]
-
-
-def topology() -> str | None:
-    """`nvidia-smi topo -m`: how the GPUs are linked (NVLink or PCIe) decides what a KV copy costs."""
-    try:
-        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() or None
-
-
-def shm_gib() -> float | None:
-    """Size of /dev/shm, where Ray's object store lives (copied KV passes through it)."""
-    try:
-        stat = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
-
 
 def observed_gpus(reports: list[dict], inventory: list[dict]) -> dict:
     """Which GPU each replica got, grouped the way PlacementSpec.gpus states intent."""
@@ -192,19 +182,18 @@ def decode_slots(args: dict) -> int:
 
 # ---- workloads ---------------------------------------------------------------------------------
 
-def sweep_requests(args: argparse.Namespace, tokenizer, rate: float) -> list[WorkloadRequest]:
+def sweep_requests(args: argparse.Namespace, tokenizer, workload: str, rate: float) -> list[WorkloadRequest]:
     """About `window_s` seconds of requests at `rate`, the same for every placement (seeded by the
-    rate); lengths drawn as gpu_modes.workloads draws them."""
-    return synthetic(tokenizer, max(8, round(rate * args.window_s)), args.seed + round(rate * 100),
-                     LogNormal(args.prompt_len_median, 0.6, args.min_prompt_len, args.max_prompt_len),
+    rate). uniform: lengths drawn as gpu_modes.workloads draws them; mixed: MIXED's traffic."""
+    count, seed = max(8, round(rate * args.window_s)), args.seed + round(rate * 100)
+    if workload == "mixed":
+        return mixed_requests(tokenizer, count, seed, args.device)
+    return synthetic(tokenizer, count, seed, prompt_lengths(args),
                      LogNormal(args.output_len_median, 0.3, args.min_output_len, args.max_output_len))
 
 
-def warmup_requests(args: argparse.Namespace, tokenizer, count: int) -> list[WorkloadRequest]:
-    # Outputs of 4-64 tokens end at different times, so the batch passes every bucket going down.
-    return synthetic(tokenizer, count, args.seed + 7,
-                     LogNormal(args.prompt_len_median, 0.6, args.min_prompt_len, args.max_prompt_len),
-                     LogNormal(24, 0.6, 4, 64))
+def prompt_lengths(args: argparse.Namespace) -> LogNormal:
+    return LogNormal(args.prompt_len_median, 0.6, args.min_prompt_len, args.max_prompt_len)
 
 
 def fixed_length_requests(tokenizer, lengths: list[int], reps: int, seed: int) -> list[WorkloadRequest]:
@@ -218,76 +207,64 @@ def fixed_length_requests(tokenizer, lengths: list[int], reps: int, seed: int) -
     return out
 
 
-def request_spec_counters(records: list[RequestRecord]) -> SpecDecodeCounters:
-    """vLLM's spec-decode counters summed over the completed requests' own usage.spec_decode. The
-    server's totals would be partial: each ingress replica counts only the requests it served."""
-    done = [r for r in records if r.status == "completed" and r.num_draft_tokens]
-    return SpecDecodeCounters(sum(r.num_drafts for r in done), sum(r.num_draft_tokens for r in done),
-                              sum(r.num_accepted_tokens for r in done), [])
-
-
-def summary_of(document_summary: dict) -> Summary:
-    """A Summary back from its JSON (to_dict) form."""
-    def stats(by_metric: dict) -> dict[str, LatencyStats]:
-        return {metric: LatencyStats(**values) for metric, values in by_metric.items()}
-
-    spec = document_summary["spec_decode"]
-    return Summary(**{**document_summary, "latency_ms": stats(document_summary["latency_ms"]),
-                      "latency_ms_by_kind": {kind: stats(v) for kind, v in document_summary["latency_ms_by_kind"].items()},
-                      "spec_decode": SpecDecodeSummary(**spec) if spec else None})
-
-
 # ---- one placement ----------------------------------------------------------------------------
 
 def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace, tokenizer, port: int,
-                  deadline_s: float, inventory: list[dict]) -> dict:
-    """Deploy, check where replicas run, warm up, sweep, measure hand-overs; the app is removed after."""
+                  deadline_s: float, inventory: list[dict], on_point: Callable[[dict], None]) -> dict:
+    """Deploy, check where replicas run, warm up, sweep each workload, measure hand-overs; the app is
+    removed after. `on_point(result)` after every point: the placement's results so far."""
     mode = app_args["mode"]
     result: dict = {"key": spec.key, "title": spec.title, "config": f"configs/placements/{spec.config}",
                     "app_args": app_args, "status": "running", "timings_s": {}, "sweep": []}
-    url = f"http://127.0.0.1:{port}/{spec.key}"
+    run = AppRun(spec.key)
+
+    def record(run: AppRun) -> None:
+        result["sweep"] = sweep_points(run, args.sat_ttft_ms)
+        on_point(result)
+
+    phase_s = time.monotonic()
+    if not deploy_app(run, app_args, timeout_s=max(30.0, deadline_s - time.monotonic() - DELETE_S)):
+        return result | {"status": "failed", "error": run.error, "replica_logs": run.replica_logs}
     try:
-        phase_s = time.monotonic()
-        deploy(spec.key, app_args, timeout_s=max(30.0, deadline_s - time.monotonic() - DELETE_S))
         result["timings_s"]["deploy"] = round(time.monotonic() - phase_s, 1)
-        log(f"{spec.key}: deployed in {result['timings_s']['deploy']} s")
         observed = observed_gpus(timelines(spec.key, mode, time.time()), inventory)
         result |= {"placement": observed, "as_intended": as_intended(spec, observed),
                    "asked_num_gpus": replica_gpus(app_args)}
         log(f"{spec.key}: GPUs {observed['gpu_groups'] or 'none (CPU)'}, as intended: {result['as_intended']}")
 
         phase_s = time.monotonic()
-        warm = warmup_requests(args, tokenizer, decode_slots(app_args))
-        timeout_s = max(15.0, min(args.request_timeout_s, deadline_s - time.monotonic() - DELETE_S))
-        warmed = asyncio.run(run_load(url, warm, OpenLoop(math.inf), timeout_s=timeout_s, seed=args.seed,
-                                      progress=False))
-        result["warmup"] = {"requests": len(warm), "completed": sum(r.status == "completed" for r in warmed.records)}
+        handover = mode == "pdv" and args.handover
+        sweeps_end_s = deadline_s - DELETE_S - (HANDOVER_S[args.device] if handover else 0.0)
+        options = dict(request_timeout_s=args.request_timeout_s, seed=args.seed, request_counters=True,
+                       on_point=record, lanes_of=lane_reader(spec.key, mode))
+        long_prompts = 2 if "mixed" in args.workloads else 0  # a placement meets long prompts first here
+        warm = Load("warmup", warmup_requests(tokenizer, decode_slots(app_args), args.seed + 7, prompt_lengths(args),
+                                              long_prompts, MIXED[args.device]["long"]),
+                    OpenLoop(math.inf), measured=False)
+        run_loads(run, port, [warm], sweeps_end_s, **options)
+        warmed = last_point(run, warm)
+        result["warmup"] = {"requests": len(warm.requests), "completed": warmed.summary.completed if warmed else 0}
         result["timings_s"]["warmup"] = round(time.monotonic() - phase_s, 1)
-        log(f"{spec.key}: warm-up {result['warmup']['completed']}/{len(warm)} in {result['timings_s']['warmup']} s")
 
-        phase_s, sweep_start_s = time.monotonic(), time.time()
-        reserve_s = DELETE_S + (HANDOVER_S[args.device] if mode == "pdv" else 0.0)
-        result["sweep"] = sweep(spec, url, args, tokenizer, deadline_s - reserve_s)
-        reports = timelines(spec.key, mode, sweep_start_s)
-        for point in result["sweep"]:
-            point["lanes"] = lane_activity(reports, point["window_unix_s"][0], point["window_unix_s"][1])
+        phase_s = time.monotonic()
+        for n, workload in enumerate(args.workloads):  # each workload an equal share of the time left
+            share_s = (sweeps_end_s - time.monotonic()) / (len(args.workloads) - n)
+            sweep(run, port, workload, args, tokenizer, time.monotonic() + share_s, options)
         result["timings_s"]["sweep"] = round(time.monotonic() - phase_s, 1)
 
-        if mode == "pdv":
+        if handover:
             phase_s = time.monotonic()
             max_model_len = AppConfig.model_validate(app_args).engine.max_model_len
             try:
-                result["handover"] = handover_costs(spec.key, url, args, tokenizer, max_model_len)
+                result["handover"] = handover_costs(spec.key, f"http://127.0.0.1:{port}/{spec.key}", args, tokenizer,
+                                                    max_model_len)
             except Exception as exc:  # noqa: BLE001 - the sweep's results stand without it
                 result["handover_error"] = f"{type(exc).__name__}: {exc}"
             result["timings_s"]["handover"] = round(time.monotonic() - phase_s, 1)
             log(f"{spec.key}: hand-over in {result['timings_s']['handover']} s "
                 f"{result.get('handover_error') or json.dumps(result['handover'])}")
-        result["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - recorded; the next placement still runs
-        result |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                   "replica_logs": replica_log_tail(spec.key)[-6000:]}
-        log(f"{spec.key}: FAILED {result['error']}\n{result['replica_logs']}")
+        run.failed(f"{type(exc).__name__}: {exc}")
     finally:
         phase_s = time.monotonic()
         try:
@@ -295,57 +272,49 @@ def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace,
         except Exception as exc:  # noqa: BLE001
             log(f"{spec.key}: delete failed: {exc}")
         result["timings_s"]["delete"] = round(time.monotonic() - phase_s, 1)
-    return result
+    result |= {"status": run.status, "sweep": sweep_points(run, args.sat_ttft_ms), "skipped_loads": run.skipped}
+    return result | ({"error": run.error, "replica_logs": run.replica_logs} if run.error else {})
 
 
-def sweep(spec: PlacementSpec, url: str, args: argparse.Namespace, tokenizer, deadline_s: float) -> list[dict]:
+def sweep(run: AppRun, port: int, workload: str, args: argparse.Namespace, tokenizer, deadline_s: float,
+          options: dict) -> None:
     """Poisson arrivals at each rate until one saturates or time runs out; after the first saturated
     rate, one rate between it and the last unsaturated one (the knee is where placements differ)."""
-    points: list[dict] = []
     rates, last_ok = list(args.rates), None
     while rates:
         rate = rates.pop(0)
-        requests = sweep_requests(args, tokenizer, rate)
-        # Arrivals, then the slowest requests still running: the previous rate's p95 E2E says how long.
-        tail_s = (points[-1]["summary"]["latency_ms"]["e2e_ms"]["p95"] or 5e3) / 1e3 if points else 5.0
-        if time.monotonic() + len(requests) / rate + tail_s > deadline_s:
-            log(f"{spec.key}: rate {rate:g} skipped, {deadline_s - time.monotonic():.0f} s left for it")
-            break
-        # A request never waits past the placement's time (a stuck lane must not eat the next one's).
-        timeout_s = max(15.0, min(args.request_timeout_s, deadline_s - time.monotonic()))
-        point = sweep_point(url, requests, rate, args.seed, args.sat_ttft_ms, timeout_s)
-        points.append(point)
-        log(f"{spec.key}: {point_line(point)}")
-        if not point["saturated"]:
+        load = Load(f"{workload} {rate:g}/s", sweep_requests(args, tokenizer, workload, rate), OpenLoop(rate))
+        run_loads(run, port, [load], deadline_s, **options)
+        point = last_point(run, load)
+        if point is None:  # no time left for it
+            return
+        if not saturated(point.summary, args.sat_ttft_ms):
             last_ok = rate
             continue
         between = round(math.sqrt(last_ok * rate), 2) if last_ok is not None else None
         rates = [between] if args.refine and between is not None and between not in args.rates + [rate] else []
         last_ok = None  # after the rate between, stop whatever it shows
-    return sorted(points, key=lambda p: p["rate_rps"])
 
 
-def point_line(point: dict) -> str:
-    s, acc = point["summary"], point["summary"]["spec_decode"]
-    return (f"rate {point['rate_rps']:g}/s: {s['completed']}/{s['submitted']} completed, "
-            f"{s['output_token_throughput_tps']:.0f} tok/s, TTFT p95 {_ms(s, 'ttft_ms', 'p95')}, "
-            f"TPOT p95 {_ms(s, 'tpot_ms', 'p95')}, acceptance {acc['acceptance_rate'] if acc else None}"
-            + (" SATURATED" if point["saturated"] else ""))
+def saturated(summary: Summary, sat_ttft_ms: float) -> bool:
+    """A request failed or timed out, or p95 TTFT shows queueing."""
+    ttft_p95 = summary.latency_ms["ttft_ms"].p95
+    return summary.completed < summary.submitted or ttft_p95 is None or ttft_p95 > sat_ttft_ms
 
 
-def sweep_point(url: str, requests: list[WorkloadRequest], rate: float, seed: int, sat_ttft_ms: float,
-                timeout_s: float) -> dict:
-    start_s = time.time()
-    result = asyncio.run(run_load(url, requests, OpenLoop(rate), timeout_s=timeout_s, seed=seed, progress=False))
-    end_s = time.time()
-    result.spec_before, result.spec_after = SpecDecodeCounters(0, 0, 0, []), request_spec_counters(result.records)
-    result.spec_error = None
-    summary = result.summary().to_dict()
-    ttft_p95 = summary["latency_ms"]["ttft_ms"]["p95"]
-    saturated = summary["completed"] < summary["submitted"] or ttft_p95 is None or ttft_p95 > sat_ttft_ms
-    return {"rate_rps": rate, "window_unix_s": [start_s, end_s], "summary": summary, "saturated": saturated,
-            # Every request, without its inter-token gaps (the summary keeps their percentiles).
-            "requests": [{k: v for k, v in r.to_row().items() if k != "itl_ms"} for r in result.records]}
+def sweep_points(run: AppRun, sat_ttft_ms: float) -> list[dict]:
+    """The measured points as the results keep them, each with its row (counts, p99s, decode stall),
+    by workload in run order, then by rate."""
+    points = []
+    for load, point in run.points:
+        if load.measured:
+            workload = load.name.split()[0]
+            points.append({"workload": workload, "rate_rps": load.arrivals.rate_rps,
+                           "summary": point.summary.to_dict(), "saturated": saturated(point.summary, sat_ttft_ms),
+                           "lanes": run.lanes.get(load.name, {}),
+                           "row": row(point, placement=run.name, workload=workload), "requests": request_rows(point)})
+    workloads = list(dict.fromkeys(p["workload"] for p in points))
+    return sorted(points, key=lambda p: (workloads.index(p["workload"]), p["rate_rps"]))
 
 
 def handover_costs(app: str, url: str, args: argparse.Namespace, tokenizer, max_model_len: int) -> list[dict]:
@@ -388,11 +357,6 @@ def _median_ms(seconds) -> float:
     return round(statistics.median(seconds) * 1e3, 2)
 
 
-def _ms(summary: dict, metric: str, stat: str) -> str:
-    value = summary["latency_ms"][metric][stat]
-    return "n/a" if value is None else f"{value:.1f} ms"
-
-
 # ---- reference copy ---------------------------------------------------------------------------
 
 def p2p_reference(sizes_bytes: list[int]) -> list[dict] | None:
@@ -423,18 +387,25 @@ def p2p_reference(sizes_bytes: list[int]) -> list[dict] | None:
 
 def points_of(document: dict) -> list[Point]:
     """The sweep points as the load tester's Points (for its table and load curves), from the JSON."""
-    return [Point(label=placement["key"], summary=summary_of(p["summary"]),
+    return [Point(label=point_label(placement, p), summary=summary_from_dict(p["summary"]),
                   result=RunResult(base_url="", model="", arrivals=OpenLoop(p["rate_rps"]), records=[],
                                    warmup_records=[]))
             for placement in document["placements"] for p in placement.get("sweep", [])]
+
+
+def point_label(placement: dict, point: dict) -> str:
+    """The placement's key, and the workload unless uniform (results of older runs have only that)."""
+    workload = point.get("workload", "uniform")
+    return placement["key"] + ("" if workload == "uniform" else f" {workload}")
 
 
 def throughput_at_tpot(document: dict) -> list[dict]:
     """Per placement and p95 TPOT bound: the most output tok/s among its unsaturated points that meet it."""
     rows = []
     for placement in document["placements"]:
-        ok = [p for p in placement.get("sweep", []) if not p["saturated"]]
-        row = {"placement": placement["key"], "knee_found": any(p["saturated"] for p in placement.get("sweep", []))}
+        uniform = [p for p in placement.get("sweep", []) if p.get("workload", "uniform") == "uniform"]
+        ok = [p for p in uniform if not p["saturated"]]
+        row = {"placement": placement["key"], "knee_found": any(p["saturated"] for p in uniform)}
         for bound in TPOT_BOUNDS_MS:
             meets = [p["summary"]["output_token_throughput_tps"] for p in ok
                      if (p["summary"]["latency_ms"]["tpot_ms"]["p95"] or math.inf) <= bound]
@@ -443,34 +414,54 @@ def throughput_at_tpot(document: dict) -> list[dict]:
     return rows
 
 
+def goodput_table(document: dict) -> list[dict]:
+    """Per placement and workload: goodput at each p99 TPOT bound (results.goodput: the most completed
+    requests/s among the rates with every request completed, p99 TPOT within the bound and p99 TTFT
+    within TTFT_SLO_MS), the p99 decode stall at that rate, and every request the sweep submitted."""
+    rows = []
+    for placement in document["placements"]:
+        sweep_points = placement.get("sweep", [])
+        for workload in dict.fromkeys(p.get("workload", "uniform") for p in sweep_points):
+            points = [p for p in sweep_points if p.get("workload", "uniform") == workload]
+            row = {"placement": placement["key"], "workload": workload,
+                   **{k: sum(p["summary"][k] for p in points) for k in ("submitted", "completed", "failed",
+                                                                        "timed_out")}}
+            for bound in TPOT_SLOS_MS:
+                best = goodput(points, bound) or {"summary": {"request_throughput_rps": None}, "row": {}}
+                rps = best["summary"]["request_throughput_rps"]
+                row[f"goodput rps, TPOT<={bound:g}"] = None if rps is None else round(rps, 2)
+                row[f"stall ms p99, TPOT<={bound:g}"] = best.get("row", {}).get("stall_ms p99")  # none in older runs
+            rows.append(row)
+    return rows
+
+
 def write_results(out: Path, document: dict, plots: bool = True) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     document["throughput_at_tpot"] = throughput_at_tpot(document)
-    (out / f"{NAME}.json").write_text(json.dumps(document, indent=1))
+    document["goodput"] = goodput_table(document)
+    write_document(out, NAME, document, markdown(document))
     points = points_of(document)
     if points:
         comparison_table(points).to_csv(out / f"{NAME}.csv")
-    (out / f"{NAME}.md").write_text(markdown(document))
-    if plots:
-        try:
-            write_plots(out, document, points)
-        except ImportError as exc:  # the GPU image may lack matplotlib: plot later with --plot-only
-            print(f"plots skipped ({exc}); run --plot-only {out} where matplotlib is installed", flush=True)
+    if plots and not write_plots(out, document, points):  # the GPU image may lack matplotlib
+        print(f"plots skipped (no matplotlib); run --plot-only {out} where it is installed", flush=True)
 
 
-def write_plots(out: Path, document: dict, points: list[Point]) -> None:
-    from loadtest.report import _pyplot
-
+def write_plots(out: Path, document: dict, points: list[Point]) -> bool:
+    """The plots, or False where matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
+        return False
     if points:
         plot_load_curves(points, out / f"{NAME}_load_curve.png")
-    plt = _pyplot()
+    goodputs = [c for c in (document["goodput"][0] if document["goodput"] else {}) if c.startswith("goodput")]
+    plot_bars(document["goodput"], out / f"{NAME}_goodput.png", tuple(goodputs), x="placement", series="workload")
     figure, axis = plt.subplots(figsize=(7, 5))
     for placement in document["placements"]:
-        sweep_points = placement.get("sweep", [])
-        if sweep_points:
+        for workload in dict.fromkeys(p.get("workload", "uniform") for p in placement.get("sweep", [])):
+            sweep_points = [p for p in placement["sweep"] if p.get("workload", "uniform") == workload]
             axis.plot([p["summary"]["latency_ms"]["tpot_ms"]["p95"] or np.nan for p in sweep_points],
                       [p["summary"]["output_token_throughput_tps"] for p in sweep_points], marker="o",
-                      label=placement["title"])
+                      label=placement["title"] + ("" if workload == "uniform" else f", {workload}"))
     axis.set_xlabel("p95 TPOT (ms)")
     axis.set_ylabel("output tokens/s")
     axis.set_title("throughput at a latency: up and to the left is better")
@@ -481,7 +472,7 @@ def write_plots(out: Path, document: dict, points: list[Point]) -> None:
     plt.close(figure)
     with_handover = [p for p in document["placements"] if p.get("handover")]
     if not with_handover:
-        return
+        return True
     figure, axis = plt.subplots(figsize=(7, 5))
     for placement in with_handover:
         rows = placement["handover"]
@@ -504,6 +495,7 @@ def write_plots(out: Path, document: dict, points: list[Point]) -> None:
     figure.tight_layout()
     figure.savefig(out / f"{NAME}_handover.png", dpi=110)
     plt.close(figure)
+    return True
 
 
 def markdown(document: dict) -> str:
@@ -521,6 +513,9 @@ def markdown(document: dict) -> str:
         f", outputs {w['min_output_len']}-{w['max_output_len']} (median {w['output_len_median']:g}), greedy, "
         f"ignore_eos. A rate is saturated when a request fails or p95 TTFT passes {w['sat_ttft_ms']:g} ms; the "
         "sweep stops at the first, after one rate between it and the last unsaturated one.",
+        *([f"- Mixed traffic (workload `mixed`): {w['mixed']['long_share']:.0%} of prompts {w['mixed']['long']} "
+           f"tokens, the rest {w['mixed']['prompt']}; {w['mixed']['output']} out; Poisson arrivals, swept as above."]
+          if "mixed" in w.get("workloads", []) else []),
         f"- Command: `{document['command']}`; /dev/shm (Ray's object store) {document.get('dev_shm_gib')} GiB.", "",
     ]
     if document.get("topology"):
@@ -539,30 +534,40 @@ def markdown(document: dict) -> str:
             lines += ["", f"{p['key']} hand-over measurement failed: `{p['handover_error']}`"]
         if p.get("reason"):
             lines += ["", f"{p['key']} skipped: {p['reason']}"]
-    lines += ["", "## Rate sweep", "", "| placement | rate/s | done/sent | out tok/s | TTFT p50 / p95 / p99 ms | "
-              "TPOT p50 / p95 / p99 ms | acceptance | in flight | busy: verify or engines | drafting | "
-              "verify while drafting |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Rate sweep", "", "| placement | rate/s | done/failed/timed out/sent | out tok/s | "
+              "TTFT p50 / p95 / p99 ms | TPOT p50 / p95 / p99 ms | stall p99 ms | acceptance | in flight | "
+              "busy: verify or engines | drafting | verify while drafting |", "|---" * 12 + "|"]
     for p in document["placements"]:
         for pt in p.get("sweep", []):
             s, lanes, acc = pt["summary"], pt.get("lanes", {}), pt["summary"]["spec_decode"]
             # No completed request (a placement that failed) leaves the counters empty.
             accepted = (f"{acc['acceptance_rate']:.3f} / {acc['mean_acceptance_length']:.2f}"
                         if acc and acc.get("acceptance_rate") is not None else "n/a")
-            busy = lanes.get("verify_busy_share", " / ".join(map(str, lanes.get("engine_busy_share", []))) or "n/a")
+            engines = " / ".join(map(str, lanes.get("engine_busy_share", [])))
+            busy = lanes.get("verify_busy_share", engines or "n/a")
             lines.append(
-                f"| {p['key']} | {pt['rate_rps']:g}{' (sat.)' if pt['saturated'] else ''} | "
-                f"{s['completed']}/{s['submitted']} | {s['output_token_throughput_tps']:.0f} | "
-                f"{_triple(s, 'ttft_ms')} | {_triple(s, 'tpot_ms')} | {accepted} | {s['mean_in_flight']:.1f} | "
-                f"{busy} | {lanes.get('drafting_busy_share', 'n/a')} | {lanes.get('verify_with_drafting_share', 'n/a')} |")
-    lines += ["", "acceptance: vLLM's acceptance rate / mean acceptance length, summed over the responses' own "
+                f"| {point_label(p, pt)} | {pt['rate_rps']:g}{' (sat.)' if pt['saturated'] else ''} | "
+                f"{s['completed']}/{s['failed']}/{s['timed_out']}/{s['submitted']} | "
+                f"{s['output_token_throughput_tps']:.0f} | {_triple(s, 'ttft_ms')} | {_triple(s, 'tpot_ms')} | "
+                f"{pt.get('row', {}).get('stall_ms p99', 'n/a')} | {accepted} | {s['mean_in_flight']:.1f} | "
+                f"{busy} | {lanes.get('drafting_busy_share', 'n/a')} | "
+                f"{lanes.get('verify_with_drafting_share', 'n/a')} |")
+    lines += ["", "stall: p99 over the short requests of each one's longest gap between two stream chunks. "
+              "acceptance: vLLM's acceptance rate / mean acceptance length, summed over the responses' own "
               "counters. busy: share of the window the verify lane ran forwards (pdv), or each co-located engine ran "
               "steps (unified); drafting: share during which some decode replica drafted; verify while drafting: "
               "share of the verify lane's busy time during which a decode replica was drafting (0 = the lanes took "
               "turns).", ""]
-    lines += prefill_path_table([(p["key"], f"{pt['rate_rps']:g}/s", pt["lanes"]["prefill_path"])
+    lines += prefill_path_table([(point_label(p, pt), f"{pt['rate_rps']:g}/s", pt["lanes"]["prefill_path"])
                                  for p in document["placements"] for pt in p.get("sweep", [])
                                  if (pt.get("lanes") or {}).get("prefill_path")])
-    lines += ["## Output throughput at a p95 TPOT bound", "",
+    lines += ["## Goodput and the decode stall", "",
+              "Goodput at a bound: the most completed requests/s among a placement's rates at which every "
+              f"submitted request completed, p99 TPOT was within the bound and p99 TTFT within {TTFT_SLO_MS:g} ms "
+              "(measured rates only: known to within the rate grid). Stall: the rate sweep's stall at that rate. "
+              "submitted = completed + failed + timed out, over the whole sweep.", "",
+              rows_table(document.get("goodput", []))]
+    lines += ["## Output throughput at a p95 TPOT bound (uniform workload)", "",
               "The most output tok/s among a placement's unsaturated rates whose p95 TPOT is within the bound.", ""]
     rows = document.get("throughput_at_tpot", [])
     header = [h for h in rows[0] if h != "knee_found"] if rows else []
@@ -613,12 +618,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="results directory")
     parser.add_argument("--plot-only", type=Path, default=None, help="re-draw plots and tables from DIR/dual_gpu.json")
-    parser.add_argument("--placements", default="a,b,d,c,a2", help="in run order (the budget may skip the last)")
+    parser.add_argument("--placements", default="a,b,d,c,a2", help="in run order (the budget may skip the last); "
+                        f"of {','.join(PLACEMENTS)}")
+    parser.add_argument("--workloads", default="uniform", help="swept on every placement, in this order, each an "
+                        "equal share of the placement's time: uniform (log-normal lengths), mixed (MIXED: 10 %% of "
+                        "prompts 3,000 tokens, the rest 128, 128 out)")
     parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
-    parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"),
-                        help="where the pair is saved (gpu_modes.save_pair; a finished save there is reused)")
+    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR,
+                        help="where the pair is saved (lib/pairs.save_pair; a finished save there is reused)")
     parser.add_argument("--rates", default=None, help="requests/s, swept in order until one saturates "
                         "(default 4,8,16,32,64,128 on cuda, 1,2 on cpu)")
     parser.add_argument("--no-refine", dest="refine", action="store_false",
@@ -628,6 +637,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--handover-lens", default=None, help="prompt tokens of the hand-over test "
                         "(128,512,1024,2048 on cuda; 32,128,512 on cpu)")
     parser.add_argument("--handover-reps", type=int, default=3)
+    parser.add_argument("--no-handover", dest="handover", action="store_false",
+                        help="no hand-over measurement in pdv placements (its time goes to the sweeps)")
     parser.add_argument("--budget-s", type=float, default=500.0, help="wall-clock allowance of the whole run")
     parser.add_argument("--seed", type=int, default=0)
     lengths = ("prompt_len_median", "min_prompt_len", "max_prompt_len", "output_len_median", "min_output_len",
@@ -651,6 +662,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [k for k in args.placements if k not in PLACEMENTS]
     if unknown:
         parser.error(f"unknown placements {unknown}; choose from {sorted(PLACEMENTS)}")
+    args.workloads = args.workloads.split(",")
+    if set(args.workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads in {args.workloads}; choose from {WORKLOADS}")
     return args
 
 
@@ -667,7 +681,7 @@ def main(argv: list[str] | None = None) -> None:
     pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device, seed=args.seed)
     configs = {key: placement_args(PLACEMENTS[key], str(pair.target), str(pair.draft), args.device)
                for key in args.placements}
-    fit_prompts(args, configs)
+    fit_lengths(args, configs)
     tokenizer = load_tokenizer(pair.target)
     inventory = gpu_inventory()
     target_config, draft_config = shape_configs(args.shape)
@@ -680,12 +694,10 @@ def main(argv: list[str] | None = None) -> None:
                  "draft_parameters": parameter_count(draft_config)},
         "workload": {k: getattr(args, k) for k in (
             "rates", "window_s", "sat_ttft_ms", "prompt_len_median", "min_prompt_len", "max_prompt_len",
-            "output_len_median", "min_output_len", "max_output_len", "handover_lens", "handover_reps", "seed")},
+            "output_len_median", "min_output_len", "max_output_len", "handover_lens", "handover_reps", "seed",
+            "workloads")} | {"mixed": MIXED[args.device]},
         "placements": [], "duration_s": 0.0}
-    # A replica that fails to start is not retried three times (each try would load 13.5 GB again).
-    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
-    port = start_cluster({"TRITON_INTERPRET": os.environ["TRITON_INTERPRET"], "TOKENIZERS_PARALLELISM": "false",
-                          "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    port = start_model_cluster({"TOKENIZERS_PARALLELISM": "false"})
     free_bytes = [torch.cuda.mem_get_info(g["index"])[0] for g in inventory]
     log(f"Ray and Serve up (port {port}); GPUs {[g['name'] for g in inventory] or 'none'}")
     try:
@@ -698,8 +710,15 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"{key}: skipped ({reason})")
                 continue
             log(f"{key}: {spec.title}: {left_s / placements_left:.0f} s for it")
-            document["placements"].append(run_placement(spec, configs[key], args, tokenizer, port,
-                                                        time.monotonic() + left_s / placements_left, inventory))
+            document["placements"].append({"key": key, "title": spec.title, "status": "running"})
+
+            def on_point(result: dict) -> None:  # a run cut short keeps every point measured
+                document["placements"][-1] = result
+                write_results(args.out, document, plots=False)
+
+            document["placements"][-1] = run_placement(spec, configs[key], args, tokenizer, port,
+                                                       time.monotonic() + left_s / placements_left, inventory,
+                                                       on_point)
             for gpu, free in zip(inventory, free_bytes):  # the deleted replicas' memory is back
                 with torch.cuda.device(gpu["index"]):
                     wait_for_device_memory(free, timeout_s=30)
@@ -717,14 +736,23 @@ def main(argv: list[str] | None = None) -> None:
     print((args.out / f"{NAME}.md").read_text(), flush=True)
 
 
-def fit_prompts(args: argparse.Namespace, configs: dict[str, dict]) -> None:
-    """Prompts long enough to be refused would fail at every rate: cap them to the smallest context."""
+def fit_lengths(args: argparse.Namespace, configs: dict[str, dict]) -> None:
+    """Mixed traffic's long prompts need a longer context than the placement files give: raise it. Uniform
+    prompts long enough to be refused would fail at every rate: cap them to the smallest context."""
+    if "mixed" in args.workloads:
+        needed = MIXED[args.device]["long"] + MIXED[args.device]["output"] + 64
+        for key, config in configs.items():
+            if config["engine"]["max_model_len"] < needed:
+                log(f"{key}: max_model_len {config['engine']['max_model_len']} -> {needed} (mixed traffic)")
+                config["engine"]["max_model_len"] = needed
+                AppConfig.model_validate(config)
     context = min(AppConfig.model_validate(c).engine.max_model_len for c in configs.values())
     longest = context - args.max_output_len - 8
     if args.max_prompt_len > longest:
         log(f"max prompt {args.max_prompt_len} -> {longest} tokens (context {context}, outputs up to "
             f"{args.max_output_len})")
         args.max_prompt_len = longest
+
 
 if __name__ == "__main__":
     main()

@@ -36,14 +36,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.gpu_modes import save_pair  # noqa: E402
-from benchmarks.serving import git_commit, load_average, machine  # noqa: E402
+from benchmarks.lib.cluster import git_commit, load_average, log, machine  # noqa: E402
+from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.serving_overhead import Work, app_config, colocated_engine, reseeded, run_engine  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from loadtest.summary import summarize  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-STARTED_S = time.monotonic()
 COLUMNS = ("mode", "concurrency", "prefill_chunk_tokens", "submitted", "completed", "failed", "output_tok_s",
            "x_nospec", "tpot_p50_ms", "tpot_p95_ms", "ttft_p50_ms", "ttft_p95_ms", "rows_mean", "step_ms_mean",
            "acceptance_rate", "stall_steps")
@@ -51,10 +50,6 @@ COLUMNS = ("mode", "concurrency", "prefill_chunk_tokens", "submitted", "complete
 
 def prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
     return np.random.default_rng(seed).integers(1, vocab_size, (count, length)).tolist()
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
 
 
 class Watchdog:

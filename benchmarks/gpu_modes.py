@@ -45,69 +45,37 @@ Writes, under --out, per agreement (at most 4 files, what a device call can brin
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import importlib.util
 import json
-import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
 
 import pandas as pd
 import ray
 import torch
-import yaml
 from ray import serve
-from safetensors import safe_open
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.constructed_pair import (build_constructed_pair, map_fidelity,  # noqa: E402
-                                         predicted_acceptance, probe_prompts, shape_configs,
-                                         successor_maps)
-from benchmarks.lane_timelines import lane_activity, prefill_path_table, timelines  # noqa: E402
-from benchmarks.serving import (ALL_MODES, REPO, benchmark_app_args, deploy, git_commit, load_average,  # noqa: E402
-                                machine, start_cluster)
+from benchmarks.constructed_pair import shape_configs  # noqa: E402
+from benchmarks.lane_timelines import prefill_path_table  # noqa: E402
+from benchmarks.lib.apps import PRESETS, AppRun, app_args, engine_args, lane_reader, run_app  # noqa: E402
+from benchmarks.lib.cluster import (ALL_MODES, STARTED_S, git_commit, load_average, log, machine,  # noqa: E402
+                                    start_model_cluster, wait_for_device_memory)
+from benchmarks.lib.loads import Load, warmup_requests  # noqa: E402
+from benchmarks.lib.pairs import PAIR_DIR, SavedPair, parameter_count, save_pair  # noqa: E402
+from benchmarks.lib.results import point_document, rounded, write_document  # noqa: E402
 from deployments.factories import PREFILL_BATCH_MAX  # noqa: E402
 from lanes.engine.core import EngineConfig  # noqa: E402
-from lanes.model.loader import load_model, resolve_dtype  # noqa: E402
-from loadtest.arrivals import Arrivals, ClosedLoop, OpenLoop  # noqa: E402
+from lanes.model.loader import resolve_dtype  # noqa: E402
+from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.report import (Point, comparison_table, markdown_table,  # noqa: E402
                              plot_latency_cdfs, plot_load_curves)
-from loadtest.runner import run_load  # noqa: E402
-from loadtest.summary import Summary  # noqa: E402
-from loadtest.workload import (LogNormal, WorkloadRequest, load_tokenizer,  # noqa: E402
-                               mix_long_prompts, synthetic)
+from loadtest.workload import LogNormal, WorkloadRequest, load_tokenizer, mix_long_prompts, synthetic  # noqa: E402
 
-STARTED_S = time.monotonic()
 LANE_MODES = ("unified", "pd", "pdv")  # the modes with lanes; "best lane mode" is the best of these
-SAVED_MARK = "saved.json"  # written last into a saved model directory: the save finished
-# Presets by device; every value can be overridden by its flag. GPU: one H200 (139 GiB).
-PRESETS = {
-    "cuda": dict(dtype="bfloat16", max_num_seqs=160, max_model_len=0, prompt_len_median=128,
-                 min_prompt_len=16, max_prompt_len=384, output_len_median=128, min_output_len=64, max_output_len=192,
-                 long_prompt_len=2000, single_requests=4, mid_concurrency=64, mid_requests=128,
-                 rate_requests=128, high_requests=256, lane_num_cpus=1.0, budget_s=480.0,
-                 deploy_timeout_s=180.0, request_timeout_s=120.0),
-    "cpu": dict(dtype="float32", max_num_seqs=16, max_model_len=512, prompt_len_median=32,
-                min_prompt_len=4, max_prompt_len=96, output_len_median=16, min_output_len=8, max_output_len=32,
-                long_prompt_len=256, single_requests=2, mid_concurrency=4, mid_requests=8,
-                rate_requests=12, high_requests=24, lane_num_cpus=0.25, budget_s=1800.0,
-                deploy_timeout_s=300.0, request_timeout_s=120.0),
-}
-# Lane shares of the one GPU; pdv's are configs/pdv-1gpu.yaml's.
-PDV_1GPU = yaml.safe_load((REPO / "configs" / "pdv-1gpu.yaml").read_text())["applications"][0]["args"]
-GPU_SHARES = {"nospec": {"decode_lane": 1.0}, "spec": {"decode_lane": 1.0},
-              "unified": {"decode_lane": 1.0}, "pd": {"prefill_lane": 0.35, "decode_lane": 0.65},
-              "pdv": {lane: PDV_1GPU[lane]["num_gpus"]
-                      for lane in ("prefill_lane", "decode_lane", "verify_lane")}}
-MAX_ONGOING = 512  # per deployment: above the most requests a run keeps in flight (Serve's default 256 is not)
 TABLE_ROWS = ["offered_rate_rps", "submitted", "completed", "failed", "timed_out", "wall_s",
               "mean_in_flight", "max_in_flight", "request_throughput_rps",
               "output_token_throughput_tps", "ttft_ms p50", "ttft_ms p95", "ttft_ms p99",
@@ -116,115 +84,7 @@ TABLE_ROWS = ["offered_rate_rps", "submitted", "completed", "failed", "timed_out
               "mean_acceptance_length", "accepted_at_position_1"]
 
 
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
-
-
-# ---- the pair on disk -------------------------------------------------------------------------
-
-def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Token i is the word "t<i>", split on whitespace; no special tokens (the constructed configs
-    have no EOS: requests end at max_tokens)."""
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
-
-
-@dataclass(frozen=True)
-class SavedPair:
-    agreement: float
-    target: Path
-    draft: Path
-    save_s: float  # building and saving; ~0 when both directories were already there
-    check: dict  # check_reloaded (full) or check_stored_head per model (structure)
-
-
-def save_pair(shape: str, agreement: float, pair_dir: Path, *, dtype: str, device: str, seed: int = 0,
-              reload_check: str = "structure") -> SavedPair:
-    """Build the pair on `device` and save it under `pair_dir`, unless a finished save is already
-    there (the target does not depend on the agreement: one target serves every draft); then
-    check it (`reload_check`: "full" for check_reloaded, "structure" for check_stored_head)."""
-    target_config, draft_config = shape_configs(shape)
-    base = pair_dir / f"{shape}-seed{seed}-{dtype}"
-    target_dir, draft_dir = base / "target", base / f"draft-agreement{agreement:g}"
-    start = time.perf_counter()
-    if not all((d / SAVED_MARK).exists() for d in (target_dir, draft_dir)):
-        target, draft = build_constructed_pair(target_config, draft_config, agreement, seed, dtype, device)
-        tokenizer = word_tokenizer(target_config["vocab_size"])
-        for model, directory in ((target, target_dir), (draft, draft_dir)):
-            if not (directory / SAVED_MARK).exists():
-                model.model.save_pretrained(directory)
-                tokenizer.save_pretrained(directory)
-                (directory / SAVED_MARK).write_text(json.dumps({"agreement": agreement, "seed": seed}))
-        del target, draft
-        free_device_memory()
-    save_s = time.perf_counter() - start
-    log(f"pair a={agreement:g}: saved in {save_s:.1f} s under {base}")
-    check = (check_reloaded(target_dir, draft_dir, agreement, seed, dtype, device) if reload_check == "full"
-             else {role: check_stored_head(d) for role, d in (("target", target_dir), ("draft", draft_dir))})
-    log(f"pair a={agreement:g}: checked ({reload_check}): {json.dumps(check)}")
-    return SavedPair(agreement, target_dir, draft_dir, save_s, check)
-
-
-@torch.inference_mode()
-def check_reloaded(target_dir: Path, draft_dir: Path, agreement: float, seed: int, dtype: str,
-                   device: str) -> dict:
-    """Load both directories as the replicas do and check the map survived: map fidelity, an
-    untied LM head, and the greedy agreement on random contexts against the designed share."""
-    start = time.perf_counter()
-    target = load_model(str(target_dir), dtype, device)
-    draft = load_model(str(draft_dir), dtype, device)
-    vocab_size = len(target.tokenizer)
-    successor, draft_successor = successor_maps(vocab_size, agreement, seed)
-    probes = probe_prompts(vocab_size, 8, seed=seed + 100)
-    designed = (successor == draft_successor).float().mean().item()
-    check = {
-        "designed_greedy_agreement": designed,
-        "map_fidelity": {"target": map_fidelity(target, successor, probes),
-                         "draft": map_fidelity(draft, draft_successor, probes)},
-        "predicted_per_token_acceptance": predicted_acceptance(target, draft, probes),
-        "untied_lm_head": all(m.model.get_output_embeddings().weight.data_ptr()
-                              != m.model.get_input_embeddings().weight.data_ptr()
-                              for m in (target, draft)),
-    }
-    check["ok"] = (min(check["map_fidelity"].values()) >= 0.95 and check["untied_lm_head"]
-                   and abs(check["predicted_per_token_acceptance"]["greedy"] - designed) <= 0.05)
-    check["check_s"] = round(time.perf_counter() - start, 1)
-    del target, draft
-    free_device_memory()
-    return check
-
-
-def check_stored_head(model_dir: Path) -> dict:
-    """The cheap check (no weights read): the LM head is stored apart from the embeddings and the
-    config says untied, so from_pretrained cannot tie them back."""
-    config = json.loads((model_dir / "config.json").read_text())
-    stored = set()
-    for shard in model_dir.glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as tensors:
-            stored.update(tensors.keys())
-    check = {"tie_word_embeddings": config.get("tie_word_embeddings"),
-             "lm_head_stored": "lm_head.weight" in stored,
-             "embeddings_stored": "model.embed_tokens.weight" in stored}
-    check["ok"] = check["tie_word_embeddings"] is False and check["lm_head_stored"] and check["embeddings_stored"]
-    return check
-
-
-def free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ---- sizes ------------------------------------------------------------------------------------
-
-def parameter_count(config: dict) -> int:
-    """Parameters of a model built from `config`, counted on the meta device (no memory)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            **{**config, "tie_word_embeddings": False}))
-    return sum(p.numel() for p in model.parameters())
-
 
 def kv_bytes_per_token(config: dict, dtype: str) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -245,7 +105,7 @@ def memory_plan(args: argparse.Namespace) -> dict:
     weight_bytes = (parameter_count(target_config) + parameter_count(draft_config)) * itemsize
     token_bytes = kv_bytes_per_token(target_config, args.dtype) + kv_bytes_per_token(draft_config, args.dtype)
     slots = args.max_num_seqs + 1 + PREFILL_BATCH_MAX + 1
-    slack = EngineConfig(**{**engine_args(args), "max_model_len": 2}).slot_capacity_tokens - 2
+    slack = EngineConfig(**{**mode_engine_args(args), "max_model_len": 2}).slot_capacity_tokens - 2
     gpu_bytes = torch.cuda.mem_get_info()[1]
     free_bytes = gpu_bytes - args.reserve_gib * 2**30 - 2 * weight_bytes
     max_model_len = int((free_bytes // (slots * token_bytes) - slack) // 64 * 64)
@@ -255,44 +115,18 @@ def memory_plan(args: argparse.Namespace) -> dict:
             "pools_gib": round(slots * (max_model_len + slack) * token_bytes / 2**30, 1)}
 
 
-def engine_args(args: argparse.Namespace) -> dict:
-    return {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8),
-            "gpu_memory_utilization": args.gpu_memory_utilization}
+
+def mode_engine_args(args: argparse.Namespace) -> dict:
+    return engine_args(args.max_model_len, args.max_num_seqs, args.draft_len, args.gpu_memory_utilization)
 
 
-def app_args(mode: str, pair: SavedPair, args: argparse.Namespace) -> dict:
+def mode_app_args(mode: str, pair: SavedPair, args: argparse.Namespace) -> dict:
     """configs/<mode>.yaml's args on the saved pair, the benchmark's engine and one GPU's lanes."""
-    config = benchmark_app_args(mode, pair.target, pair.draft, dtype=args.dtype, engine=engine_args(args),
-                                lane_num_cpus=args.lane_num_cpus, max_ongoing=MAX_ONGOING,
-                                gpu_shares=GPU_SHARES[mode] if args.device == "cuda" else None)
-    if args.controller and mode != "nospec":
-        # The draft-length controller from the first decision on, starting from the benchmark's L.
-        config["controller"] = {"enabled": True, "initial_draft_len": args.draft_len,
-                                "max_draft_len": max(args.draft_len, 8)}
-    return config
+    return app_args(mode, pair.target, pair.draft, dtype=args.dtype, engine=mode_engine_args(args),
+                    lane_num_cpus=args.lane_num_cpus, one_gpu=args.device == "cuda", controller=args.controller)
 
 
 # ---- loads ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Load:
-    """One point of an app's run: these requests, at fixed arrivals or at a rate taken from an
-    earlier point of the same app (Poisson at `factor` x that point's completed requests/s)."""
-
-    name: str
-    requests: list[WorkloadRequest]
-    arrivals: Arrivals | None = None
-    rate_of: str | None = None
-    factor: float = 1.0
-    measured: bool = True  # False: a warm-up, kept in the results but out of the goals
-
-    def resolve(self, done: dict[str, Summary]) -> Arrivals | None:
-        if self.arrivals is not None:
-            return self.arrivals
-        rate = done[self.rate_of].request_throughput_rps if self.rate_of in done else 0.0
-        return OpenLoop(self.factor * rate) if rate > 0 else None
-
 
 def workloads(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, list[WorkloadRequest]]:
     """The request lists, drawn once and sent to every mode. `long` is `normal`'s first
@@ -304,11 +138,9 @@ def workloads(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, list[W
     outputs = LogNormal(args.output_len_median, 0.3, args.min_output_len, args.max_output_len)
     longest = max(args.single_requests, args.mid_requests, args.rate_requests, args.high_requests)
     normal = synthetic(tokenizer, longest, args.seed, prompts, outputs)
-    # Outputs of 4-64 tokens end at different times, so the batch passes every bucket going down.
-    warmup = synthetic(tokenizer, args.max_num_seqs, args.seed + 7, prompts, LogNormal(24, 0.6, 4, 64))
-    return {"normal": normal, "warmup": warmup,
-            "warmup_long": mix_long_prompts(warmup, 2 / len(warmup), args.long_prompt_len, tokenizer,
-                                            args.seed + 8),
+    return {"normal": normal, "warmup": warmup_requests(tokenizer, args.max_num_seqs, args.seed + 7, prompts),
+            "warmup_long": warmup_requests(tokenizer, args.max_num_seqs, args.seed + 7, prompts, 2,
+                                           args.long_prompt_len),
             "long": mix_long_prompts(normal[:args.rate_requests], args.long_share, args.long_prompt_len,
                                      tokenizer, args.seed + 1)}
 
@@ -331,145 +163,6 @@ def mode_loads(mode: str, requests: dict[str, list[WorkloadRequest]], args: argp
     return loads
 
 
-def estimate_s(load: Load, arrivals: Arrivals, done: dict[str, Summary], warmups: frozenset[str] = frozenset()) -> float:
-    """How long a load should take, from the closest earlier point (0 before any).
-
-    Warm-up points (`warmups`) count only while nothing else has run: their throughput includes
-    CUDA-graph capture and kernel compilation (263 tok/s against 1,472 at c64 for nospec on an
-    H200), and taking it as the reference skipped loads that would have fit. A closed loop above
-    every measured concurrency scales the nearest point's throughput by the square root of the
-    concurrency ratio: decoding gains nearly linearly with batch while memory-bound, the root keeps
-    a margin; taken unscaled, nospec's c1 (73 tok/s) said c64 needed 221 s, against about 12 s.
-    """
-    points = {name: s for name, s in done.items() if name not in warmups} or done
-    measured = [s for s in points.values() if s.output_token_throughput_tps > 0]
-    if not measured:
-        return 0.0
-    in_flight = arrivals.concurrency if isinstance(arrivals, ClosedLoop) else max(s.mean_in_flight for s in measured)
-    nearest = min(measured, key=lambda s: abs(s.mean_in_flight - in_flight))
-    tps = nearest.output_token_throughput_tps
-    if isinstance(arrivals, ClosedLoop) and in_flight > nearest.mean_in_flight > 0:
-        tps *= math.sqrt(in_flight / nearest.mean_in_flight)
-    work_s = sum(r.output_len for r in load.requests) / tps
-    arrival_s = len(load.requests) / arrivals.rate_rps if isinstance(arrivals, OpenLoop) else 0.0
-    last_request_s = (nearest.latency_ms["e2e_ms"].p50 or 0.0) / 1000
-    return max(work_s, arrival_s + last_request_s)
-
-
-# ---- one app, its loads -----------------------------------------------------------------------
-
-@dataclass
-class AppRun:
-    """What one deployed app gave: its points in load order, or why it stopped."""
-
-    name: str
-    status: str = "ok"  # ok, failed
-    error: str | None = None
-    deploy_s: float | None = None
-    points: list[tuple[Load, Point]] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # load name -> why
-    lanes: dict[str, dict] = field(default_factory=dict)  # load name -> the lanes' timelines read (pd, pdv)
-
-
-def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: float, *,
-            deploy_timeout_s: float, request_timeout_s: float, seed: int,
-            on_point=lambda run: None, lanes_of: Callable[[float, float], dict] | None = None) -> AppRun:
-    """Deploy `config` as app `name`, run `loads` in order against it, delete it.
-
-    `deadline_s` (time.monotonic) bounds the whole: a load whose estimate no longer fits is
-    skipped, and no request waits past it by more than 10 s. A failure is recorded in the
-    returned AppRun, never raised. `on_point(run)` is called after every point; `lanes_of(start_s,
-    end_s)`, if given, reads the lanes' timelines over each measured point's wall-clock window.
-    """
-    run = AppRun(name)
-    try:
-        run.deploy_s = deploy(name, config, deploy_timeout_s)
-    except Exception as exc:  # recorded; the next app still runs
-        run.status, run.error = "failed", f"deploy: {type(exc).__name__}: {exc}"
-        log(f"{name}: {run.error}\n{replica_log_tail(name)}")
-        return run
-    log(f"{name}: deployed in {run.deploy_s:.1f} s{device_memory_note()}")
-    try:
-        done: dict[str, Summary] = {}
-        warmups = frozenset(load.name for load in loads if not load.measured)
-        for load in loads:
-            arrivals = load.resolve(done)
-            left_s = deadline_s - time.monotonic()
-            needs_s = estimate_s(load, arrivals, done, warmups) if arrivals else 0.0
-            if arrivals is None or needs_s > left_s:
-                run.skipped[load.name] = (f"time budget: needs ~{needs_s:.0f} s, {left_s:.0f} s left" if arrivals
-                                          else f"no completed requests at {load.rate_of} to take a rate from")
-                log(f"{name} {load.name}: skipped ({run.skipped[load.name]})")
-                continue
-            timeout_s = max(10.0, min(request_timeout_s, left_s + 10))
-            start_s = time.time()
-            result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", load.requests, arrivals,
-                                          timeout_s=timeout_s, seed=seed, progress=False))
-            point = Point(label=name, result=result, summary=result.summary())
-            done[load.name] = point.summary
-            run.points.append((load, point))
-            log(f"{name} {load.name}: {point_line(point)}{device_memory_note()}")
-            if lanes_of is not None and load.measured:
-                run.lanes[load.name] = read_lanes(lanes_of, start_s, time.time())
-            on_point(run)
-    except Exception as exc:  # recorded; the next app still runs
-        run.status, run.error = "failed", f"{type(exc).__name__}: {exc}"
-        log(f"{name}: {run.error}")
-    finally:
-        serve.delete(name)
-    return run
-
-
-def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: float) -> dict:
-    try:
-        lanes = lanes_of(start_s, end_s)
-    except Exception as exc:  # a diagnostic: never let it end the run
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    if path := lanes.get("prefill_path"):
-        log(f"  before decoding: {json.dumps(path)}")
-    return lanes
-
-
-def point_line(point: Point) -> str:
-    s = point.summary
-    spec = s.spec_decode
-    accept = (f", acceptance {spec.acceptance_rate:.3f} (pos 1: {spec.acceptance_rate_per_pos[0]:.3f})"
-              if spec and spec.acceptance_rate is not None else "")
-    return (f"{point.result.arrivals.label}: {s.completed}/{s.submitted} completed, {s.failed} failed, "
-            f"{s.timed_out} timed out; {s.output_token_throughput_tps:.0f} tok/s, in flight mean "
-            f"{s.mean_in_flight:.1f} max {s.max_in_flight}; TTFT p50 {_ms(s, 'ttft_ms', 'p50')}, TPOT p50 "
-            f"{_ms(s, 'tpot_ms', 'p50')} p95 {_ms(s, 'tpot_ms', 'p95')}{accept}; {s.wall_s:.1f} s")
-
-
-def _ms(summary: Summary, metric: str, stat: str) -> str:
-    value = getattr(summary.latency_ms[metric], stat)
-    return "n/a" if value is None else f"{value:.1f} ms"
-
-
-def replica_log_tail(name: str, lines: int = 25) -> str:
-    """The last lines of the app's replica logs (replica output does not reach the driver)."""
-    try:
-        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
-        paths = sorted(logs.glob(f"replica_{name}_*.log"))
-    except Exception as exc:  # a private API: never let it hide the failure being reported
-        return f"(replica logs not found: {exc})"
-    return "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-                     for path in paths)
-
-
-def device_memory_note() -> str:
-    if not torch.cuda.is_available():
-        return ""
-    free, total = torch.cuda.mem_get_info()
-    return f"; GPU memory in use {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB"
-
-
-def wait_for_device_memory(free_bytes: int, timeout_s: float = 60) -> None:
-    """After an app is deleted, wait until its replicas' GPU memory is back."""
-    deadline = time.monotonic() + timeout_s
-    while torch.cuda.mem_get_info()[0] < 0.95 * free_bytes and time.monotonic() < deadline:
-        time.sleep(1)
-
 
 # ---- results ----------------------------------------------------------------------------------
 
@@ -479,13 +172,6 @@ class AgreementResults:
     runs: dict[str, AppRun] = field(default_factory=dict)
     mid_rate_rps: float | None = None
 
-
-def point_document(load: Load, point: Point) -> dict:
-    # Every request, without its inter-token gaps (the summary has their percentiles).
-    return {"mode": point.label, "load": load.name, "measured": load.measured,
-            "arrivals": point.result.arrivals.label, "summary": point.summary.to_dict(),
-            "requests": [{k: v for k, v in r.to_row().items() if k != "itl_ms"}
-                         for r in point.result.records]}
 
 
 def measured_points(results: AgreementResults, load_name: str) -> dict[str, Point]:
@@ -524,7 +210,7 @@ def goals(results: AgreementResults, args: argparse.Namespace) -> dict:
              if run.points}
     served = {m: p.summary.spec_decode for m, p in mid.items() if p.summary.spec_decode
               and p.summary.spec_decode.acceptance_rate is not None}
-    return _rounded({
+    return rounded({
         "acceptance_at_mid_load": {
             "designed_per_token": results.pair.agreement,
             "accepted_at_position_1": {m: spec.acceptance_rate_per_pos[0] for m, spec in served.items()},
@@ -550,15 +236,6 @@ def goals(results: AgreementResults, args: argparse.Namespace) -> dict:
     })
 
 
-def _rounded(value):
-    """Floats to 4 significant digits, all the way down."""
-    if isinstance(value, float):
-        return float(f"{value:.4g}")
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    return value
-
-
 def write_results(out: Path, context: dict, results: AgreementResults, args: argparse.Namespace,
                   final: bool) -> Path:
     """Rewrite the agreement's JSON and Markdown (and, at the end, its plots)."""
@@ -573,9 +250,7 @@ def write_results(out: Path, context: dict, results: AgreementResults, args: arg
                 "goals": goals(results, args),
                 "points": [point_document(load, point) for run in results.runs.values()
                            for load, point in run.points]}
-    # Not with_suffix: the agreement's decimal point would be taken for one.
-    stem.with_name(stem.name + ".json").write_text(json.dumps(document, indent=1, default=str))
-    stem.with_name(stem.name + ".md").write_text(markdown(document, results, args))
+    write_document(out, stem.name, document, markdown(document, results, args))
     if final:
         write_plots(stem, results, args)
     return stem
@@ -658,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-modes", default="nospec," + ",".join(LANE_MODES),
                         help="modes that also get rate_mid+long")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"),
+    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR,
                         help="saved pairs; a finished save there is reused")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -722,15 +397,12 @@ def main(argv: list[str] | None = None) -> None:
                "commit": git_commit(), "args": {k: str(v) for k, v in vars(args).items()},
                "shapes": {"target": target_config, "draft": draft_config},
                "parameters": {"target": parameter_count(target_config), "draft": parameter_count(draft_config)},
-               "engine": engine_args(args), "memory_plan": plan, "load_average_before": load_average(),
+               "engine": mode_engine_args(args), "memory_plan": plan, "load_average_before": load_average(),
                "workload": {name: {"requests": len(reqs), "prompt_tokens": sum(r.prompt_len for r in reqs),
                                    "output_tokens": sum(r.output_len for r in reqs),
                                    "long_prompts": sum(r.kind == "long" for r in reqs)}
                             for name, reqs in requests.items()}}
-    # Replicas: one OpenMP thread each; Triton compiles for the GPU; a failing replica is not
-    # rebuilt three times (each try would load 13.5 GB again).
-    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
-    port = start_cluster({"TRITON_INTERPRET": "0", "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    port = start_model_cluster()
     log(f"Ray and Serve up (port {port})")
     free_bytes = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
     apps_left = len(pairs) * len(args.modes)
@@ -748,14 +420,11 @@ def main(argv: list[str] | None = None) -> None:
                     results.runs[mode] = run
                     write_results(args.out, context, results, args, final=False)
 
-                def lanes_of(start_s: float, end_s: float, name=name, mode=mode) -> dict:
-                    return lane_activity(timelines(name, mode, start_s), start_s, end_s + 0.01)
-
-                run = run_app(name, app_args(mode, pair, args), port,
+                run = run_app(name, mode_app_args(mode, pair, args), port,
                               mode_loads(mode, requests, args, results.mid_rate_rps),
                               time.monotonic() + share_s, deploy_timeout_s=args.deploy_timeout_s,
                               request_timeout_s=args.request_timeout_s, seed=args.seed, on_point=on_point,
-                              lanes_of=lanes_of if mode in ("pd", "pdv") else None)
+                              lanes_of=lane_reader(name, mode) if mode in ("pd", "pdv") else None)
                 results.runs[mode] = run
                 rate_mid = next((p for load, p in run.points if load.name == "rate_mid"), None)
                 if results.mid_rate_rps is None and rate_mid is not None:

@@ -47,9 +47,10 @@ from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.gpu_modes import GPU_SHARES, MAX_ONGOING, free_device_memory, save_pair  # noqa: E402
-from benchmarks.serving import (ALL_MODES, benchmark_app_args, deploy, git_commit,  # noqa: E402
-                                load_average, machine, start_cluster)
+from benchmarks.lib.apps import GPU_SHARES, MAX_ONGOING  # noqa: E402
+from benchmarks.lib.cluster import (ALL_MODES, benchmark_app_args, deploy, free_device_memory,  # noqa: E402
+                                    git_commit, load_average, log, machine, start_cluster)
+from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.ttft_hops import hops_table, ttft_hops  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from deployments.factories import build_proposer  # noqa: E402
@@ -63,12 +64,7 @@ from loadtest.runner import run_load  # noqa: E402
 from loadtest.summary import Summary, summarize  # noqa: E402
 from loadtest.workload import WorkloadRequest  # noqa: E402
 
-STARTED_S = time.monotonic()
 WAYS = ("engine", "handle", "http")
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
 
 
 @dataclass(frozen=True)

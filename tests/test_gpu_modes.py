@@ -1,5 +1,5 @@
-"""The pieces of benchmarks/gpu_modes.py that must be right before a device call: the saved pair
-and its tokenizer, the memory plan, and rates taken from earlier points."""
+"""The pieces of benchmarks/gpu_modes.py and its harness (benchmarks/lib/) that must be right before
+a device call: the saved pair and its tokenizer, the memory plan, and rates taken from earlier points."""
 
 from dataclasses import replace
 from types import SimpleNamespace
@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.gpu_modes import (AgreementResults, AppRun, Load, check_stored_head, estimate_s, fit_lengths, goals,
-                                  parse_args, save_pair, word_tokenizer)
+from benchmarks.gpu_modes import AgreementResults, fit_lengths, goals, parse_args
+from benchmarks.lib.apps import AppRun
+from benchmarks.lib.loads import Load, estimate_s
+from benchmarks.lib.pairs import check_stored_head, save_pair, word_tokenizer
 from loadtest.arrivals import ClosedLoop, OpenLoop
 from loadtest.report import Point
 from loadtest.summary import LatencyStats, Summary

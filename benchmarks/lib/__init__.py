@@ -1,0 +1,9 @@
+"""The served benchmarks' harness; the scripts in benchmarks/ are thin over it.
+
+    cluster.py   Ray + Serve up, deploy an app and wait, replica logs, GPU memory, machine and commit
+    pairs.py     the constructed model pair saved to disk once, reloaded and checked
+    apps.py      an app's config (a mode on one GPU), deploy, a list of loads, delete; PRESETS
+    loads.py     loads, the warm-up burst, mixed traffic, time estimates, the decode stall
+    results.py   a row per point, Markdown tables, goodput under latency bounds, plots, files
+                 rewritten after every point
+"""

@@ -1,0 +1,174 @@
+"""One app's run: its config (a mode on one GPU, or a file of configs/placements/), deploy, a list
+of loads driven through Serve's proxy by the load tester, delete. Failures are recorded, never
+raised, so the next app still runs; the run keeps to a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+from ray import serve
+
+from benchmarks.lane_timelines import lane_activity, timelines
+from benchmarks.lib.cluster import REPO, benchmark_app_args, deploy, device_memory_note, log, replica_log_tail
+from benchmarks.lib.loads import Load, estimate_s, point_line, request_spec_counters
+from loadtest.report import Point
+from loadtest.runner import run_load
+from loadtest.spec_stats import SpecDecodeCounters
+
+# The served benchmarks' defaults by device; every key is also a flag of gpu_modes.py (dual_gpu.py
+# takes the workload's lengths and timeouts). GPU: one H200 (139 GiB).
+PRESETS = {
+    "cuda": dict(dtype="bfloat16", max_num_seqs=160, max_model_len=0, prompt_len_median=128,
+                 min_prompt_len=16, max_prompt_len=384, output_len_median=128, min_output_len=64, max_output_len=192,
+                 long_prompt_len=2000, single_requests=4, mid_concurrency=64, mid_requests=128,
+                 rate_requests=128, high_requests=256, lane_num_cpus=1.0, budget_s=480.0,
+                 deploy_timeout_s=180.0, request_timeout_s=120.0),
+    "cpu": dict(dtype="float32", max_num_seqs=16, max_model_len=512, prompt_len_median=32,
+                min_prompt_len=4, max_prompt_len=96, output_len_median=16, min_output_len=8, max_output_len=32,
+                long_prompt_len=256, single_requests=2, mid_concurrency=4, mid_requests=8,
+                rate_requests=12, high_requests=24, lane_num_cpus=0.25, budget_s=1800.0,
+                deploy_timeout_s=300.0, request_timeout_s=120.0),
+}
+# Lane shares of one GPU; pdv's are configs/pdv-1gpu.yaml's.
+PDV_1GPU = yaml.safe_load((REPO / "configs" / "pdv-1gpu.yaml").read_text())["applications"][0]["args"]
+GPU_SHARES = {"nospec": {"decode_lane": 1.0}, "spec": {"decode_lane": 1.0},
+              "unified": {"decode_lane": 1.0}, "pd": {"prefill_lane": 0.35, "decode_lane": 0.65},
+              "pdv": {lane: PDV_1GPU[lane]["num_gpus"]
+                      for lane in ("prefill_lane", "decode_lane", "verify_lane")}}
+MAX_ONGOING = 512  # per deployment: above the most requests a run keeps in flight (Serve's default 256 is not)
+
+
+def engine_args(max_model_len: int, max_num_seqs: int, draft_len: int = 3,
+                gpu_memory_utilization: float = 0.9) -> dict:
+    """The benchmarks' engine: L = `draft_len` (3, the best single-stream L at agreement 0.8)."""
+    return {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "num_speculative_tokens": draft_len,
+            "max_draft_len": max(draft_len, 8), "gpu_memory_utilization": gpu_memory_utilization}
+
+
+def app_args(mode: str, target: Path, draft: Path, *, dtype: str, engine: dict, lane_num_cpus: float,
+             one_gpu: bool, controller: bool = False) -> dict:
+    """configs/<mode>.yaml's args on this pair and engine; with `one_gpu`, the lanes share one GPU
+    (GPU_SHARES); with `controller`, the draft-length controller decides L from the first step."""
+    config = benchmark_app_args(mode, target, draft, dtype=dtype, engine=engine, lane_num_cpus=lane_num_cpus,
+                                max_ongoing=MAX_ONGOING, gpu_shares=GPU_SHARES[mode] if one_gpu else None)
+    if controller and mode != "nospec":
+        draft_len = engine["num_speculative_tokens"]
+        config["controller"] = {"enabled": True, "initial_draft_len": draft_len,
+                                "max_draft_len": max(draft_len, 8)}
+    return config
+
+
+@dataclass
+class AppRun:
+    """What one deployed app gave: its points in load order, or why it stopped."""
+
+    name: str
+    status: str = "ok"  # ok, failed
+    error: str | None = None
+    deploy_s: float | None = None
+    points: list[tuple[Load, Point]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # load name -> why
+    lanes: dict[str, dict] = field(default_factory=dict)  # load name -> the lanes' timelines read
+    replica_logs: str | None = None  # the replicas' last lines, when the app failed
+
+    def failed(self, error: str) -> None:
+        self.status, self.error = "failed", error
+        self.replica_logs = replica_log_tail(self.name)[-6000:]
+        log(f"{self.name}: {error}\n{traceback.format_exc()}{self.replica_logs}")
+
+
+def deploy_app(run: AppRun, config: dict, timeout_s: float) -> bool:
+    """Deploy `config` as app `run.name` (route /name); False, with the failure recorded, if it
+    did not come up (Serve has then deleted it)."""
+    try:
+        run.deploy_s = deploy(run.name, config, timeout_s)
+    except Exception as exc:  # recorded; the next app still runs
+        run.failed(f"deploy: {type(exc).__name__}: {exc}")
+        return False
+    log(f"{run.name}: deployed in {run.deploy_s:.1f} s{device_memory_note()}")
+    return True
+
+
+def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, request_timeout_s: float,
+              seed: int, on_point: Callable[[AppRun], None] = lambda run: None,
+              lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False) -> None:
+    """Run `loads` in order against the deployed app `run.name`, appending a point to `run` each.
+
+    `deadline_s` (time.monotonic) bounds the whole: a load whose estimate no longer fits is
+    skipped (and recorded so), and no request waits past it by more than 10 s. `on_point(run)` is
+    called after every point; `lanes_of(start_s, end_s)`, if given, reads the lanes' timelines over
+    each measured point's wall-clock window. `request_counters`: acceptance from the responses' own
+    counters, not the server's totals (which cover one ingress replica of several).
+    """
+    done = {load.name: point.summary for load, point in run.points}
+    warmups = frozenset(load.name for load in loads if not load.measured)
+    for load in loads:
+        arrivals = load.resolve(done)
+        left_s = deadline_s - time.monotonic()
+        needs_s = estimate_s(load, arrivals, done, warmups) if arrivals else 0.0
+        if arrivals is None or needs_s > left_s:
+            run.skipped[load.name] = (f"time budget: needs ~{needs_s:.0f} s, {left_s:.0f} s left" if arrivals
+                                      else f"no completed requests at {load.rate_of} to take a rate from")
+            log(f"{run.name} {load.name}: skipped ({run.skipped[load.name]})")
+            continue
+        timeout_s = max(10.0, min(request_timeout_s, left_s + 10))
+        start_s = time.time()
+        result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{run.name}", load.requests, arrivals,
+                                      timeout_s=timeout_s, seed=seed, progress=False))
+        if request_counters:
+            result.spec_before = SpecDecodeCounters(0, 0, 0, [])
+            result.spec_after = request_spec_counters(result.records)
+            result.spec_error = None
+        point = Point(label=run.name, result=result, summary=result.summary())
+        done[load.name] = point.summary
+        run.points.append((load, point))
+        log(f"{run.name} {load.name}: {point_line(point)}{device_memory_note()}")
+        if lanes_of is not None and load.measured:
+            run.lanes[load.name] = read_lanes(lanes_of, start_s, time.time())
+        on_point(run)
+
+
+def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: float, *,
+            deploy_timeout_s: float, request_timeout_s: float, seed: int,
+            on_point: Callable[[AppRun], None] = lambda run: None,
+            lanes_of: Callable[[float, float], dict] | None = None) -> AppRun:
+    """Deploy `config` as app `name`, run `loads` in order against it (run_loads), delete it."""
+    run = AppRun(name)
+    if not deploy_app(run, config, deploy_timeout_s):
+        return run
+    try:
+        run_loads(run, port, loads, deadline_s, request_timeout_s=request_timeout_s, seed=seed,
+                  on_point=on_point, lanes_of=lanes_of)
+    except Exception as exc:  # recorded; the next app still runs
+        run.failed(f"{type(exc).__name__}: {exc}")
+    finally:
+        serve.delete(name)
+    return run
+
+
+def lane_reader(name: str, mode: str) -> Callable[[float, float], dict]:
+    """`lanes_of` for run_loads: each lane's busy share and the prefill path's waits over a window."""
+    return lambda start_s, end_s: lane_activity(timelines(name, mode, start_s), start_s, end_s + 0.01)
+
+
+def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: float) -> dict:
+    try:
+        lanes = lanes_of(start_s, end_s)
+    except Exception as exc:  # a diagnostic: never let it end the run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if path := lanes.get("prefill_path"):
+        log(f"  before decoding: {json.dumps(path)}")
+    return lanes
+
+
+def last_point(run: AppRun, load: Load) -> Point | None:
+    """`load`'s point, if it was the last one run (None: it was skipped or failed)."""
+    return run.points[-1][1] if run.points and run.points[-1][0] is load else None

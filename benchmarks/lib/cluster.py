@@ -1,0 +1,233 @@
+"""The cluster of a served benchmark: one Ray cluster with Serve's proxy, apps of the five modes
+deployed from configs/<mode>.yaml and removed again, what their replicas logged and left on the
+GPU, and where and how a run was measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import ray
+import torch
+import yaml
+from ray import serve
+from ray.serve.schema import ApplicationStatus
+from safetensors import safe_open
+
+from deployments.builder import build_app
+
+REPO = Path(__file__).resolve().parents[2]
+STARTED_S = time.monotonic()
+ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
+
+
+def log(message: str) -> None:
+    """A line on stdout, stamped with the seconds since the benchmark started."""
+    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
+
+
+class DeployFailed(RuntimeError):
+    """An app did not reach RUNNING; the message says why (Serve's own status message)."""
+
+
+def mode_args(mode: str, target: Path | None, draft: Path | None) -> dict:
+    """The `args:` of configs/<mode>.yaml with model paths absolute (replicas may run elsewhere)."""
+    config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())
+    args = config["applications"][0]["args"]
+    for role, override in (("target", target), ("draft", draft)):
+        path = override or REPO / args[role]["path"]
+        args[role]["path"] = str(Path(path).resolve())
+    return args
+
+
+def benchmark_app_args(mode: str, target: Path | None, draft: Path | None, *, dtype: str, engine: dict,
+                       lane_num_cpus: float, max_ongoing: int, gpu_shares: dict[str, float] | None) -> dict:
+    """configs/<mode>.yaml's args with a benchmark's models, engine sizes and lane placement: every
+    lane (and the ingress) admits `max_ongoing` requests, and with `gpu_shares` the lanes share GPUs."""
+    config = mode_args(mode, target, draft)
+    for role in ("target", "draft"):
+        config[role]["dtype"] = dtype
+    config["engine"] = {**config["engine"], **engine}
+    config["max_queued_requests"] = max_ongoing
+    for lane in ("ingress", "prefill_lane", "decode_lane", "verify_lane"):
+        config[lane] = {**config.get(lane, {}), "max_ongoing_requests": max_ongoing}
+        if lane != "ingress":
+            config[lane]["num_cpus"] = lane_num_cpus
+    for lane, share in (gpu_shares or {}).items():
+        config[lane]["num_gpus"] = share
+    return config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(env_vars: dict[str, str] | None = None) -> int:
+    """A Ray cluster of this machine with Serve's proxy on a free port; returns the port.
+
+    `env_vars` reach every replica (OMP_NUM_THREADS=1 always: replicas share the cores).
+    """
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **(env_vars or {})}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def start_model_cluster(env_vars: dict[str, str] | None = None) -> int:
+    """start_cluster for apps of large models: a replica that fails to start is not rebuilt three
+    times (each try would load the weights again), and Triton compiles for the GPU (unless the
+    driver's TRITON_INTERPRET says otherwise)."""
+    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
+    return start_cluster({"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"),
+                          "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1", **(env_vars or {})})
+
+
+def deploy(name: str, app_args: dict, timeout_s: float) -> float:
+    """Deploy `app_args` as app `name` (route /name) and wait until it runs; returns the seconds taken.
+
+    Raises DeployFailed with Serve's message when the app fails or is not running within
+    `timeout_s`, after deleting it, so that the next app gets the machine.
+    """
+    started_s = time.monotonic()
+    try:
+        serve.run_many([serve.RunTarget(build_app(app_args), name=name, route_prefix=f"/{name}")],
+                       wait_for_applications_running=False)
+        while True:
+            status = serve.status().applications.get(name)
+            if status is not None and status.status == ApplicationStatus.RUNNING:
+                return time.monotonic() - started_s
+            failed = status is not None and status.status in (ApplicationStatus.DEPLOY_FAILED,
+                                                              ApplicationStatus.UNHEALTHY)
+            if failed or time.monotonic() - started_s > timeout_s:
+                why = _status_message(status) if failed else f"not running after {timeout_s:.0f} s"
+                raise DeployFailed(f"{name}: {why}")
+            time.sleep(1.0)
+    except BaseException:
+        serve.delete(name)
+        raise
+
+
+def _status_message(status) -> str:
+    parts = [f"{status.status}: {status.message}"]
+    parts += [f"{dep}: {d.status} {d.message}" for dep, d in status.deployments.items() if d.message]
+    return " | ".join(parts)
+
+
+def replica_logs() -> list[Path]:
+    """This Ray session's Serve replica logs (replica output does not reach the driver)."""
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    return sorted(logs.glob("replica_*.log"))
+
+
+def replica_log_tail(name: str, lines: int = 25) -> str:
+    """The last lines of app `name`'s replica logs."""
+    try:
+        paths = [p for p in replica_logs() if p.name.startswith(f"replica_{name}_")]
+    except Exception as exc:  # a private API: never let it hide the failure being reported
+        return f"(replica logs not found: {exc})"
+    return "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+                     for path in paths)
+
+
+def replica_log_lines(wanted: tuple[str, ...], most: int = 400) -> str:
+    """Every replica's log lines that contain one of `wanted` (memory plans, refusals, errors)."""
+    try:
+        paths = replica_logs()
+    except Exception as exc:  # a private API: never let it end the run
+        return f"(replica logs not found: {exc})"
+    lines = [f"{path.name}: {line.strip()}" for path in paths
+             for line in path.read_text(errors="replace").splitlines() if any(w in line for w in wanted)]
+    return "\n".join(lines[:most])
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def device_memory_note() -> str:
+    if not torch.cuda.is_available():
+        return ""
+    free, total = torch.cuda.mem_get_info()
+    return f"; GPU memory in use {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB"
+
+
+def wait_for_device_memory(free_bytes: int, timeout_s: float = 60) -> None:
+    """After an app is deleted, wait until its replicas' memory on the current GPU is back."""
+    deadline = time.monotonic() + timeout_s
+    while torch.cuda.mem_get_info()[0] < 0.95 * free_bytes and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def machine() -> dict:
+    cpu_model = next((line.split(":", 1)[1].strip() for line in
+                      Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    return {"cpu_model": cpu_model, "cpu_cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+                                1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def gpu_inventory() -> list[dict]:
+    """The driver's view of this host's GPUs: index, name and UUID (replicas report UUIDs)."""
+    if not torch.cuda.is_available():
+        return []
+    return [{"index": i, "name": torch.cuda.get_device_name(i), "uuid": str(torch.cuda.get_device_properties(i).uuid)}
+            for i in range(torch.cuda.device_count())]
+
+
+def topology() -> str | None:
+    """`nvidia-smi topo -m`: how the GPUs are linked (NVLink or PCIe) decides what a KV copy costs."""
+    try:
+        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+def shm_gib() -> float | None:
+    """Size of /dev/shm, where Ray's object store lives (copied KV passes through it)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
+
+
+def count_parameters(model_dir: str) -> int:
+    """Stored parameters (tied embeddings once), read from the safetensors headers."""
+    total = 0
+    for shard in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as tensors:
+            total += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+    return total
+
+
+def git_commit() -> str:
+    """HEAD, with "-dirty" when the working tree has uncommitted changes ("unknown" without git:
+    the GPU machine gets a copy of the working tree, not the repository)."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=REPO,
+                              capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
