@@ -70,7 +70,7 @@ DRAFT_LEN = 3
 SEED = 0
 MAX_ONGOING = 512  # per deployment: above the most requests a part keeps in flight
 # Ids below RESERVED_IDS never appear in prompts; `grammar_pair` names them (end token, JSON's characters).
-GRAMMAR_TOKENS = ["</s>", "{", "}", '"', ":", ",", "text"]
+GRAMMAR_TOKENS = ["</s>", "{", "}", '"', ":", ",", "text", " "]  # compact JSON writes ": " and ", "
 RESERVED_IDS = 16
 JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
                "additionalProperties": False}
@@ -604,7 +604,7 @@ def part_extras(args: argparse.Namespace, report: Report, port: int, deadline_s:
         f"One unified app, L = {DRAFT_LEN}, controller off; {n} requests per load at {c} in flight, prompts of "
         f"{args.prompt_len} random tokens, {args.output_len} output tokens, greedy. Fields per load: "
         f"{json.dumps(EXTRAS)}.",
-        "The pair: constructed, agreement 0.8, its tokenizer with ids 0-6 renamed (end token and JSON's characters: "
+        "The pair: constructed, agreement 0.8, its tokenizer with ids 0-7 renamed (end token and JSON's characters: "
         "grammar_pair). The schema's one string field holds the model's own tokens; json_schema requests end at "
         "max_tokens or where the grammar closes the object (their tok/s counts the tokens they produced)."]
     report.doc["apps"]["extras"] = serve_app("extras", app_config("unified", pair, args), port, loads, deadline_s, args,
