@@ -39,6 +39,8 @@ class RequestOptions:
     top_k: int | None = None
     # Keep generating to max_tokens, so output lengths follow the workload, not the model's EOS.
     ignore_eos: bool = True
+    # More request fields, sent as given (logprobs, penalties, response_format, ...); they win over the above.
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
 
 def build_payload(request: WorkloadRequest, options: RequestOptions, model: str,
@@ -59,6 +61,7 @@ def build_payload(request: WorkloadRequest, options: RequestOptions, model: str,
         payload["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         payload["prompt"] = request.prompt
+    payload.update(options.extra_body)
     return payload
 
 

@@ -1,0 +1,238 @@
+"""Issue 31, 3: Qwen3-, Gemma-2- and Mistral-shaped models on the fused path, on one GPU.
+
+    python3 benchmarks/families_fused.py --out OUT [--budget-s 240]                      (one GPU)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/families_fused.py --device cpu --out /tmp/ff   (dry run)
+    (or through benchmarks/gpu_evidence.py --part families, with the same flags)
+
+Steps. For each family, a model of a released checkpoint's shape with random bf16 weights (Qwen3-8B,
+Gemma-2-9B: no Gemma-2 of 7B was released, and Mistral-7B-v0.1, sliding window 4,096), one decode forward
+(1 new token a row) over the KV pool at context 512, batch 1 and 64, median of 10 (CUDA graphs and the
+pool-attention kernel on, as served): on the fused path (lanes/model/fused_decoder.py), on the HF fallback
+(the same runner with `fused_layers=False`: HF's decoder modules over the pool), and with HF eager
+(DynamicCache; benchmarks/gpu_check.py's). The floor is (weights + KV read) / the measured
+device-to-device copy bandwidth (gpu_check's). Goal: fused <= 1.6x the floor at batch 1; the fallback's
+cost is stated.
+
+Greedy. The same families at test size (tests/test_model_families.py's configs: Qwen3, Gemma-2 with its
+sliding window of 24 and soft-capping, Mistral with a window of 24), float32 on the GPU: the engine's
+greedy output (kernel, graphs, fused layers, L = 3 with a perturbed draft) against HF's eager `generate`
+on 8 prompts of 1-150 tokens, 5 of them past the window.
+
+On cpu the steps use the test-size configs too (the numbers mean nothing; the path runs). Writes
+families.json and families.md under --out after each family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
+
+STARTED_S = time.monotonic()
+CONTEXT = 512
+BATCHES = (1, 64)
+FLOOR_GOAL = 1.6  # fused step / floor at batch 1
+GREEDY_PROMPT_LENS = [1, 9, 23, 25, 40, 77, 120, 150]  # the window of the test configs is 24 tokens
+MAX_NEW = 16
+_NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+SHAPES = {  # released checkpoints' shapes
+    "qwen3": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                  num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, **_NO_SPECIAL),  # Qwen3-8B
+    "gemma2": dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                   num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                   query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, max_position_embeddings=8192, **_NO_SPECIAL),  # Gemma-2-9B
+    "mistral": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    sliding_window=4096, max_position_embeddings=32768, **_NO_SPECIAL),  # Mistral-7B-v0.1
+}
+TEST_CONFIGS = {"qwen3": "qwen3", "gemma2": "gemma2", "mistral": "mistral_window"}  # tests/test_model_families.py
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, device: str, repeats: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def kv_bytes(config: dict, batch: int, context: int, itemsize: int) -> int:
+    """KV read by one decode forward over `batch` rows of `context` tokens (every layer's K and V)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * itemsize * batch * context
+
+
+def floor_ms(weight_bytes: int, config: dict, batch: int, context: int, itemsize: int, bandwidth_gbs: float) -> float:
+    """(weights + KV read) / copy bandwidth: no forward can take less."""
+    return (weight_bytes + kv_bytes(config, batch, context, itemsize)) / (bandwidth_gbs * 1e9) * 1e3
+
+
+def decode_forward_ms(runner, batch: int, device: str) -> float:
+    """One decode forward of `batch` rows at CONTEXT tokens each, over a pool filled with random KV."""
+    import torch
+
+    slots = [runner.pool.allocate() for _ in range(batch)]
+    runner.pool.reserve(slots, [CONTEXT + 1] * batch)
+    runner.pool.kv.normal_()
+    for s in slots:
+        runner.pool.lengths[s] = CONTEXT
+    ids = torch.randint(0, runner.vocab_size, (batch, 1), device=device)
+    ms = median_ms(lambda: runner.forward(runner.rows(slots, [CONTEXT] * batch), ids), device)
+    for s in slots:
+        runner.pool.free(s)
+    return ms
+
+
+def step_rows(name: str, config: dict, args: argparse.Namespace, bandwidth_gbs: float | None) -> list[dict]:
+    import torch
+
+    from lanes.engine.core import EngineConfig, build_runner
+    from lanes.model.loader import build_random_model
+
+    with torch.device(args.device):
+        model = build_random_model(config, dtype=args.dtype, device=args.device).model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    itemsize = next(model.parameters()).element_size()
+    rows = {b: {"family": name, "batch": b, "parameters_b": round(weight_bytes / itemsize / 1e9, 2)} for b in BATCHES}
+    for path, fused in (("fused", None), ("hf_fallback", False)):
+        runner = build_runner(model, EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=max(BATCHES),
+                                                  fused_layers=fused))
+        for b in BATCHES:
+            rows[b][f"{path}_path"] = "fused" if runner.fused is not None else "hf modules"
+            rows[b][f"{path}_ms"] = round(decode_forward_ms(runner, b, args.device), 2)
+        del runner
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    for b, row in rows.items():
+        if args.device == "cuda":
+            from benchmarks.gpu_check import hf_eager_ms
+
+            row["hf_eager_ms"] = round(hf_eager_ms(model, b, 1), 2)
+        if bandwidth_gbs:
+            row["floor_ms"] = round(floor_ms(weight_bytes, config, b, CONTEXT, itemsize, bandwidth_gbs), 2)
+            row["fused_over_floor"] = round(row["fused_ms"] / row["floor_ms"], 2)
+        row["fallback_over_fused"] = round(row["hf_fallback_ms"] / row["fused_ms"], 2)
+    del model
+    gc.collect()
+    return list(rows.values())
+
+
+def greedy_row(name: str, device: str) -> dict:
+    """The engine's greedy output against HF's, test-size config of the family, float32 on `device`."""
+    from lanes.model.loader import build_random_model
+    from lanes.sample.params import SamplingParams
+    from tests.conftest import perturbed_copy
+    from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
+    from tests.test_model_families import FAMILIES, VOCAB, WINDOW
+
+    config = FAMILIES[TEST_CONFIGS[name]]
+    target = build_random_model(config, dtype="float32", seed=1)
+    draft = perturbed_copy(target, 0.3, seed=2)
+    target.model.to(device)
+    draft.model.to(device)
+    target.model.set_attn_implementation("eager")  # HF's SDPA path drops Gemma-2's attention soft-capping
+    prompts = [random_prompts(1, VOCAB, n, n, seed=20 + n)[0] for n in GREEDY_PROMPT_LENS]
+    refs = [hf_greedy(target, p, MAX_NEW) for p in prompts]
+    engine = small_engine(target, draft, num_speculative_tokens=3)
+    outputs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+                                         for i, p in enumerate(prompts)})
+    equal = [outputs[str(i)] == ref for i, ref in enumerate(refs)]
+    runner = engine.verifier.lane.runner
+    return {"family": name, "config": TEST_CONFIGS[name], "prompts": len(prompts),
+            "past_window": sum(n > WINDOW for n in GREEDY_PROMPT_LENS), "equal_to_hf_greedy": sum(equal),
+            "unequal_prompt_lens": [n for n, ok in zip(GREEDY_PROMPT_LENS, equal) if not ok],
+            "path": "fused" if runner.fused is not None else "hf modules",
+            "attention_kernel": bool(getattr(runner, "attention_kernel", False)),
+            "cuda_graphs": getattr(runner, "graphs", None) is not None,
+            "acceptance_rate": round(engine.total_stats.acceptance_rate or 0, 3)}
+
+
+def markdown(doc: dict) -> str:
+    from benchmarks.gpu_evidence import markdown_rows
+
+    m = doc["machine"]
+    return "\n".join([
+        f"# Issue 31, part families ({m.get('gpu') or m['cpu_model']})", "",
+        f"`{doc['command']}`, commit {doc['commit']}, {time.monotonic() - STARTED_S:.0f} s; copy bandwidth "
+        f"{doc.get('copy_bandwidth_gbs')} GB/s.", "",
+        f"## Decode forward at context {CONTEXT} (ms, median of 10); goal fused <= {FLOOR_GOAL} x floor at batch 1", "",
+        *markdown_rows(doc["steps"]), "",
+        "## Greedy output against HF's (test-size configs, float32)", "", *markdown_rows(doc["greedy"]), ""])
+
+
+def write(doc: dict, out: Path) -> None:
+    (out / "families.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "families.md").write_text(markdown(doc))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--pair-dir", type=Path, default=None, help="unused (gpu_evidence passes it to every part)")
+    parser.add_argument("--families", default="qwen3,gemma2,mistral")
+    args = parser.parse_args(argv)
+    args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.device == "cuda":
+        os.environ["TRITON_INTERPRET"] = "0"  # before tests' conftest would turn the interpreter on
+    from benchmarks.serving import git_commit, machine
+    from tests.test_model_families import FAMILIES
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline_s = STARTED_S + args.budget_s - 10
+    doc = {"command": "python3 benchmarks/families_fused.py " + " ".join(argv), "commit": git_commit(),
+           "machine": machine(), "steps": [], "greedy": [], "skipped": []}
+    if args.device == "cuda":
+        from benchmarks.gpu_check import copy_bandwidth_gbs
+
+        doc["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
+    for name in args.families.split(","):
+        # Greedy first: cheap, and the correctness answer matters more than a step time.
+        doc["greedy"].append(greedy_row(name, args.device))
+        log(f"{name} greedy: {json.dumps(doc['greedy'][-1])}")
+        write(doc, args.out)
+        if time.monotonic() > deadline_s - 60:
+            doc["skipped"].append(f"{name} steps: out of time")
+            continue
+        config = SHAPES[name] if args.device == "cuda" else FAMILIES[TEST_CONFIGS[name]]
+        doc["steps"] += step_rows(name, config, args, doc.get("copy_bandwidth_gbs"))
+        log(f"{name} steps: {json.dumps(doc['steps'][-len(BATCHES):])}")
+        write(doc, args.out)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
