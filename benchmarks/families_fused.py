@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device == "cuda":
         os.environ["TRITON_INTERPRET"] = "0"  # before tests' conftest would turn the interpreter on
-    from benchmarks.serving import git_commit, machine
+    from benchmarks.lib.cluster import git_commit, machine
     from tests.test_model_families import FAMILIES
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@
 
 The served parts drive apps through Serve's proxy and the OpenAI ingress with the load tester (loadtest/: every
 submitted request is completed, failed or timed out, and counted). On cuda they serve the constructed
-Llama-2-7B / TinyLlama pair at agreement 0.8 (benchmarks/constructed_pair.py, saved by gpu_modes.save_pair;
+Llama-2-7B / TinyLlama pair at agreement 0.8 (benchmarks/constructed_pair.py, saved by benchmarks/lib/pairs.py save_pair;
 docs/constructed_pair.md), on cpu the same construction at the `small` shape. Its word-level tokenizer makes
 a prompt of n words n tokens, and the target's greedy next token after x is the successor σ(x) whatever the
 context, so workloads are built from token ids: random ids, a shared prefix, or a document the output copies.
@@ -165,7 +165,7 @@ class Pair:
 def saved_pair(args: argparse.Namespace) -> Pair:
     """The constructed pair of the device's shape (built and saved once under --pair-dir, reused after)."""
     from benchmarks.constructed_pair import shape_configs
-    from benchmarks.gpu_modes import save_pair
+    from benchmarks.lib.pairs import save_pair
 
     saved = save_pair(args.shape, AGREEMENT, args.pair_dir, dtype=args.dtype, device=args.device, seed=SEED)
     vocab_size = shape_configs(args.shape)[0]["vocab_size"]
@@ -211,7 +211,7 @@ def grammar_pair(pair: Pair) -> Pair:
 # ---- apps and loads ------------------------------------------------------------------------------
 
 def gpu_shares(mode: str) -> dict[str, float]:
-    from benchmarks.gpu_modes import GPU_SHARES  # the one-GPU lane shares every served benchmark uses
+    from benchmarks.lib.apps import GPU_SHARES  # the one-GPU lane shares every served benchmark uses
 
     return GPU_SHARES[mode]
 
@@ -219,7 +219,7 @@ def gpu_shares(mode: str) -> dict[str, float]:
 def app_config(mode: str, pair: Pair, args: argparse.Namespace, *, engine: dict | None = None,
                controller: dict | None = None, ngram: bool = False) -> dict:
     """configs/<mode>.yaml's args on `pair`, the part's engine sizes, one GPU's lane shares (cuda)."""
-    from benchmarks.serving import benchmark_app_args
+    from benchmarks.lib.cluster import benchmark_app_args
 
     base = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "num_speculative_tokens": DRAFT_LEN, "max_draft_len": 8}
@@ -271,7 +271,7 @@ def serve_app(name: str, config: dict, port: int, loads: list[Load], deadline_s:
     beside every load (the controller's state)."""
     from ray import serve
 
-    from benchmarks.serving import deploy
+    from benchmarks.lib.cluster import deploy
     from loadtest.runner import run_load
 
     status = {"deploy_s": None, "error": None, "skipped": []}
@@ -320,7 +320,7 @@ async def _load_with_sampler(load, sampler, url: str):
 
 
 def free_device_memory() -> None:
-    from benchmarks.gpu_modes import free_device_memory as free
+    from benchmarks.lib.cluster import free_device_memory as free
 
     free()
 
@@ -383,7 +383,7 @@ class Report:
     """One part's document, rewritten as JSON and Markdown under --out after every change."""
 
     def __init__(self, part: str, args: argparse.Namespace, argv: list[str]):
-        from benchmarks.serving import git_commit, load_average, machine
+        from benchmarks.lib.cluster import git_commit, load_average, machine
 
         self.stem = args.out / part
         self.doc = {"part": part, "command": "python3 benchmarks/gpu_evidence.py " + " ".join(argv),
@@ -711,7 +711,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=540.0, help="the part's whole run, deploys included")
     parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"),
-                        help="saved constructed pairs (gpu_modes.save_pair); a finished save is reused")
+                        help="saved constructed pairs (benchmarks/lib/pairs.py save_pair); a finished save is reused")
     parser.add_argument("--modes", default=None, help="controller: nospec first (it sets the Poisson rate), "
                         "default nospec,spec,unified; prefix: default unified,pdv")
     parser.add_argument("--controller", default="{}", help="JSON merged into the controller block (controller part)")
@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
     import ray
 
-    from benchmarks.serving import start_cluster
+    from benchmarks.lib.cluster import start_cluster
 
     os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"  # a failing replica is not rebuilt three times
     deadline_s = time.monotonic() + args.budget_s - 20  # the shutdown and the last write

@@ -137,7 +137,7 @@ def peak_running(core, prompts: list[list[int]], output_len: int, deadline_s: fl
 
 def build_engine(args: argparse.Namespace):
     """The unified engine on the constructed pair, max_model_len 32,768, prefix caching off."""
-    from benchmarks.gpu_modes import save_pair
+    from benchmarks.lib.pairs import save_pair
     from benchmarks.serving_overhead import colocated_engine
     from deployments.config import AppConfig
 
@@ -240,7 +240,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.serving import git_commit, machine
+    from benchmarks.lib.cluster import git_commit, machine
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
