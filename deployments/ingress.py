@@ -188,6 +188,7 @@ class Ingress:
         self.api_key = resolve_api_key(self.cfg.api_key, os.environ)  # read by ApiKeyMiddleware
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.target.path)
         self.in_flight = 0
+        self._max_model_len: int | None = None  # the engine's, once it has answered (`served_max_model_len`)
         self.totals = SpecDecodeStats()  # over requests served by this ingress replica
         self.metrics = IngressMetrics(self.cfg.mode)
 
@@ -208,7 +209,19 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "verify-pd",
-                                            "max_model_len": self.cfg.engine.max_model_len, "mode": self.cfg.mode}]}
+                                            "max_model_len": await self.served_max_model_len(),
+                                            "mode": self.cfg.mode}]}
+
+    async def served_max_model_len(self) -> int:
+        """The context the engine serves: where `max_model_len` was left unset, the longest its memory
+        fits, which may be below the model's own (the config's). The config's until the engine answers."""
+        if self._max_model_len is None:
+            try:
+                report = await asyncio.wait_for(self.engine.stats.remote(), HEALTH_TIMEOUT_S)
+                self._max_model_len = report["max_model_len"]
+            except Exception:  # noqa: BLE001 - the engine is starting or being replaced: ask again next time
+                return self.cfg.engine.max_model_len
+        return self._max_model_len
 
     @api.get("/v1/spec_decode/stats")
     async def spec_decode_stats(self) -> dict:
@@ -257,7 +270,7 @@ class Ingress:
                 ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except ParamError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.field)
-        response = {"count": len(ids), "max_model_len": self.cfg.engine.max_model_len, "tokens": ids}
+        response = {"count": len(ids), "max_model_len": await self.served_max_model_len(), "tokens": ids}
         if body.return_token_strs:
             response["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         return response
@@ -344,7 +357,8 @@ class Ingress:
         ids = self._apply_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
                                    **(body.chat_template_kwargs or {}))
-        if len(ids) >= (limit := self.cfg.engine.max_model_len):  # named here: the client sent messages
+        # Named here: the client sent messages. (The engine's own limit, once known, is the one it checks.)
+        if len(ids) >= (limit := self._max_model_len or self.cfg.engine.max_model_len):
             raise ParamError("messages", f"{len(ids)} tokens after the chat template; the context holds {limit} "
                              "(prompt + output)")
         return ids

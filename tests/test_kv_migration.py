@@ -49,6 +49,18 @@ def _losing(engine, lose):
     engine.verifier.launch = launch
 
 
+def _run_with_errors(engine, requests) -> tuple[dict[str, list[int]], dict[str, str]]:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs, errors = {rid: [] for rid in requests}, {}
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id] += out.token_ids
+            if out.error is not None:
+                errors[out.request_id] = out.error
+    return outputs, errors
+
+
 def _no_leaks(engine) -> None:
     for pool in (engine.verifier.lane.pool, engine.draft.pool):
         assert pool.num_free == pool.shape.num_slots and pool.num_free_blocks == pool.shape.num_blocks
@@ -86,14 +98,7 @@ def test_a_request_lost_more_than_max_migrations_times_fails_alone(llama_pair):
         return (rows, ActorDiedError()) if rows else None
 
     _losing(engine, lose_request_0)
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    outputs, errors = {rid: [] for rid in requests}, {}
-    while engine.has_work:
-        for out in engine.step():
-            outputs[out.request_id] += out.token_ids
-            if out.error is not None:
-                errors[out.request_id] = out.error
+    outputs, errors = _run_with_errors(engine, requests)
     assert list(errors) == ["0"] and "KVLost" in errors["0"], errors
     assert engine.num_migrations == 2
     for i in (1, 2):
@@ -116,18 +121,6 @@ def test_what_a_decode_replica_reads_from_a_failed_call():
     died_behind = RayTaskError("prefill", "tb", ActorDiedError()).as_instanceof_cause()
     assert isinstance(lane_error(died_behind, via_prefill=True), KVLost)
     assert isinstance(lane_error(ActorDiedError(), via_prefill=True), ActorDiedError)
-
-
-def _run_with_errors(engine, requests) -> tuple[dict[str, list[int]], dict[str, str]]:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    outputs, errors = {rid: [] for rid in requests}, {}
-    while engine.has_work:
-        for out in engine.step():
-            outputs[out.request_id] += out.token_ids
-            if out.error is not None:
-                errors[out.request_id] = out.error
-    return outputs, errors
 
 
 def _holding_back(engine, request_id: str) -> None:

@@ -13,7 +13,8 @@ from deployments.timeline import event_rows
 from lanes.model.loader import load_model
 from lanes.sample.params import SamplingParams
 from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts
-from tests.serve_helpers import ALL_MODES, MODEL, app_config, base_url, openai_client, serving, wait_until_idle
+from tests.serve_helpers import (ALL_MODES, MODEL, app_config, base_url, lane_stats, openai_client, serving,
+                                 wait_until_idle)
 
 pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next such module (serve_helpers.serving)
 
@@ -31,6 +32,9 @@ def apps(pair_paths):
 def test_openai_client_gets_completions_chat_and_streams(mode):
     c = openai_client(mode)
     assert [m.id for m in c.models.list().data] == [MODEL]
+    # The context the engine serves (fitted to the GPU where max_model_len is unset), not only the config's.
+    served = httpx.get(f"{base_url(mode)}/models", timeout=30).json()["data"][0]["max_model_len"]
+    assert served == lane_stats(mode, "DecodeLane")[0]["max_model_len"] == 256
     done = c.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0)
     assert done.usage.completion_tokens == 12 and done.choices[0].finish_reason == "length"
     assert done.usage.spec_decode["num_draft_tokens"] >= (0 if mode == "nospec" else 1)

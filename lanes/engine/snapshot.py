@@ -56,6 +56,9 @@ def core_report(core: EngineCore) -> dict:
         "kv_slots_used": s.draft_pool.num_used if s.draft_pool is not None else None,
         "waiting": len(s.waiting), "prefilling": len(s.prefilling), "running": len(s.running),
         "max_num_seqs": core.config.max_num_seqs,
+        # The context it serves: below the configured one where max_model_len was left unset and one
+        # sequence of the model's own does not fit (lanes/engine/core.py build_runners).
+        "max_model_len": core.config.max_model_len,
         # KV blocks (free, total) of each pool this engine holds; requests preempted for want of them
         # (or migrated: num_preemptions counts those too).
         "kv_blocks": {name.removesuffix("_slot"): (pool.num_free_blocks, pool.shape.num_blocks)
