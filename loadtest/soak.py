@@ -2,13 +2,14 @@
 a steady rate, binned by minute, and the goals a soak must meet.
 
 A request counts in the minute it ended (completed, failed or timed out; requests still ending after
-the arrivals stopped count in a last "drain" row), so every submitted request is counted once; TPOT
+the arrivals stopped count in a last "drain" row; in a soak still running, the minute under way is a
+row "N (partial)"), so every submitted request is counted once; TPOT
 percentiles are over the requests completed in that minute. Memory is each lane's processes summed at
 each sample (a replaced replica is a new process of the same lane), averaged over the minute's
 samples; `device_used_mib` is the whole GPU's use, whoever holds it.
 
 Goals, as issue 33 words them, from minute `FIRST_MINUTE` (2: the first minute holds CUDA-graph
-capture and pools filling) to the last whole minute: nothing failed or timed out; every memory
+capture and pools filling) to the last whole minute (partial and drain rows left out): nothing failed or timed out; every memory
 series within +2 %; p99 TPOT within +10 %. Each change is given both from the two minutes' own
 values (the goal) and from a least-squares line over every minute between (less swayed by one noisy
 minute, so a reader can tell a trend from noise).
@@ -17,7 +18,6 @@ minute, so a reader can tell a trend from noise).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +52,17 @@ def read_records(path: Path) -> list[dict]:
     return rows
 
 
-def minute_of(t_s: float, duration_s: float) -> int | str:
-    return 1 + int(t_s // MINUTE_S) if t_s < duration_s else DRAIN
+def minute_of(t_s: float, duration_s: float, whole_minutes: int) -> int | str:
+    """The row of a time: its minute (1-based) if that minute is over, else "N (partial)"; "drain"
+    from `duration_s` on."""
+    if t_s >= duration_s:
+        return DRAIN
+    minute = 1 + int(t_s // MINUTE_S)
+    return minute if minute <= whole_minutes else partial(whole_minutes + 1)
+
+
+def partial(minute: int) -> str:
+    return f"{minute} (partial)"
 
 
 def lane_memory(memory: pd.DataFrame) -> pd.DataFrame:
@@ -80,24 +89,28 @@ def minutes(records: list[dict], memory: pd.DataFrame, duration_s: float, elapse
     "drain" row for what ended after the arrivals stopped: requests sent, ended by status, output
     tok/s, TPOT p50/p99, and each lane's mean memory over the minute's samples."""
     seen_s = min(duration_s, duration_s if elapsed_s is None else elapsed_s)
-    labels: list[int | str] = list(range(1, max(1, math.ceil(seen_s / MINUTE_S)) + 1))
+    whole = int(seen_s // MINUTE_S)
+    labels: list[int | str] = list(range(1, whole + 1))
+    if seen_s - whole * MINUTE_S > 0 or not labels:
+        labels.append(partial(whole + 1))
     if any(r["end_s"] >= duration_s for r in records):
         labels.append(DRAIN)
     by_end = {label: [] for label in labels}
     sent = {label: 0 for label in labels}
     for r in records:
-        by_end.setdefault(minute_of(r["end_s"], duration_s), []).append(r)
-        label = minute_of(r["sent_s"], duration_s)
+        by_end.setdefault(minute_of(r["end_s"], duration_s, whole), []).append(r)
+        label = minute_of(r["sent_s"], duration_s, whole)
         sent[label] = sent.get(label, 0) + 1
     per_sample = lane_memory(memory)
     if not per_sample.empty:
-        per_sample["minute"] = [minute_of(t, duration_s) for t in per_sample["t_s"]]
+        per_sample["minute"] = [minute_of(t, duration_s, whole) for t in per_sample["t_s"]]
     rows = []
     for label in by_end:
         ended = by_end[label]
         done = [r for r in ended if r["status"] == "completed"]
         tpot = [r["tpot_ms"] for r in done if r.get("tpot_ms") is not None]
-        window_s = MINUTE_S if label != DRAIN else None
+        window_s = (MINUTE_S if isinstance(label, int) else None if label == DRAIN
+                    else max(seen_s - whole * MINUTE_S, 1e-9))
         row = {"minute": label, "submitted": sent.get(label, 0),
                **{status: sum(r["status"] == status for r in ended) for status in STATUSES},
                "tok_s": (round(sum(r["completion_tokens"] for r in done) / window_s, 1) if window_s else None),
@@ -136,7 +149,7 @@ def goals(rows: list[dict], first: int = FIRST_MINUTE) -> list[dict]:
     drain included; each memory series and p99 TPOT flat from minute `first` to the last minute."""
     lost = sum(r["failed"] + r["timed_out"] for r in rows)
     out = [{"goal": "0 failed or timed out", "value": lost, "limit": 0, "ok": lost == 0}]
-    whole = [r for r in rows if r["minute"] != DRAIN]
+    whole = [r for r in rows if isinstance(r["minute"], int)]
     columns = [c for c in (whole[0] if whole else {}) if c.startswith(("rss_mib", "gpu_mib", "device_used_mib"))]
     for column, limit in [("tpot_ms p99", TPOT_GROWTH_MAX)] + [(c, MEMORY_GROWTH_MAX) for c in columns]:
         moved = change({r["minute"]: r.get(column) for r in whole}, first)
@@ -176,7 +189,7 @@ def plot(rows: list[dict], path: Path) -> bool:
         plt = _pyplot()
     except ImportError:
         return False
-    whole = [r for r in rows if r["minute"] != DRAIN]
+    whole = [r for r in rows if isinstance(r["minute"], int)]
     if not whole:
         return False
     x = [r["minute"] for r in whole]

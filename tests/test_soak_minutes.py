@@ -33,9 +33,13 @@ def test_requests_count_in_the_minute_they_ended_and_late_ones_in_the_drain_row(
     assert rows[1]["tpot_ms p99"] == 20.0 and rows[0]["tok_s"] == 1.0 and rows[3]["tok_s"] is None
 
 
-def test_a_partial_collect_shows_only_the_minutes_seen_so_far():
-    rows = minutes([row(1, 30), row(61, 70)], memory([]), duration_s=1200, elapsed_s=75)
-    assert [r["minute"] for r in rows] == [1, 2]
+def test_a_collect_while_the_soak_runs_shows_the_minute_under_way_apart_and_judges_whole_minutes_only():
+    records = [row(1, 30), row(61, 70), row(100, 130), row(125, 140, tpot_ms=99.0)]
+    rows = minutes(records, memory([]), duration_s=1200, elapsed_s=150)
+    assert [r["minute"] for r in rows] == [1, 2, "3 (partial)"]
+    assert rows[2]["completed"] == 2 and rows[2]["tok_s"] == 4.0  # 120 tokens over the 30 s seen of it
+    assert by_goal(goals(rows))["tpot_ms p99 flat"]["ok"] is None  # minute 2 alone: nothing to compare yet
+    assert [r["minute"] for r in minutes([], memory([]), duration_s=1200, elapsed_s=0)] == ["1 (partial)"]
 
 
 def test_memory_is_summed_over_a_lanes_processes_and_averaged_over_the_minute():
