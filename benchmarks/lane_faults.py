@@ -1,6 +1,6 @@
 """Kill -9 of each lane's process in pdv and pd on one GPU, mid-load (issue 33, item 1).
 
-    python3 benchmarks/lane_faults.py --out OUT --budget-s 540                  # one H100/H200, ~8 min
+    python3 benchmarks/lane_faults.py --out OUT --budget-s 500                  # one H100/H200, ~9 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lane_faults.py --shape small --device cpu \\
         --out /tmp/lane_faults --budget-s 600                                     (CPU dry run)
 
@@ -22,6 +22,7 @@ The next kill waits for that replacement, so each kill meets an app whole again.
 Goals per kill (issue 33): every stream in flight at the kill ends; those that fail end within 10 s
 of the kill (one that completes may take longer: it waited for a recompute, and its end is stated);
 none times out; the app serves again without a redeploy (recovered_s: /health 200 after the kill);
+no other lane's process changed (a survivor that crashed would have been replaced by Serve);
 greedy output after equals before; GPU memory after within 5 % of before, for the app's processes
 (NVML, by pid) and for the whole GPU (which also counts memory a dead process left mapped in a peer:
 the one-GPU lanes share KV pools by CUDA IPC).
@@ -58,7 +59,7 @@ from benchmarks.lib.loads import Load, exactly, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
 from benchmarks.lib.results import rows_table, write_document  # noqa: E402
 from loadtest.arrivals import OpenLoop  # noqa: E402
-from loadtest.faults import KillResult, kill_and_recover, wait_healthy  # noqa: E402
+from loadtest.faults import KillResult, kill_and_recover, lane_processes, wait_healthy  # noqa: E402
 from loadtest.workload import LogNormal, load_tokenizer, synthetic  # noqa: E402
 
 NAME = "lane_faults"
@@ -84,19 +85,23 @@ def ratio(after: float | None, before: float | None) -> float | None:
     return round(after / before, 4) if after is not None and before else None
 
 
-def kill_row(mode: str, result: KillResult) -> dict:
+def kill_row(mode: str, result: KillResult, survivors_replaced: list[str] | None = None) -> dict:
     """A kill's line of the table: the harness's summary, the failed streams' last end, the memory
-    ratios and issue 33's goals (None where a quantity was not measured, e.g. memory on the CPU)."""
+    ratios and issue 33's goals (None where a quantity was not measured, e.g. memory on the CPU).
+    `survivors_replaced`: the other lanes whose processes changed over the kill (one that crashed
+    after its peer's death and was replaced by Serve)."""
     s = result.summary()
     failed_ends = [r.end_s for r in result.in_flight if r.status == "failed"]
     row = {"mode": mode, "lane": s["deployment"], **{k: v for k, v in s.items() if k not in ("app", "deployment")},
            "in_flight_failed_last_end_s": round(max(failed_ends), 2) if failed_ends else None,
+           "survivors_replaced": survivors_replaced,
            "app_mib_ratio": ratio(s["device_mib_after"], s["device_mib_before"]),
            "device_used_ratio": ratio(s["device_used_mib_after"], s["device_used_mib_before"]),
            "errors": sorted({r.error for r in result.in_flight + result.after if r.error})[:3]}
     row["goals"] = {
         "streams_end": s["in_flight_timed_out"] == 0 and (row["in_flight_failed_last_end_s"] or 0.0) <= FAIL_WITHIN_S,
         "served_again": result.recovered_s is not None and result.replaced_s is not None,
+        "survivors_intact": None if survivors_replaced is None else not survivors_replaced,
         "greedy_equal": result.greedy_equal,
         "memory": _memory_goal(row["app_mib_ratio"], row["device_used_ratio"]),
     }
@@ -110,13 +115,17 @@ def _memory_goal(*ratios: float | None) -> bool | None:
 
 def run_kill(mode: str, lane: str, url: str, model: str, requests, late, greedy_prompts, sizes: dict) -> dict:
     """One kill (module docstring): its row and the harness's whole record of it."""
+    pids = lambda: {name: {p.pid for p in lane_processes(mode, name)} for name in LANES[mode]}  # noqa: E731
+    before = pids()
     result = kill_and_recover(url, model, mode, lane, LANES[mode], requests, late, greedy_prompts,
                               sizes["greedy_tokens"], recover_timeout_s=sizes["recover_timeout_s"])
-    row = kill_row(mode, result)
+    after = pids()
+    row = kill_row(mode, result, [name for name in LANES[mode] if name != lane and after[name] != before[name]])
     log(f"{mode} {lane}: in flight {row['in_flight_completed']} completed / {row['in_flight_failed']} failed / "
         f"{row['in_flight_timed_out']} timed out, last failed end {row['in_flight_failed_last_end_s']} s, "
         f"last end {row['in_flight_last_end_s']} s; late {row['after_completed']}/{row['after_failed']}/"
-        f"{row['after_timed_out']}; recovered {row['recovered_s']} s, replaced {row['replaced_s']} s; greedy equal "
+        f"{row['after_timed_out']}; recovered {row['recovered_s']} s, replaced {row['replaced_s']} s; other lanes "
+        f"replaced {row['survivors_replaced']}; greedy equal "
         f"{row['greedy_equal']}; memory app {row['app_mib_ratio']} GPU {row['device_used_ratio']}; goals {row['goals']}")
     record = {"row": row, **result.to_dict()}
     if not all(v is not False for v in row["goals"].values()):
@@ -182,7 +191,7 @@ def run_mode(mode: str, lanes: list[str], args: argparse.Namespace, pair, tokeni
 # ---- results ---------------------------------------------------------------------------------------
 
 TABLE = ["mode", "lane", "pid", "in flight c/f/t", "late c/f/t", "last failed end s", "last end s", "recovered_s",
-         "replaced_s", "greedy_equal", "app GPU MiB before -> after", "GPU used MiB before -> after", "goals met"]
+         "replaced_s", "others replaced", "greedy_equal", "app GPU MiB before -> after", "GPU used MiB before -> after", "goals met"]
 
 
 def table_row(row: dict) -> dict:
@@ -196,7 +205,8 @@ def table_row(row: dict) -> dict:
     return {"mode": row["mode"], "lane": row["lane"], "pid": row["pid"], "in flight c/f/t": counts("in_flight"),
             "late c/f/t": counts("after"), "last failed end s": row["in_flight_failed_last_end_s"],
             "last end s": row["in_flight_last_end_s"], "recovered_s": row["recovered_s"],
-            "replaced_s": row["replaced_s"], "greedy_equal": row["greedy_equal"],
+            "replaced_s": row["replaced_s"], "others replaced": ", ".join(row.get("survivors_replaced") or []) or "none",
+            "greedy_equal": row["greedy_equal"],
             "app GPU MiB before -> after": memory("device_mib", "app_mib_ratio"),
             "GPU used MiB before -> after": memory("device_used_mib", "device_used_ratio"),
             "goals met": ("all" if not missed else "NOT " + ", ".join(missed))
@@ -212,7 +222,8 @@ def markdown(document: dict) -> str:
              f"kill, {document['sizes']['late']} more 1 s after it; greedy check on "
              f"{document['sizes']['greedy_prompts']} requests of {document['sizes']['greedy_tokens']} tokens.", "",
              "c/f/t: completed / failed / timed out. Times in seconds after the kill. Goals: every failed stream "
-             f"ends within {FAIL_WITHIN_S:g} s and none times out; /health 200 and the replacement up; greedy "
+             f"ends within {FAIL_WITHIN_S:g} s and none times out; /health 200 and the replacement up; no other "
+             "lane's process replaced; greedy "
              f"equal; GPU memory within {100 * MEMORY_WITHIN:g} %.", ""]
     if rows:
         table = [{c: r.get(c) for c in TABLE} | {"errors": r.get("errors")} for r in rows]
