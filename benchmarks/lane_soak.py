@@ -111,14 +111,14 @@ def soak(args: argparse.Namespace) -> None:
               "commit": git_commit(), "machine": machine(), "device": args.device, "sizes": sizes,
               "mixed": MIXED[args.device], "duration_s": sizes["duration_s"]}
     write_status(directory, status, phase="pair")
-    dtype = PRESETS[args.device]["dtype"]
-    pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=dtype, device=args.device, seed=args.seed)
-    tokenizer = load_tokenizer(pair.target)
-    status["pair"] = {"shape": args.shape, "agreement": args.agreement, "dtype": dtype, "check": pair.check}
-    write_status(directory, status, phase="deploy")
-    port = start_cluster({"TOKENIZERS_PARALLELISM": "false",
-                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")})
     try:
+        dtype = PRESETS[args.device]["dtype"]
+        pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=dtype, device=args.device, seed=args.seed)
+        tokenizer = load_tokenizer(pair.target)
+        status["pair"] = {"shape": args.shape, "agreement": args.agreement, "dtype": dtype, "check": pair.check}
+        write_status(directory, status, phase="deploy")
+        port = start_cluster({"TOKENIZERS_PARALLELISM": "false",
+                              "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")})
         config = app_args("pdv", pair.target, pair.draft, dtype=dtype,
                           engine=engine_args(sizes["max_model_len"], sizes["max_num_seqs"]),
                           lane_num_cpus=PRESETS[args.device]["lane_num_cpus"], one_gpu=args.device == "cuda")
@@ -159,8 +159,9 @@ def soak(args: argparse.Namespace) -> None:
                      traceback=traceback.format_exc()[-4000:])
         raise
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
     collect(directory)
 
 
@@ -297,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         collect(args.collect, args.copy_to, args.wait_s)
         return
     args.dir.mkdir(parents=True, exist_ok=True)
+    if read_status(args.dir).get("pid", os.getpid()) != os.getpid():  # (--detach's child finds its own)
+        raise SystemExit(f"{args.dir} holds a soak already (status.json): give another --dir")
     if args.detach:
         with (args.dir / "soak.log").open("ab") as log_file:
             child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *(a for a in argv if a != "--detach")],
