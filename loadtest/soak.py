@@ -210,7 +210,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         ax.set_xlabel("minute")
     for ax in axes.flat:
         ax.axvline(FIRST_MINUTE, color="grey", linestyle=":")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # no GPU columns on the CPU
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
