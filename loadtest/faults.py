@@ -10,7 +10,9 @@ app would see:
   (`RequestRecord.status`), and when (seconds after the kill);
 - the app answers /health again, and when;
 - greedy outputs after recovery equal the same requests' outputs before the kill;
-- device memory (NVML, where a GPU is present) before the kill and after recovery.
+- device memory (NVML, where a GPU is present) before the kill and after recovery: each lane's
+  processes, and the whole GPU's use (which also counts memory that a dead process left mapped in
+  a peer, as a KV pool shared by CUDA IPC can be).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from loadtest.client import send_request
-from loadtest.memory import gpu_mib_by_pid
+from loadtest.memory import device_used_mib, gpu_mib_by_pid
 from loadtest.records import STATUSES, RequestRecord
 from loadtest.workload import WorkloadRequest
 
@@ -78,12 +80,20 @@ class KillResult:
     in_flight: list[RequestRecord]  # streams under way at the kill
     after: list[RequestRecord]  # streams sent `late_after_s` after it
     late_after_s: float
+    killed_perf_s: float  # time.perf_counter() at the kill: later waits are dated from it
     # /health answered 200 again: the first answer seen, polled every 0.5 s once every stream ended
     # (None: not within the wait).
     recovered_s: float | None = None
+    # The deployment had as many live processes as before again, none the killed one, and the killed
+    # one held no device memory (None: not within the wait).
+    replaced_s: float | None = None
     greedy_equal: bool | None = None  # outputs after recovery equal those before (None: not checked)
     device_mib_before: float | None = None  # memory the app's processes held on the GPUs (None: no GPU)
     device_mib_after: float | None = None
+    lane_mib_before: dict[str, float] | None = None  # the same by deployment
+    lane_mib_after: dict[str, float] | None = None
+    device_used_mib_before: float | None = None  # the GPUs' whole use, whoever holds it
+    device_used_mib_after: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def ends_s(self, records: list[RequestRecord], since_s: float = 0.0) -> list[float]:
@@ -100,8 +110,11 @@ class KillResult:
             # A later stream's bound runs from its own start, not from the kill.
             "after_longest_s": round(max((r.end_s - r.start_s for r in self.after), default=0.0), 2),
             "recovered_s": None if self.recovered_s is None else round(self.recovered_s, 1),
+            "replaced_s": None if self.replaced_s is None else round(self.replaced_s, 1),
             "greedy_equal": self.greedy_equal,
             "device_mib_before": self.device_mib_before, "device_mib_after": self.device_mib_after,
+            "lane_mib_before": self.lane_mib_before, "lane_mib_after": self.lane_mib_after,
+            "device_used_mib_before": self.device_used_mib_before, "device_used_mib_after": self.device_used_mib_after,
         }
 
     def to_dict(self) -> dict:
@@ -136,7 +149,7 @@ async def kill_under_streams(base_url: str, model: str, process: LaneProcess, re
     for record in in_flight:  # relative to the kill, as the late ones already are
         record.start_s -= since_kill
         record.end_s -= since_kill
-    return KillResult(process, list(in_flight), after, late_after_s)
+    return KillResult(process, list(in_flight), after, late_after_s, killed_s)
 
 
 async def _stream(http: httpx.AsyncClient, base_url: str, model: str, request: WorkloadRequest, index: int,
@@ -160,6 +173,20 @@ def wait_healthy(base_url: str, timeout_s: float, headers: dict | None = None) -
     return None
 
 
+def wait_replaced(result: KillResult, replicas: int, timeout_s: float) -> float | None:
+    """Seconds from the kill until the killed process's deployment has `replicas` live processes
+    again, none of them the killed one, and NVML lists no device memory under the killed pid (None:
+    not within `timeout_s`). With several replicas /health answers before the replacement is up."""
+    killed = result.process
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        live = {p.pid for p in lane_processes(killed.app, killed.deployment)}
+        if len(live) >= replicas and killed.pid not in live and killed.pid not in gpu_mib_by_pid():
+            return time.perf_counter() - result.killed_perf_s
+        time.sleep(0.5)
+    return None
+
+
 def greedy_texts(base_url: str, model: str, prompts: list[str], max_tokens: int,
                  headers: dict | None = None) -> list[str]:
     """Each prompt's greedy completion (one request each, not streamed)."""
@@ -173,14 +200,17 @@ def greedy_texts(base_url: str, model: str, prompts: list[str], max_tokens: int,
     return texts
 
 
-def device_mib(pids: set[int]) -> float | None:
-    """Device memory the processes `pids` hold over this node's GPUs (None without NVML or a GPU)."""
+def lane_device_mib(app: str, deployments: list[str]) -> dict[str, float] | None:
+    """Device memory each deployment's live processes hold over this node's GPUs (None without NVML
+    or a GPU)."""
     used = gpu_mib_by_pid()
-    return round(sum(mib for pid, mib in used.items() if pid in pids), 1) if used else None
+    if not used:
+        return None
+    return {name: round(sum(used.get(p.pid, 0.0) for p in lane_processes(app, name)), 1) for name in deployments}
 
 
-def app_pids(app: str, deployments: list[str]) -> set[int]:
-    return {p.pid for name in deployments for p in lane_processes(app, name)}
+def _total(lanes: dict[str, float] | None) -> float | None:
+    return None if lanes is None else round(sum(lanes.values()), 1)
 
 
 def kill_and_recover(base_url: str, model: str, app: str, deployment: str, deployments: list[str],
@@ -188,13 +218,14 @@ def kill_and_recover(base_url: str, model: str, app: str, deployment: str, deplo
                      greedy_max_tokens: int = 32, late_after_s: float = 1.0, recover_timeout_s: float = 180.0,
                      headers: dict | None = None) -> KillResult:
     """The whole experiment for one lane: greedy outputs and device memory before; a kill of the
-    lane's first replica under `requests` (and `late` after it); the wait for /health; greedy outputs
-    and device memory after. `deployments`: every lane of the app, whose processes' memory counts."""
+    lane's first replica under `requests` (and `late` after it); the wait for /health, then for the
+    killed replica's replacement and its memory's release (wait_replaced); greedy outputs and device
+    memory after. `deployments`: every lane of the app, whose processes' memory counts."""
     processes = lane_processes(app, deployment)
     if not processes:
         raise RuntimeError(f"no live replica of {deployment} in app {app}")
     before = greedy_texts(base_url, model, greedy_prompts, greedy_max_tokens, headers)
-    memory_before = device_mib(app_pids(app, deployments))
+    lanes_before, used_before = lane_device_mib(app, deployments), device_used_mib()
     result = asyncio.run(kill_under_streams(base_url, model, processes[0], requests, late, late_after_s,
                                             headers=headers))
     # /health is waited for from the kill: the streams' own wait already counts towards it.
@@ -204,6 +235,17 @@ def kill_and_recover(base_url: str, model: str, app: str, deployment: str, deplo
     if result.recovered_s is None:
         result.notes.append(f"/health did not answer 200 within {recover_timeout_s:g} s of the streams' end")
         return result
-    result.greedy_equal = greedy_texts(base_url, model, greedy_prompts, greedy_max_tokens, headers) == before
-    result.device_mib_before, result.device_mib_after = memory_before, device_mib(app_pids(app, deployments))
+    result.replaced_s = wait_replaced(result, len(processes), recover_timeout_s)
+    if result.replaced_s is None:
+        result.notes.append(f"{deployment} was not back to {len(processes)} replicas, or the killed pid still held "
+                            f"device memory, {recover_timeout_s:g} s after /health answered")
+    try:
+        result.greedy_equal = greedy_texts(base_url, model, greedy_prompts, greedy_max_tokens, headers) == before
+    except httpx.HTTPError as exc:  # healthy, yet not serving: that is the finding, the streams' records stay
+        result.greedy_equal = False
+        result.notes.append(f"greedy requests after recovery failed: {type(exc).__name__}: {exc}")
+    lanes_after = lane_device_mib(app, deployments)
+    result.lane_mib_before, result.lane_mib_after = lanes_before, lanes_after
+    result.device_mib_before, result.device_mib_after = _total(lanes_before), _total(lanes_after)
+    result.device_used_mib_before, result.device_used_mib_after = used_before, device_used_mib()
     return result

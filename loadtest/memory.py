@@ -23,10 +23,12 @@ MIB = 2**20
 
 @dataclass
 class MemorySamples:
-    rows: list[dict] = field(default_factory=list)  # t_s, process, rss_mib, gpu_mib
+    # t_s, process, rss_mib, gpu_mib, and device_used_mib: the whole GPU's use at that sample (the
+    # same for each process sampled then), which also counts memory a dead process left mapped.
+    rows: list[dict] = field(default_factory=list)
 
     def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows, columns=["t_s", "process", "rss_mib", "gpu_mib"])
+        return pd.DataFrame(self.rows, columns=["t_s", "process", "rss_mib", "gpu_mib", "device_used_mib"])
 
 
 def processes(lanes: dict) -> dict[str, int]:
@@ -68,6 +70,18 @@ def gpu_mib_by_pid() -> dict[int, float]:
     return used
 
 
+def device_used_mib() -> float | None:
+    """Memory in use over every GPU of this node, whoever holds it (None without NVML or a GPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # noqa: BLE001 - no driver, no GPU
+        return None
+    return round(sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles) / MIB, 1) if handles else None
+
+
 async def sample_memory(base_url: str, interval_s: float, samples: MemorySamples, stop: asyncio.Event,
                         headers: dict | None = None) -> None:
     """Append a sample of every serving process every `interval_s` until `stop` is set."""
@@ -78,13 +92,14 @@ async def sample_memory(base_url: str, interval_s: float, samples: MemorySamples
                 lanes = (await http.get(f"{base_url.rstrip('/')}/v1/lanes")).json()
             except (httpx.HTTPError, ValueError):
                 lanes = {}  # a lane being replaced: try again at the next sample
-            gpu = gpu_mib_by_pid()
+            gpu, device = gpu_mib_by_pid(), device_used_mib()
             t_s = time.monotonic() - origin
             for name, pid in processes(lanes).items():
                 rss = rss_mib(pid)
                 if rss is not None:
                     samples.rows.append({"t_s": round(t_s, 1), "process": name, "rss_mib": round(rss, 1),
-                                         "gpu_mib": round(gpu[pid], 1) if pid in gpu else None})
+                                         "gpu_mib": round(gpu[pid], 1) if pid in gpu else None,
+                                         "device_used_mib": device})
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
             except asyncio.TimeoutError:

@@ -52,12 +52,15 @@ class RunResult:
 async def run_load(base_url: str, workload: list[WorkloadRequest], arrivals: Arrivals, *,
                    duration_s: float | None = None, warmup: list[WorkloadRequest] | None = None,
                    options: RequestOptions = RequestOptions(), timeout_s: float = 300.0,
-                   seed: int = 0, progress: bool = True) -> RunResult:
+                   seed: int = 0, progress: bool = True,
+                   on_record: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """Drive `base_url` with `workload` at `arrivals` and record every request.
 
     Without `duration_s` each workload request is sent once; with it, requests are sent (the
     workload cycled) until `duration_s` has passed, and the run waits for those in flight.
     `warmup` requests go first with the same arrivals and are left out of the measured window.
+    `on_record` is called with each measured request's record as it ends (a soak writes them as
+    they come, so that a run cut short keeps them).
     """
     if not workload:
         raise ValueError("empty workload")
@@ -73,7 +76,7 @@ async def run_load(base_url: str, workload: list[WorkloadRequest], arrivals: Arr
         spec_before, error_before = await fetch_spec_counters(http, base_url)
         total = len(workload) if duration_s is None else None
         records = await _drive(send, workload, arrivals, duration_s, seed,
-                               _bar(progress, arrivals.label, total))
+                               _bar(progress, arrivals.label, total), on_record)
         spec_after, error_after = await fetch_spec_counters(http, base_url)
     return RunResult(base_url=base_url, model=model, arrivals=arrivals, records=records,
                      warmup_records=warmup_records, spec_before=spec_before,
@@ -99,15 +102,22 @@ def _bar(enabled: bool, label: str, total: int | None) -> tqdm:
     return tqdm(total=total, desc=label, unit="req", disable=not enabled or total == 0)
 
 
-async def _drive(send: Send, workload: list[WorkloadRequest], arrivals: Arrivals,
-                 duration_s: float | None, seed: int, bar: tqdm) -> list[RequestRecord]:
+async def _drive(send: Send, workload: list[WorkloadRequest], arrivals: Arrivals, duration_s: float | None,
+                 seed: int, bar: tqdm, on_record: Callable[[RequestRecord], None] | None = None
+                 ) -> list[RequestRecord]:
     if not workload:
         return []
+
+    def ended(record: RequestRecord) -> None:
+        bar.update(1)
+        if on_record is not None:
+            on_record(record)
+
     with bar:
         if isinstance(arrivals, OpenLoop):
-            records = await _open_loop(send, workload, arrivals, duration_s, seed, bar)
+            records = await _open_loop(send, workload, arrivals, duration_s, seed, ended)
         else:
-            records = await _closed_loop(send, workload, arrivals, duration_s, bar)
+            records = await _closed_loop(send, workload, arrivals, duration_s, ended)
     return sorted(records, key=lambda r: r.index)
 
 
@@ -118,7 +128,8 @@ def _requests(workload: list[WorkloadRequest], duration_s: float | None
 
 
 async def _open_loop(send: Send, workload: list[WorkloadRequest], arrivals: OpenLoop,
-                     duration_s: float | None, seed: int, bar: tqdm) -> list[RequestRecord]:
+                     duration_s: float | None, seed: int,
+                     ended: Callable[[RequestRecord], None]) -> list[RequestRecord]:
     gaps_s = arrivals.gaps_s(np.random.default_rng(seed))
     origin_s = time.perf_counter()
     due_s = 0.0  # the first request goes at once, each later one a gap after the previous
@@ -133,13 +144,13 @@ async def _open_loop(send: Send, workload: list[WorkloadRequest], arrivals: Open
         if duration_s is not None and time.perf_counter() - origin_s >= duration_s:
             break
         task = asyncio.create_task(send(index, request, origin_s))
-        task.add_done_callback(lambda _: bar.update(1))
+        task.add_done_callback(lambda done: ended(done.result()))
         tasks.append(task)
     return list(await asyncio.gather(*tasks))
 
 
 async def _closed_loop(send: Send, workload: list[WorkloadRequest], arrivals: ClosedLoop,
-                       duration_s: float | None, bar: tqdm) -> list[RequestRecord]:
+                       duration_s: float | None, ended: Callable[[RequestRecord], None]) -> list[RequestRecord]:
     origin_s = time.perf_counter()
     pending = _requests(workload, duration_s)
     records: list[RequestRecord] = []
@@ -150,7 +161,7 @@ async def _closed_loop(send: Send, workload: list[WorkloadRequest], arrivals: Cl
             if duration_s is not None and time.perf_counter() - origin_s >= duration_s:
                 return
             records.append(await send(index, request, origin_s))
-            bar.update(1)
+            ended(records[-1])
 
     await asyncio.gather(*(worker() for _ in range(arrivals.concurrency)))
     return records

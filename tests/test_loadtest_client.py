@@ -68,6 +68,16 @@ def test_unanswered_requests_are_all_recorded_as_failed(arrivals):
     assert result.spec_decode is None and summary.spec_decode_error is not None
 
 
+@pytest.mark.parametrize("arrivals", [OpenLoop(rate_rps=200.0), ClosedLoop(concurrency=3)])
+def test_each_measured_record_is_handed_to_on_record_as_it_ends(arrivals):
+    # A soak writes each record as it ends (benchmarks/lane_soak.py); warm-up records are not measured.
+    seen = []
+    result = asyncio.run(run_load(f"http://127.0.0.1:{_closed_port()}", _workload(7), arrivals, warmup=_workload(2),
+                                  options=RequestOptions(model="m"), timeout_s=5.0, progress=False,
+                                  on_record=seen.append))
+    assert sorted(seen, key=lambda r: r.index) == result.records and len(seen) == 7
+
+
 def test_open_loop_submits_on_schedule_and_duration_bounds_submission_only():
     base_url = f"http://127.0.0.1:{_closed_port()}"
     result = asyncio.run(run_load(base_url, _workload(3), OpenLoop(rate_rps=20.0),
