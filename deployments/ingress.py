@@ -413,13 +413,17 @@ class Ingress:
                 async for out in gen:
                     if isinstance(out, RequestOutput) and out.token_ids and first_token_at is None:
                         first_token_at, first_s = time.perf_counter(), time.time()
+                    lost = isinstance(out, RequestOutput) and out.lane_lost
                     if isinstance(out, RequestOutput) and out.error:
-                        out = self._internal(out, rid, "engine", out.error)
+                        out = self._internal(out, rid, "lane" if lost else "engine", out.error,
+                                             lane_failed(rid) if lost else None)
                     if isinstance(out, RequestOutput) and out.finished:
                         # Counted before the client sees the end, so stats read after [DONE] include it.
                         self._record(out, start, first_token_at)
                     last = out
-                    yield out
+                    # A lane lost with no replica to take over reads as when the lane dies under the
+                    # stream (below): 503, "retry".
+                    yield GenerateError(503, out.error) if lost else out
             if not (isinstance(last, GenerateError) or isinstance(last, RequestOutput) and last.finished):
                 # The decode lane's stream ended without the request's end (a replica that dropped it):
                 # the client must not take a short or empty answer for a whole one.

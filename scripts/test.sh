@@ -3,8 +3,10 @@
 #   bash scripts/test.sh                             # the whole suite (what .ci/run runs)
 #   bash scripts/test.sh -m "not serve"              # the quick tier: every test that needs no Ray cluster
 #   bash scripts/test.sh tests/test_rejection.py -x  # arguments go to pytest
-# It runs on two pytest-xdist workers (VPD_TEST_WORKERS=0: in this process): one takes every test that needs
-# Ray, in order, over one cluster; the other the rest, a module at a time (tests/conftest.py).
+#   bash scripts/test.sh -m "not serve" -n 2         # the quick tier on both cores (pytest-xdist)
+# With -n 2 the tests that need Ray all run in one worker, in order, over one cluster, and the others a
+# module at a time in either (tests/conftest.py). The full suite runs in one process by default: beside a
+# worker busy with the quick tier, Serve's proxy once missed its 60 s start on the 2-core host.
 # Setup (scripts/setup.sh --test, Prometheus) runs again only where the requirements or the setup
 # scripts changed since it last succeeded here.
 set -euo pipefail
@@ -18,4 +20,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] || ! command -v prometheus >/d
     echo "$wanted" > "$stamp"
 fi
 # No path given: pyproject.toml's testpaths (tests/).
-OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -q -n "${VPD_TEST_WORKERS:-2}" --dist loadgroup "$@"
+OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -q -n 0 --dist loadgroup "$@"

@@ -56,8 +56,22 @@ def ray_cluster(num_gpus: int | None = None, env_vars: dict[str, str] | None = N
                      runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         _cluster = settings
     if with_serve and not _serve_started:
-        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+        _start_serve()
         _serve_started = True
+
+
+def _start_serve(attempts: int = 3) -> None:
+    """serve.start, again after a failure: Serve gives its proxy 60 s to come up, and on the 2-core
+    host under load (other test processes, a build beside the suite) the proxy actor once missed it
+    and was killed, failing the setup of a whole module's tests."""
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+            return
+        except ray.exceptions.RayError:
+            if attempt == attempts:
+                raise
+            serve.shutdown()  # the controller stays otherwise, with the dead proxy's state
 
 
 def stop_ray() -> None:

@@ -440,7 +440,8 @@ class EngineCore:
         if isinstance(error, LaneOOM):
             return self._recompute_after_oom(seq, counts=True)
         self._finish(seq, "error")
-        return [self._output(seq, [], "", error=f"{stage} failed: {type(error).__name__}: {error}")]
+        return [self._output(seq, [], "", error=f"{stage} failed: {type(error).__name__}: {error}",
+                             lane_lost=isinstance(error, KVLost))]
 
     def _migrate(self, seq: Sequence, lost: KVLost) -> bool:
         """Recompute a request whose KV a remote lane lost (its verify replica was scaled down or
@@ -473,7 +474,7 @@ class EngineCore:
                         seq.request_id, now_s - seq.lost_s)
             self._finish(seq, "error")
             outputs.append(self._output(seq, [], "", error=f"its KV was lost and no replica took it back within "
-                                                           f"{self.config.recover_within_s:g} s"))
+                                                           f"{self.config.recover_within_s:g} s", lane_lost=True))
         return outputs
 
     def _propose(self, running: list[Sequence], draft_lens: list[int]) -> DraftProposal:
@@ -542,7 +543,8 @@ class EngineCore:
         self._lost.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, error: str | None = None,
-                logprobs: TokenLogprobs | None = None, prompt_logprobs: TokenLogprobs | None = None) -> RequestOutput:
+                logprobs: TokenLogprobs | None = None, prompt_logprobs: TokenLogprobs | None = None,
+                lane_lost: bool = False) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=tokens,
@@ -554,6 +556,7 @@ class EngineCore:
             # A finished sequence's counters no longer change, so the final chunk can carry them uncopied.
             stats=seq.stats if seq.finish_reason is not None else None,
             error=error,
+            lane_lost=lane_lost,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,

@@ -19,6 +19,9 @@ class RequestOutput:
     # a deep copy and every message its pickling, and only the end of a request reads it.
     stats: SpecDecodeStats | None = None
     error: str | None = None
+    # The error is the loss of a remote lane's replica that no other took over (the request may be
+    # sent again): the ingress answers it as a 503 that says so, not as an internal error.
+    lane_lost: bool = False
     logprobs: TokenLogprobs | None = None  # of this chunk's tokens, when the request asked
     prompt_logprobs: TokenLogprobs | None = None  # of prompt tokens 1.., on the request's first chunk
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held (usage.prompt_tokens_details)
@@ -40,6 +43,7 @@ def merge_outputs(chunks: list[RequestOutput]) -> RequestOutput:
         num_output_tokens=last.num_output_tokens,
         stats=last.stats,
         error=last.error,
+        lane_lost=last.lane_lost,
         logprobs=concat([c.logprobs for c in chunks]),
         prompt_logprobs=concat([c.prompt_logprobs for c in chunks]),
         num_cached_tokens=last.num_cached_tokens,
