@@ -6,11 +6,13 @@ machine's image may lack it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
 
 from benchmarks.lib.loads import Load, decode_stall_ms
+from benchmarks.lib.pairs import PAIR_DIR
 from loadtest.report import Point, _pyplot
 from loadtest.spec_stats import SpecDecodeSummary
 from loadtest.summary import LatencyStats, Summary
@@ -96,6 +98,18 @@ def goodput(points: list[dict], tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) ->
     is known to within the rate grid. None when no rate met them."""
     meeting = [p for p in points if within_slos(p["summary"], tpot_ms, ttft_ms)]
     return max(meeting, key=lambda p: p["summary"]["request_throughput_rps"], default=None)
+
+
+def script_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
+    """The flags issue 31's scripts share (gpu_evidence.py passes them on to paged_capacity.py and
+    families_fused.py): where it runs, where it writes, how long it may take, where the pairs are saved."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="the whole run, deploys included")
+    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR,
+                        help="saved constructed pairs (benchmarks/lib/pairs.py save_pair); a finished save is reused")
+    return parser
 
 
 def write_document(out: Path, name: str, document: dict, markdown: str) -> None:
