@@ -65,7 +65,8 @@ from benchmarks.lib.cluster import (STARTED_S, git_commit, load_average, log, ma
                                     start_model_cluster)
 from benchmarks.lib.loads import Load  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
-from benchmarks.lib.results import pyplot, row, rows_table, script_parser, write_document  # noqa: E402
+from benchmarks.lib.results import (pyplot, ratio, row, rows_table, script_parser, verdict,  # noqa: E402
+                                    write_document)
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.client import RequestOptions  # noqa: E402
 from loadtest.workload import WorkloadRequest  # noqa: E402
@@ -220,19 +221,6 @@ def app_config(mode: str, pair: Pair, args: argparse.Namespace, *, engine: dict 
     if ngram:
         config["draft"] = {"method": "ngram"}
     return config
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator, None where either is missing or the denominator is 0."""
-    return None if not numerator or not denominator else round(numerator / denominator, 3)
-
-
-def verdict(value: float | None, goal: tuple[str, float]) -> str:
-    """"met", "MISSED" or "not measured" for `value` against a goal (comparison, bound)."""
-    if value is None:
-        return "not measured"
-    op, bound = goal
-    return "met" if (value >= bound if op == ">=" else value <= bound) else "MISSED"
 
 
 def every_request_accounted(rows: list[dict]) -> bool:

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.lib.cluster import STARTED_S, git_commit, log, machine  # noqa: E402
-from benchmarks.lib.results import rows_table, script_parser, write_document  # noqa: E402
+from benchmarks.lib.results import ratio, rows_table, script_parser, verdict, write_document  # noqa: E402
 
 GOALS = {"capacity": 8.0, "throughput": 2.0}
 CAPACITY_LEN = 32768
@@ -169,21 +169,17 @@ def checks(doc: dict) -> list[dict]:
     rows = []
     cap = doc.get("capacity")
     if cap:
-        value = round(cap["peak_running"] / cap["contiguous_slots"], 2) if cap["contiguous_slots"] else None
+        value = ratio(cap["peak_running"], cap["contiguous_slots"])
         rows.append({"goal": "(a) requests decoded at once, paged / contiguous", "paged": cap["peak_running"],
                      "contiguous": cap["contiguous_slots"], "ratio": value, "bound": f">= {GOALS['capacity']}",
-                     "verdict": _verdict(value, GOALS["capacity"])})
+                     "verdict": verdict(value, (">=", GOALS["capacity"]))})
     tp = doc.get("throughput", {})
     if "paged" in tp and "contiguous" in tp:
-        value = round(tp["paged"]["output_tok_s"] / tp["contiguous"]["output_tok_s"], 2)
+        value = ratio(tp["paged"]["output_tok_s"], tp["contiguous"]["output_tok_s"])
         rows.append({"goal": "(b) output tok/s, paged / contiguous", "paged": tp["paged"]["output_tok_s"],
                      "contiguous": tp["contiguous"]["output_tok_s"], "ratio": value,
-                     "bound": f">= {GOALS['throughput']}", "verdict": _verdict(value, GOALS["throughput"])})
+                     "bound": f">= {GOALS['throughput']}", "verdict": verdict(value, (">=", GOALS["throughput"]))})
     return rows
-
-
-def _verdict(value: float | None, bound: float) -> str:
-    return "not measured" if value is None else "met" if value >= bound else "MISSED"
 
 
 def markdown(doc: dict) -> str:

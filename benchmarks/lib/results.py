@@ -85,6 +85,19 @@ def rows_table(rows: list[dict], labels: int = 2) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, None where either is missing or the denominator is 0."""
+    return None if not numerator or not denominator else round(numerator / denominator, 3)
+
+
+def verdict(value: float | None, goal: tuple[str, float]) -> str:
+    """"met", "MISSED" or "not measured" for `value` against a goal (comparison, bound)."""
+    if value is None:
+        return "not measured"
+    op, bound = goal
+    return "met" if (value >= bound if op == ">=" else value <= bound) else "MISSED"
+
+
 def within_slos(summary: dict, tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) -> bool:
     """Every submitted request completed, p99 TPOT within `tpot_ms` and p99 TTFT within `ttft_ms`."""
     lat = summary["latency_ms"]
