@@ -1,6 +1,6 @@
 """What a served benchmark sends and how long it should take: loads (requests at arrivals), the
 warm-up burst, mixed traffic, and what a load's records say beyond the load tester's summary
-(the decode stall, acceptance from the responses' own counters).
+(the decode stall, acceptance from the responses' own counters, requests in flight over time).
 """
 
 from __future__ import annotations

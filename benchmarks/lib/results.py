@@ -1,6 +1,6 @@
 """A served benchmark's results: a row per point (every submitted request counted), Markdown
-tables, goodput under latency bounds, bar plots, and the files rewritten after every point so
-that a run cut short keeps what it measured. matplotlib is imported only to plot: the GPU
+tables, ratios against goals, goodput under latency bounds, bar plots, and the files rewritten
+after every point so that a run cut short keeps what it measured. matplotlib is imported only to plot: the GPU
 machine's image may lack it.
 """
 
