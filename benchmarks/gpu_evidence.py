@@ -246,8 +246,8 @@ class Report:
         run = run_app(name, config, port, loads, deadline_s, deploy_timeout_s=a.deploy_timeout_s,
                       request_timeout_s=a.request_timeout_s, seed=SEED, on_point=self.add, sampler=sampler,
                       min_load_s=a.min_load_s)
-        self.doc["apps"][name] = {"status": run.status, "error": run.error, "deploy_s": run.deploy_s,
-                                  "skipped": run.skipped}
+        self.doc["apps"][name] = {"status": run.status, "error": run.error, "skipped": run.skipped,
+                                  "deploy_s": round(run.deploy_s, 1) if run.deploy_s else None}
         return run
 
     def add(self, run: AppRun) -> None:
