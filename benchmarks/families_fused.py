@@ -35,7 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-STARTED_S = time.monotonic()
+from benchmarks.lib.cluster import STARTED_S, git_commit, log, machine  # noqa: E402
+from benchmarks.lib.results import rows_table, script_parser, write_document  # noqa: E402
+
 CONTEXT = 512
 BATCHES = (1, 64)
 FLOOR_GOAL = 1.6  # fused step / floor at batch 1
@@ -55,10 +57,6 @@ SHAPES = {  # released checkpoints' shapes
                     sliding_window=4096, max_position_embeddings=32768, **_NO_SPECIAL),  # Mistral-7B-v0.1
 }
 TEST_CONFIGS = {"qwen3": "qwen3", "gemma2": "gemma2", "mistral": "mistral_window"}  # tests/test_model_families.py
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
 
 
 def sync(device: str) -> None:
@@ -174,29 +172,18 @@ def greedy_row(name: str, device: str) -> dict:
 
 
 def markdown(doc: dict) -> str:
-    from benchmarks.gpu_evidence import markdown_rows
-
     m = doc["machine"]
     return "\n".join([
         f"# Issue 31, part families ({m.get('gpu') or m['cpu_model']})", "",
         f"`{doc['command']}`, commit {doc['commit']}, {time.monotonic() - STARTED_S:.0f} s; copy bandwidth "
         f"{doc.get('copy_bandwidth_gbs')} GB/s.", "",
         f"## Decode forward at context {CONTEXT} (ms, median of 10); goal fused <= {FLOOR_GOAL} x floor at batch 1", "",
-        *markdown_rows(doc["steps"]), "",
-        "## Greedy output against HF's (test-size configs, float32)", "", *markdown_rows(doc["greedy"]), ""])
-
-
-def write(doc: dict, out: Path) -> None:
-    (out / "families.json").write_text(json.dumps(doc, indent=1, default=str))
-    (out / "families.md").write_text(markdown(doc))
+        rows_table(doc["steps"]), "## Greedy output against HF's (test-size configs, float32)", "",
+        rows_table(doc["greedy"])])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget-s", type=float, default=240.0)
-    parser.add_argument("--pair-dir", type=Path, default=None, help="unused (gpu_evidence passes it to every part)")
+    parser = script_parser(__doc__, budget_s=240.0)  # --pair-dir: unused (random weights)
     parser.add_argument("--families", default="qwen3,gemma2,mistral")
     args = parser.parse_args(argv)
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -208,10 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device == "cuda":
         os.environ["TRITON_INTERPRET"] = "0"  # before tests' conftest would turn the interpreter on
-    from benchmarks.lib.cluster import git_commit, machine
     from tests.test_model_families import FAMILIES
 
-    args.out.mkdir(parents=True, exist_ok=True)
     deadline_s = STARTED_S + args.budget_s - 10
     doc = {"command": "python3 benchmarks/families_fused.py " + " ".join(argv), "commit": git_commit(),
            "machine": machine(), "steps": [], "greedy": [], "skipped": []}
@@ -223,14 +208,14 @@ def main(argv: list[str] | None = None) -> None:
         # Greedy first: cheap, and the correctness answer matters more than a step time.
         doc["greedy"].append(greedy_row(name, args.device))
         log(f"{name} greedy: {json.dumps(doc['greedy'][-1])}")
-        write(doc, args.out)
+        write_document(args.out, "families", doc, markdown(doc))
         if time.monotonic() > deadline_s - 60:
             doc["skipped"].append(f"{name} steps: out of time")
             continue
         config = SHAPES[name] if args.device == "cuda" else FAMILIES[TEST_CONFIGS[name]]
         doc["steps"] += step_rows(name, config, args, doc.get("copy_bandwidth_gbs"))
         log(f"{name} steps: {json.dumps(doc['steps'][-len(BATCHES):])}")
-        write(doc, args.out)
+        write_document(args.out, "families", doc, markdown(doc))
     log("done")
 
 

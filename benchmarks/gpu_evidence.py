@@ -45,30 +45,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import importlib
 import json
-import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import ray
+from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.constructed_pair import successor_maps  # noqa: E402
-from loadtest.arrivals import Arrivals, ClosedLoop, OpenLoop  # noqa: E402
+from benchmarks.constructed_pair import shape_configs, successor_maps  # noqa: E402
+from benchmarks.lib.apps import AppRun, app_args, engine_args, run_app  # noqa: E402
+from benchmarks.lib.cluster import (STARTED_S, git_commit, load_average, log, machine,  # noqa: E402
+                                    start_model_cluster)
+from benchmarks.lib.loads import Load  # noqa: E402
+from benchmarks.lib.pairs import save_pair  # noqa: E402
+from benchmarks.lib.results import (pyplot, ratio, row, rows_table, script_parser, verdict,  # noqa: E402
+                                    write_document)
+from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.client import RequestOptions  # noqa: E402
-from loadtest.summary import Summary  # noqa: E402
 from loadtest.workload import WorkloadRequest  # noqa: E402
 
-STARTED_S = time.monotonic()
 AGREEMENT = 0.8
 DRAFT_LEN = 3
 SEED = 0
-MAX_ONGOING = 512  # per deployment: above the most requests a part keeps in flight
 # Ids below RESERVED_IDS never appear in prompts; `grammar_pair` names them (end token, JSON's characters).
 GRAMMAR_TOKENS = ["</s>", "{", "}", '"', ":", ",", "text", " "]  # compact JSON writes ": " and ", "
 RESERVED_IDS = 16
@@ -93,10 +98,6 @@ PRESETS = {
                 ngram_doc_tokens=120, ngram_output_len=24, ngram_concurrencies="1,4", request_timeout_s=300.0,
                 deploy_timeout_s=600.0),
 }
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
 
 
 # ---- workloads from token ids -------------------------------------------------------------------
@@ -164,9 +165,6 @@ class Pair:
 
 def saved_pair(args: argparse.Namespace) -> Pair:
     """The constructed pair of the device's shape (built and saved once under --pair-dir, reused after)."""
-    from benchmarks.constructed_pair import shape_configs
-    from benchmarks.lib.pairs import save_pair
-
     saved = save_pair(args.shape, AGREEMENT, args.pair_dir, dtype=args.dtype, device=args.device, seed=SEED)
     vocab_size = shape_configs(args.shape)[0]["vocab_size"]
     successor, _ = successor_maps(vocab_size, AGREEMENT, SEED)
@@ -208,200 +206,64 @@ def grammar_pair(pair: Pair) -> Pair:
     return Pair(dirs[0], dirs[1], pair.vocab_size, pair.successor)
 
 
-# ---- apps and loads ------------------------------------------------------------------------------
-
-def gpu_shares(mode: str) -> dict[str, float]:
-    from benchmarks.lib.apps import GPU_SHARES  # the one-GPU lane shares every served benchmark uses
-
-    return GPU_SHARES[mode]
-
+# ---- apps and results ----------------------------------------------------------------------------
 
 def app_config(mode: str, pair: Pair, args: argparse.Namespace, *, engine: dict | None = None,
-               controller: dict | None = None, ngram: bool = False) -> dict:
-    """configs/<mode>.yaml's args on `pair`, the part's engine sizes, one GPU's lane shares (cuda)."""
-    from benchmarks.lib.cluster import benchmark_app_args
-
-    base = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-            "num_speculative_tokens": DRAFT_LEN, "max_draft_len": 8}
-    config = benchmark_app_args(mode, pair.target, pair.draft, dtype=args.dtype, engine={**base, **(engine or {})},
-                                lane_num_cpus=args.lane_num_cpus, max_ongoing=MAX_ONGOING,
-                                gpu_shares=gpu_shares(mode) if args.device == "cuda" else None)
+               ngram: bool = False) -> dict:
+    """configs/<mode>.yaml's args on `pair` (benchmarks/lib/apps.py app_args): the part's engine sizes, L =
+    DRAFT_LEN, one GPU's lane shares (cuda); in the controller part, the controller on in the drafting
+    modes, --controller merged into its block."""
+    config = app_args(mode, pair.target, pair.draft, dtype=args.dtype, lane_num_cpus=args.lane_num_cpus,
+                      engine={**engine_args(args.max_model_len, args.max_num_seqs, DRAFT_LEN), **(engine or {})},
+                      one_gpu=args.device == "cuda", controller=args.part == "controller")
+    if args.part == "controller" and mode != "nospec":
+        config["controller"].update(json.loads(args.controller))
     if ngram:
         config["draft"] = {"method": "ngram"}
-    if controller is not None:
-        config["controller"] = controller
     return config
-
-
-@dataclass(frozen=True)
-class Load:
-    name: str
-    requests: list[WorkloadRequest]
-    arrivals: Arrivals | Callable[[], Arrivals | None]  # a callable: resolved when the load starts
-    options: RequestOptions = RequestOptions(temperature=0.0, ignore_eos=True)
-    measured: bool = True  # False: a warm-up (CUDA graphs, kernels), in the JSON, out of every ratio
-
-
-@dataclass
-class PointResult:
-    app: str
-    load: str
-    summary: Summary
-    measured: bool
-    start_s: float  # since the part started, for the controller's time axis
-    end_s: float
-    in_flight: list[tuple[float, int]] = field(default_factory=list)  # (s since the part started, requests)
-
-
-def in_flight_steps(records, origin_s: float) -> list[tuple[float, int]]:
-    """Requests in flight after every submit and end, from the records' own times. [(s, count)]"""
-    events = sorted([(r.start_s, 1) for r in records] + [(r.end_s, -1) for r in records])
-    count, steps = 0, []
-    for t, delta in events:
-        count += delta
-        steps.append((round(origin_s + t, 3), count))
-    return steps
-
-
-def serve_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: float, args: argparse.Namespace,
-              on_point, sampler=None) -> dict:
-    """Deploy `config` as app `name`, run `loads` in order, delete it. Returns {"deploy_s", "error", "skipped"};
-    each point goes to `on_point(PointResult)` as it ends. A load is skipped once less than --min-load-s is
-    left; no request waits past the deadline by more than 10 s. `sampler(url)`, an async function, runs
-    beside every load (the controller's state)."""
-    from ray import serve
-
-    from benchmarks.lib.cluster import deploy
-    from loadtest.runner import run_load
-
-    status = {"deploy_s": None, "error": None, "skipped": []}
-    try:
-        status["deploy_s"] = round(deploy(name, config, args.deploy_timeout_s), 1)
-        log(f"{name}: deployed in {status['deploy_s']} s")
-        url = f"http://127.0.0.1:{port}/{name}"
-        for load in loads:
-            left_s = deadline_s - time.monotonic()
-            arrivals = load.arrivals() if callable(load.arrivals) else load.arrivals
-            if arrivals is None:
-                status["skipped"].append(f"{load.name} (no rate to take)")
-                continue
-            if left_s < args.min_load_s:
-                status["skipped"].append(load.name)
-                log(f"{name} {load.name}: skipped ({left_s:.0f} s left)")
-                continue
-            start_s = time.monotonic() - STARTED_S
-            result = asyncio.run(_load_with_sampler(run_load(
-                url, load.requests, arrivals, options=load.options, seed=SEED, progress=False,
-                timeout_s=max(10.0, min(args.request_timeout_s, left_s + 10))), sampler, url))
-            summary = result.summary()
-            point = PointResult(name, load.name, summary, load.measured, start_s, time.monotonic() - STARTED_S,
-                                in_flight_steps(result.records, start_s))
-            log(f"{name} {load.name}: {point_line(summary)}")
-            errors = sorted({r.error for r in result.records if r.error})[:3]
-            if errors:
-                log(f"{name} {load.name}: errors {errors}")
-            on_point(point)
-    except Exception as exc:  # recorded; the part's next app still runs
-        status["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"{name}: {status['error']}")
-    finally:
-        serve.delete(name)
-        free_device_memory()
-    return status
-
-
-async def _load_with_sampler(load, sampler, url: str):
-    task = asyncio.create_task(sampler(url)) if sampler is not None else None
-    try:
-        return await load
-    finally:
-        if task is not None:
-            task.cancel()
-
-
-def free_device_memory() -> None:
-    from benchmarks.lib.cluster import free_device_memory as free
-
-    free()
-
-
-def point_line(s: Summary) -> str:
-    acceptance = s.spec_decode.acceptance_rate if s.spec_decode else None
-    return (f"{s.completed}/{s.submitted} completed ({s.failed} failed, {s.timed_out} timed out), "
-            f"{s.output_token_throughput_tps:.1f} tok/s, TTFT p50 {_ms(s.latency_ms['ttft_ms'].p50)}, "
-            f"TPOT p50 {_ms(s.latency_ms['tpot_ms'].p50)}, acceptance {acceptance}")
-
-
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} ms"
-
-
-# ---- results -------------------------------------------------------------------------------------
-
-def point_row(p: PointResult) -> dict:
-    s = p.summary
-    lat = s.latency_ms
-    return {"app": p.app, "load": p.load, "measured": p.measured, "submitted": s.submitted, "completed": s.completed,
-            "failed": s.failed, "timed_out": s.timed_out, "output_tok_s": round(s.output_token_throughput_tps, 1),
-            "mean_in_flight": round(s.mean_in_flight, 1), "max_in_flight": s.max_in_flight,
-            "ttft_p50_ms": _r(lat["ttft_ms"].p50), "ttft_p95_ms": _r(lat["ttft_ms"].p95),
-            "tpot_p50_ms": _r(lat["tpot_ms"].p50), "tpot_p95_ms": _r(lat["tpot_ms"].p95),
-            "acceptance_rate": _r(s.spec_decode.acceptance_rate if s.spec_decode else None, 3),
-            "mean_acceptance_length": _r(s.spec_decode.mean_acceptance_length if s.spec_decode else None, 3)}
-
-
-def _r(value, digits: int = 2):
-    return None if value is None else round(value, digits)
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator, None where either is missing or the denominator is 0."""
-    return None if not numerator or not denominator else round(numerator / denominator, 3)
-
-
-def verdict(value: float | None, goal: tuple[str, float]) -> str:
-    """"met", "MISSED" or "not measured" for `value` against a goal (comparison, bound)."""
-    if value is None:
-        return "not measured"
-    op, bound = goal
-    return "met" if (value >= bound if op == ">=" else value <= bound) else "MISSED"
 
 
 def every_request_accounted(rows: list[dict]) -> bool:
     return all(r["submitted"] == r["completed"] + r["failed"] + r["timed_out"] for r in rows)
 
 
-def markdown_rows(rows: list[dict], columns: list[str] | None = None) -> list[str]:
-    if not rows:
-        return ["(no rows)"]
-    columns = columns or list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return lines + ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in columns) + " |" for r in rows]
-
-
 class Report:
-    """One part's document, rewritten as JSON and Markdown under --out after every change."""
+    """One part's document: its apps, a row per point (benchmarks/lib/results.py's, every submitted request
+    counted), the checks against the goals; <part>.json and <part>.md rewritten under --out after every point."""
 
     def __init__(self, part: str, args: argparse.Namespace, argv: list[str]):
-        from benchmarks.lib.cluster import git_commit, load_average, machine
-
-        self.stem = args.out / part
+        self.part, self.args = part, args
         self.doc = {"part": part, "command": "python3 benchmarks/gpu_evidence.py " + " ".join(argv),
                     "commit": git_commit(), "machine": machine(), "load_average_before": load_average(),
                     "goals": {k: list(v) for k, v in GOALS.get(part, {}).items()}, "apps": {}, "rows": [],
                     "checks": [], "notes": []}
-        self.points: list[PointResult] = []
+        self.runs: dict[str, AppRun] = {}  # by app, from its first point on
 
-    def add(self, point: PointResult) -> None:
-        self.points.append(point)
-        self.doc["rows"].append(point_row(point))
+    def serve(self, name: str, config: dict, port: int, loads: list[Load], deadline_s: float,
+              sampler: Callable[[str], Awaitable[None]] | None = None) -> AppRun:
+        """Deploy `config` as app `name`, run `loads` in order (a row each as it ends), delete it."""
+        a = self.args
+        run = run_app(name, config, port, loads, deadline_s, deploy_timeout_s=a.deploy_timeout_s,
+                      request_timeout_s=a.request_timeout_s, seed=SEED, on_point=self.add, sampler=sampler,
+                      min_load_s=a.min_load_s)
+        self.doc["apps"][name] = {"status": run.status, "error": run.error, "skipped": run.skipped,
+                                  "deploy_s": round(run.deploy_s, 1) if run.deploy_s else None}
+        return run
+
+    def add(self, run: AppRun) -> None:
+        load, point = run.points[-1]
+        self.runs[run.name] = run
+        s = point.summary
+        self.doc["rows"].append({**row(point, app=run.name, load=load.name), "measured": load.measured,
+                                 "in_flight mean": round(s.mean_in_flight, 1), "in_flight max": s.max_in_flight,
+                                 "accept_len": round(s.spec_decode.mean_acceptance_length, 3)
+                                 if s.spec_decode and s.spec_decode.mean_acceptance_length else None})
         self.write()
 
     def write(self) -> None:
         self.doc["elapsed_s"] = round(time.monotonic() - STARTED_S, 1)
         self.doc["every_request_accounted"] = every_request_accounted(self.doc["rows"])
-        self.stem.with_suffix(".json").write_text(json.dumps(self.doc, indent=1, default=str))
-        self.stem.with_suffix(".md").write_text(self.markdown())
+        write_document(self.args.out, self.part, self.doc, self.markdown())
 
     def markdown(self) -> str:
         d, m = self.doc, self.doc["machine"]
@@ -410,21 +272,22 @@ class Report:
                  f"accounted for: {d['every_request_accounted']}.", ""]
         lines += [f"- {n}" for n in d["notes"]] + [""]
         if d["checks"]:
-            lines += ["## Against the goals", ""] + markdown_rows(d["checks"]) + [""]
+            lines += ["## Against the goals", "", rows_table(d["checks"])]
         lines += ["## Apps", ""] + [f"- {name}: {json.dumps(status)}" for name, status in d["apps"].items()]
-        lines += ["", "## Points", ""] + markdown_rows(d["rows"]) + [""]
+        lines += ["", "## Points", "", rows_table(d["rows"])]
         for key in d:
             if key.startswith("table:"):
-                lines += [f"## {key[len('table:'):]}", ""] + markdown_rows(d[key]) + [""]
+                lines += [f"## {key[len('table:'):]}", "", rows_table(d[key])]
         return "\n".join(lines)
 
 
+def row_of(report: Report, app: str, load: str) -> dict:
+    """`app`'s row at `load` ({} where it was not measured)."""
+    return next((r for r in report.doc["rows"] if r["app"] == app and r["load"] == load), {})
+
+
 def tok_s(report: Report, app: str, load: str) -> float | None:
-    return next((r["output_tok_s"] for r in report.doc["rows"] if r["app"] == app and r["load"] == load), None)
-
-
-def row_of(report: Report, app: str, load: str) -> dict | None:
-    return next((r for r in report.doc["rows"] if r["app"] == app and r["load"] == load), None)
+    return row_of(report, app, load).get("tok_s")
 
 
 # ---- part 1: the controller ----------------------------------------------------------------------
@@ -454,14 +317,14 @@ def controller_sampler(trace: list[dict], app: str):
 
 
 def controller_loads(requests: list[WorkloadRequest], concurrencies: list[int], args: argparse.Namespace,
-                     poisson: Callable[[], Arrivals | None]) -> list[Load]:
-    """Warm-up (max_num_seqs at once), the closed loops, then Poisson at the rate `poisson()` gives when the
-    load starts (None: skipped)."""
+                     poisson: dict) -> list[Load]:
+    """Warm-up (max_num_seqs at once), the closed loops, then Poisson (`poisson`: the Load's arrivals, or
+    its rate_of and factor)."""
     loads = [Load("warmup", requests[: args.max_num_seqs], OpenLoop(float("inf")), measured=False)]
     for c in concurrencies:
         count = args.single_requests if c == 1 else args.requests_per_slot * c
         loads.append(Load(f"c{c}", requests[:count], ClosedLoop(c)))
-    return loads + [Load("poisson", requests[: args.requests_per_slot * max(concurrencies)], poisson)]
+    return loads + [Load("poisson", requests[: args.requests_per_slot * max(concurrencies)], **poisson)]
 
 
 def controller_checks(report: Report, modes: list[str], loads: list[str]) -> list[dict]:
@@ -476,31 +339,33 @@ def controller_checks(report: Report, modes: list[str], loads: list[str]) -> lis
     return checks
 
 
+def windows(run: AppRun) -> list[tuple[str, float, float]]:
+    """Each point's load, first submit and last end (seconds on the log's clock, as the trace's)."""
+    return [(load.name, steps[0][0], steps[-1][0]) for load, _ in run.points if (steps := run.in_flight.get(load.name))]
+
+
 def trace_by_point(report: Report, trace: list[dict]) -> list[dict]:
-    """What the controller saw and set during each measured point: mean L and the mean of each signal."""
+    """What the controller saw and set during each point: mean L and the mean of each signal."""
     rows = []
-    for p in report.points:
-        samples = [s for s in trace if s["app"] == p.app and p.start_s <= s["t_s"] <= p.end_s]
-        if not samples:
-            continue
-        row = {"app": p.app, "load": p.load, "samples": len(samples)}
-        for key in ("default_draft_len", "draft_len_cap", *TRACED):
-            values = [s[key] for s in samples if isinstance(s.get(key), (int, float))]
-            row[f"{key} mean"] = _r(float(np.mean(values)), 2) if values else None
-        rows.append(row)
+    for app, run in report.runs.items():
+        for load, start_s, end_s in windows(run):
+            samples = [s for s in trace if s["app"] == app and start_s <= s["t_s"] <= end_s]
+            if not samples:
+                continue
+            means = {"app": app, "load": load, "samples": len(samples)}
+            for key in ("default_draft_len", "draft_len_cap", *TRACED):
+                values = [s[key] for s in samples if isinstance(s.get(key), (int, float))]
+                means[f"{key} mean"] = round(float(np.mean(values)), 2) if values else None
+            rows.append(means)
     return rows
 
 
 def plot_controller(report: Report, trace: list[dict], path: Path) -> None:
     """L (the controller's default draft length) and requests in flight over time, one panel per mode."""
-    if importlib.util.find_spec("matplotlib") is None:
+    plt = pyplot()
+    if plt is None:
         report.doc["notes"].append("no matplotlib here: controller_L.png not drawn (the JSON has the trace)")
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     apps = sorted({s["app"] for s in trace})
     if not apps:
         return
@@ -512,11 +377,11 @@ def plot_controller(report: Report, trace: list[dict], path: Path) -> None:
         ax.set_ylabel("L")
         ax.set_title(app)
         flight = ax.twinx()
-        for p in (p for p in report.points if p.app == app):
-            if p.in_flight:
-                flight.step(*zip(*p.in_flight), where="post", color="C1", alpha=0.6)
-            ax.axvspan(p.start_s, p.end_s, alpha=0.06, color="grey")
-            ax.text(p.start_s, ax.get_ylim()[1], p.load, fontsize=7, va="top")
+        run = report.runs.get(app)
+        for load, start_s, end_s in windows(run) if run else []:
+            flight.step(*zip(*run.in_flight[load]), where="post", color="C1", alpha=0.6)
+            ax.axvspan(start_s, end_s, alpha=0.06, color="grey")
+            ax.text(start_s, ax.get_ylim()[1], load, fontsize=7, va="top")
         flight.set_ylabel("requests in flight", color="C1")
         ax.set_xlabel("seconds since the part started")
     fig.tight_layout()
@@ -529,7 +394,9 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
     requests = random_requests(pair.vocab_size, args.requests_per_slot * max(concurrencies) + args.max_num_seqs,
                                args.prompt_len, args.output_len, SEED)
-    controller = {"enabled": True, "initial_draft_len": DRAFT_LEN, "max_draft_len": 8, **json.loads(args.controller)}
+    modes = args.modes.split(",")
+    configs = {mode: app_config(mode, pair, args) for mode in modes}
+    controller = next((config["controller"] for mode, config in configs.items() if mode != "nospec"), None)
     report.doc["notes"] += [
         f"Constructed {args.shape} pair, agreement {AGREEMENT}; prompts of {args.prompt_len} random tokens, "
         f"{args.output_len} output tokens, greedy, ignore_eos; max_num_seqs {args.max_num_seqs}, L starts at "
@@ -539,23 +406,18 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
     trace: list[dict] = []
     report.doc["controller_trace"] = trace
     top = f"c{max(concurrencies)}"
-
-    def poisson() -> Arrivals | None:
-        """nospec's completed requests/s at the most in flight, times --rate-factor, fixed once (nospec runs
-        first): the same rate and arrival times for every mode."""
-        if "poisson_rate_rps" not in report.doc:
-            nospec = next((p.summary for p in report.points if p.app == "nospec" and p.load == top), None)
-            report.doc["poisson_rate_rps"] = args.rate_factor * nospec.request_throughput_rps if nospec else None
-        rate = report.doc["poisson_rate_rps"]
-        return OpenLoop(rate) if rate else None
-
-    modes = args.modes.split(",")
     for index, mode in enumerate(modes):
         share_s = (deadline_s - time.monotonic()) / (len(modes) - index)
-        config = app_config(mode, pair, args, controller=None if mode == "nospec" else controller)
-        report.doc["apps"][mode] = serve_app(mode, config, port, controller_loads(requests, concurrencies, args, poisson),
-                                             time.monotonic() + share_s, args, report.add,
-                                             None if mode == "nospec" else controller_sampler(trace, mode))
+        # nospec runs first and fixes the rate; the others get its rate and arrival times (none: skipped, as
+        # a rate taken from a load this app does not have).
+        rate_rps = report.doc.get("poisson_rate_rps")
+        poisson = ({"rate_of": top, "factor": args.rate_factor} if mode == "nospec" else
+                   {"arrivals": OpenLoop(rate_rps)} if rate_rps else {"rate_of": f"nospec {top}"})
+        run = report.serve(mode, configs[mode], port, controller_loads(requests, concurrencies, args, poisson),
+                           time.monotonic() + share_s, None if mode == "nospec" else controller_sampler(trace, mode))
+        if mode == "nospec":
+            nospec = next((point.summary for load, point in run.points if load.name == top), None)
+            report.doc["poisson_rate_rps"] = args.rate_factor * nospec.request_throughput_rps if nospec else None
         report.doc["checks"] = controller_checks(report, [m for m in modes if m != "nospec"],
                                                  [f"c{c}" for c in concurrencies] + ["poisson"])
         report.doc["table:What the controller saw and set, per point (means over 0.5 s samples)"] = \
@@ -586,7 +448,7 @@ def extras_checks(report: Report) -> list[dict]:
     for name, goal in GOALS["extras"].items():
         value = ratio(tok_s(report, "extras", name), plain)
         checks.append({"load": name, "x_plain": value, "goal": f"{goal[0]} {goal[1]}", "verdict": verdict(value, goal),
-                       "acceptance_rate": (row_of(report, "extras", name) or {}).get("acceptance_rate")})
+                       "acceptance_rate": row_of(report, "extras", name).get("acceptance")})
     return checks
 
 
@@ -599,7 +461,7 @@ def part_extras(args: argparse.Namespace, report: Report, port: int, deadline_s:
     for i, (name, extra) in enumerate(EXTRAS.items()):
         # Prompts of each load's own: none reads another's prefix cache.
         part = requests[args.max_num_seqs + i * n: args.max_num_seqs + (i + 1) * n]
-        loads.append(Load(name, part, ClosedLoop(c), RequestOptions(temperature=0.0, ignore_eos=True, extra_body=extra)))
+        loads.append(Load(name, part, ClosedLoop(c), options=RequestOptions(extra_body=extra)))
     report.doc["notes"] += [
         f"One unified app, L = {DRAFT_LEN}, controller off; {n} requests per load at {c} in flight, prompts of "
         f"{args.prompt_len} random tokens, {args.output_len} output tokens, greedy. Fields per load: "
@@ -607,8 +469,7 @@ def part_extras(args: argparse.Namespace, report: Report, port: int, deadline_s:
         "The pair: constructed, agreement 0.8, its tokenizer with ids 0-7 renamed (end token and JSON's characters: "
         "grammar_pair). The schema's one string field holds the model's own tokens; json_schema requests end at "
         "max_tokens or where the grammar closes the object (their tok/s counts the tokens they produced)."]
-    report.doc["apps"]["extras"] = serve_app("extras", app_config("unified", pair, args), port, loads, deadline_s, args,
-                                             report.add)
+    report.serve("extras", app_config("unified", pair, args), port, loads, deadline_s)
     report.doc["checks"] = extras_checks(report)
     report.write()
 
@@ -619,10 +480,10 @@ def prefix_checks(report: Report, modes: list[str]) -> list[dict]:
     checks = []
     for mode in modes:
         off, on = row_of(report, f"{mode}-cache-off", "shared"), row_of(report, f"{mode}-cache-on", "shared")
-        value = ratio((off or {}).get("ttft_p50_ms"), (on or {}).get("ttft_p50_ms"))
+        value = ratio(off.get("ttft_ms p50"), on.get("ttft_ms p50"))
         goal = GOALS["prefix"]["ttft_p50 off / on"]
-        checks.append({"mode": mode, "ttft_p50_ms off": (off or {}).get("ttft_p50_ms"),
-                       "ttft_p50_ms on": (on or {}).get("ttft_p50_ms"), "off / on": value,
+        checks.append({"mode": mode, "ttft_p50_ms off": off.get("ttft_ms p50"),
+                       "ttft_p50_ms on": on.get("ttft_ms p50"), "off / on": value,
                        "goal": f"{goal[0]} {goal[1]}", "verdict": verdict(value, goal)})
     return checks
 
@@ -648,8 +509,7 @@ def part_prefix(args: argparse.Namespace, report: Report, port: int, deadline_s:
         engine = {"enable_prefix_caching": cache == "on", "max_model_len": max_model_len,
                   "max_num_seqs": max(args.prefix_concurrency, 8)}
         name = f"{mode}-cache-{cache}"
-        report.doc["apps"][name] = serve_app(name, app_config(mode, pair, args, engine=engine), port, loads,
-                                             time.monotonic() + share_s, args, report.add)
+        report.serve(name, app_config(mode, pair, args, engine=engine), port, loads, time.monotonic() + share_s)
         report.doc["checks"] = prefix_checks(report, modes)
         report.write()
 
@@ -665,8 +525,8 @@ def ngram_checks(report: Report, concurrencies: list[int]) -> list[dict]:
             goal = GOALS["ngram"]["plain"] if workload == "plain" else None
             checks.append({"load": load, "x_nospec": value, "goal": f"{goal[0]} {goal[1]}" if goal else "(report)",
                            "verdict": verdict(value, goal) if goal else "",
-                           "acceptance_rate": (row_of(report, "ngram", load) or {}).get("acceptance_rate"),
-                           "mean_acceptance_length": (row_of(report, "ngram", load) or {}).get("mean_acceptance_length")})
+                           "acceptance_rate": row_of(report, "ngram", load).get("acceptance"),
+                           "mean_acceptance_length": row_of(report, "ngram", load).get("accept_len")})
     return checks
 
 
@@ -692,8 +552,8 @@ def part_ngram(args: argparse.Namespace, report: Report, port: int, deadline_s: 
             loads.append(Load(f"plain_c{c}", random_requests(pair.vocab_size, count[c], args.prompt_len,
                                                              args.output_len, SEED + 40 + c), ClosedLoop(c)))
         engine = {"max_model_len": max_model_len, "max_num_seqs": max(max(concurrencies), 8)}
-        report.doc["apps"][name] = serve_app(name, app_config(mode, pair, args, engine=engine, ngram=ngram), port,
-                                             loads, time.monotonic() + share_s, args, report.add)
+        report.serve(name, app_config(mode, pair, args, engine=engine, ngram=ngram), port, loads,
+                     time.monotonic() + share_s)
         report.doc["checks"] = ngram_checks(report, concurrencies)
         report.write()
 
@@ -705,13 +565,8 @@ DEFAULT_MODES = {"controller": "nospec,spec,unified", "prefix": "unified,pdv"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, budget_s=540.0)
     parser.add_argument("--part", required=True, choices=(*SERVED_PARTS, "paged", "families"))
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget-s", type=float, default=540.0, help="the part's whole run, deploys included")
-    parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"),
-                        help="saved constructed pairs (benchmarks/lib/pairs.py save_pair); a finished save is reused")
     parser.add_argument("--modes", default=None, help="controller: nospec first (it sets the Poisson rate), "
                         "default nospec,spec,unified; prefix: default unified,pdv")
     parser.add_argument("--controller", default="{}", help="JSON merged into the controller block (controller part)")
@@ -748,16 +603,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.rest:
         raise SystemExit(f"unknown arguments for part {args.part}: {args.rest}")
-    from ray import serve
-    import ray
-
-    from benchmarks.lib.cluster import start_cluster
-
-    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"  # a failing replica is not rebuilt three times
     deadline_s = time.monotonic() + args.budget_s - 20  # the shutdown and the last write
     report = Report(args.part, args, argv)
-    port = start_cluster({"TRITON_INTERPRET": "0", "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
-                         if args.device == "cuda" else None)
+    port = start_model_cluster()
     log(f"Ray and Serve up (port {port}); part {args.part}, budget {args.budget_s:.0f} s")
     try:
         SERVED_PARTS[args.part](args, report, port, deadline_s)
@@ -765,7 +613,7 @@ def main(argv: list[str] | None = None) -> None:
         report.write()
         serve.shutdown()
         ray.shutdown()
-    log(f"done: {report.stem}.json / .md; checks {json.dumps(report.doc['checks'])}")
+    log(f"done: {args.out / args.part}.json / .md; checks {json.dumps(report.doc['checks'])}")
 
 
 if __name__ == "__main__":

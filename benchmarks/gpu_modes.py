@@ -66,7 +66,7 @@ from benchmarks.lib.cluster import (ALL_MODES, STARTED_S, git_commit, load_avera
                                     start_model_cluster, wait_for_device_memory)
 from benchmarks.lib.loads import Load, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, SavedPair, parameter_count, save_pair  # noqa: E402
-from benchmarks.lib.results import point_document, rounded, write_document  # noqa: E402
+from benchmarks.lib.results import point_document, ratio, rounded, write_document  # noqa: E402
 from deployments.factories import PREFILL_BATCH_MAX  # noqa: E402
 from lanes.engine.core import EngineConfig  # noqa: E402
 from lanes.model.loader import resolve_dtype  # noqa: E402
@@ -187,9 +187,6 @@ def goals(results: AgreementResults, args: argparse.Namespace) -> dict:
     def decode_rate(points: dict[str, Point], mode: str) -> float | None:
         tpot_ms = points[mode].summary.latency_ms["tpot_ms"].p50 if mode in points else None
         return 1000 / tpot_ms if tpot_ms else None
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a and b else None
 
     single, mid = measured_points(results, "c1"), measured_points(results, f"c{args.mid_concurrency}")
     # A mode that lost requests does not win: its throughput counts only what it finished.

@@ -42,14 +42,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-STARTED_S = time.monotonic()
+from benchmarks.lib.cluster import STARTED_S, git_commit, log, machine  # noqa: E402
+from benchmarks.lib.results import ratio, rows_table, script_parser, verdict, write_document  # noqa: E402
+
 GOALS = {"capacity": 8.0, "throughput": 2.0}
 CAPACITY_LEN = 32768
 DRAFT_LEN = 3
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED_S:7.1f} s] {message}", flush=True)
 
 
 # ---- the arithmetic ------------------------------------------------------------------------------
@@ -171,51 +169,39 @@ def checks(doc: dict) -> list[dict]:
     rows = []
     cap = doc.get("capacity")
     if cap:
-        value = round(cap["peak_running"] / cap["contiguous_slots"], 2) if cap["contiguous_slots"] else None
+        value = ratio(cap["peak_running"], cap["contiguous_slots"])
         rows.append({"goal": "(a) requests decoded at once, paged / contiguous", "paged": cap["peak_running"],
                      "contiguous": cap["contiguous_slots"], "ratio": value, "bound": f">= {GOALS['capacity']}",
-                     "verdict": _verdict(value, GOALS["capacity"])})
+                     "verdict": verdict(value, (">=", GOALS["capacity"]))})
     tp = doc.get("throughput", {})
     if "paged" in tp and "contiguous" in tp:
-        value = round(tp["paged"]["output_tok_s"] / tp["contiguous"]["output_tok_s"], 2)
+        value = ratio(tp["paged"]["output_tok_s"], tp["contiguous"]["output_tok_s"])
         rows.append({"goal": "(b) output tok/s, paged / contiguous", "paged": tp["paged"]["output_tok_s"],
                      "contiguous": tp["contiguous"]["output_tok_s"], "ratio": value,
-                     "bound": f">= {GOALS['throughput']}", "verdict": _verdict(value, GOALS["throughput"])})
+                     "bound": f">= {GOALS['throughput']}", "verdict": verdict(value, (">=", GOALS["throughput"]))})
     return rows
 
 
-def _verdict(value: float | None, bound: float) -> str:
-    return "not measured" if value is None else "met" if value >= bound else "MISSED"
-
-
 def markdown(doc: dict) -> str:
-    from benchmarks.gpu_evidence import markdown_rows
-
     m = doc["machine"]
     lines = [f"# Issue 31, part paged: 2 (a) and (b) ({m.get('gpu') or m['cpu_model']})", "",
              f"`{doc['command']}`, commit {doc['commit']}, {time.monotonic() - STARTED_S:.0f} s.", "",
              "Baseline: this paged engine admitting at most the requests that contiguous slots of max_model_len "
              "(+ slack) would hold in the same pool memory (benchmarks/paged_capacity.py's docstring). Its steps "
              "are the paged steps: divide (b) by 2 (d)'s step ratio for the slot code's own.", "",
-             f"Pools: {json.dumps(doc.get('pools'))}", "", "## Against the goals", ""]
-    lines += markdown_rows(doc["checks"])
-    lines += ["", "## Details", "", "```", json.dumps({k: doc.get(k) for k in ("capacity", "throughput")}, indent=1),
+             f"Pools: {json.dumps(doc.get('pools'))}", "", "## Against the goals", "", rows_table(doc["checks"])]
+    lines += ["## Details", "", "```", json.dumps({k: doc.get(k) for k in ("capacity", "throughput")}, indent=1),
               "```", ""]
     return "\n".join(lines)
 
 
 def write(doc: dict, out: Path) -> None:
     doc["checks"] = checks(doc)
-    (out / "paged.json").write_text(json.dumps(doc, indent=1, default=str))
-    (out / "paged.md").write_text(markdown(doc))
+    write_document(out, "paged", doc, markdown(doc))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget-s", type=float, default=300.0)
-    parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"))
+    parser = script_parser(__doc__, budget_s=300.0)
     parser.add_argument("--capacity-requests", type=int, default=None, help="default 512 on cuda, 64 on cpu")
     parser.add_argument("--throughput-requests", type=int, default=None, help="default 256 on cuda, 24 on cpu")
     parser.add_argument("--output-len", type=int, default=None, help="(b): default 128 on cuda, 8 on cpu")
@@ -240,11 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.lib.cluster import git_commit, machine
-
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     deadline_s = STARTED_S + args.budget_s - 10
     doc = {"command": "python3 benchmarks/paged_capacity.py " + " ".join(argv), "commit": git_commit(),
            "machine": machine(), "goals": GOALS}

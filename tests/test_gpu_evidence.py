@@ -2,6 +2,8 @@
 the contiguous baseline's arithmetic, the workloads built from token ids, the checks against the goals. No Ray,
 no model: the device runs are what measure."""
 
+import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,9 +11,12 @@ import pytest
 
 from benchmarks.constructed_pair import successor_maps
 from benchmarks.families_fused import floor_ms, kv_bytes
-from benchmarks.gpu_evidence import (GRAMMAR_TOKENS, RESERVED_IDS, chain, controller_checks, copy_requests,
-                                     extras_checks, grammar_tokenizer, in_flight_steps, prefix_checks, ratio,
-                                     shared_prefix_requests, verdict)
+from benchmarks.gpu_evidence import (GRAMMAR_TOKENS, RESERVED_IDS, Pair, app_config, chain, controller_checks,
+                                     copy_requests, extras_checks, grammar_tokenizer, prefix_checks,
+                                     shared_prefix_requests)
+from benchmarks.lib.apps import beside
+from benchmarks.lib.results import ratio, verdict
+from benchmarks.lib.loads import in_flight_steps
 from benchmarks.paged_capacity import checks as paged_checks
 from benchmarks.paged_capacity import contiguous_slots, lognormal_lengths, slot_capacity
 from lanes.engine.core import EngineConfig
@@ -78,8 +83,8 @@ def test_in_flight_steps_follow_submits_and_ends():
 
 
 def _report(rows: list[tuple[str, str, float, float | None]]) -> SimpleNamespace:
-    return SimpleNamespace(doc={"rows": [{"app": a, "load": l, "output_tok_s": t, "ttft_p50_ms": t,
-                                          "acceptance_rate": acc} for a, l, t, acc in rows]})
+    return SimpleNamespace(doc={"rows": [{"app": a, "load": l, "tok_s": t, "ttft_ms p50": t, "acceptance": acc}
+                                         for a, l, t, acc in rows]})
 
 
 def test_controller_checks_apply_the_stricter_goal_at_low_load():
@@ -116,3 +121,35 @@ def test_floor_counts_weights_and_every_layer_kv():
     assert kv_bytes(config, batch=3, context=10, itemsize=2) == 2 * 2 * 2 * 32 * 2 * 3 * 10
     # 1 GB of weights and no KV read at 1,000 GB/s: 1 ms.
     assert floor_ms(10**9, config, batch=1, context=0, itemsize=2, bandwidth_gbs=1000.0) == pytest.approx(1.0)
+
+
+def test_a_sampler_runs_beside_its_load_and_stops_with_it():
+    samples = []
+
+    async def sampler():
+        while True:
+            samples.append(len(samples))
+            await asyncio.sleep(0.01)
+
+    async def load():
+        await asyncio.sleep(0.05)
+        return "done"
+
+    async def run():
+        result = await beside(load(), sampler())
+        seen = len(samples)
+        await asyncio.sleep(0.05)
+        return result, seen
+
+    assert asyncio.run(run()) == ("done", len(samples)) and len(samples) >= 2
+
+
+def test_controller_part_merges_its_flag_into_the_drafting_modes_block():
+    args = SimpleNamespace(part="controller", controller='{"min_draft_len": 2}', dtype="float32", lane_num_cpus=0.25,
+                           max_model_len=128, max_num_seqs=8, device="cpu")
+    pair = Pair(Path("/tmp/target"), Path("/tmp/draft"), 64, np.arange(64))
+    block = app_config("unified", pair, args)["controller"]
+    assert block["enabled"] and block["initial_draft_len"] == 3 and block["min_draft_len"] == 2
+    assert not app_config("nospec", pair, args).get("controller", {}).get("enabled")
+    args.part = "ngram"
+    assert app_config("unified", pair, args, ngram=True)["draft"] == {"method": "ngram"}

@@ -2,8 +2,10 @@
 
     cluster.py   Ray + Serve up, deploy an app and wait, replica logs, GPU memory, machine and commit
     pairs.py     the constructed model pair saved to disk once, reloaded and checked
-    apps.py      an app's config (a mode on one GPU), deploy, a list of loads, delete; PRESETS
-    loads.py     loads, the warm-up burst, mixed traffic, time estimates, the decode stall
-    results.py   a row per point, Markdown tables, goodput under latency bounds, plots, files
-                 rewritten after every point
+    apps.py      an app's config (a mode on one GPU), deploy, a list of loads (each with a sampler
+                 beside it, if asked), delete; PRESETS
+    loads.py     loads (requests, arrivals, request options), the warm-up burst, mixed traffic, time
+                 estimates, the decode stall, requests in flight over time
+    results.py   a row per point, Markdown tables, ratios against goals, goodput under latency bounds,
+                 plots, files rewritten after every point; the flags issue 31's scripts share
 """

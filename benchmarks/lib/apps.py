@@ -11,14 +11,15 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import yaml
 from ray import serve
 
 from benchmarks.lane_timelines import lane_activity, timelines
-from benchmarks.lib.cluster import REPO, benchmark_app_args, deploy, device_memory_note, log, replica_log_tail
-from benchmarks.lib.loads import Load, estimate_s, point_line, request_spec_counters
+from benchmarks.lib.cluster import (REPO, STARTED_S, benchmark_app_args, deploy, device_memory_note, log,
+                                    replica_log_tail)
+from benchmarks.lib.loads import Load, estimate_s, in_flight_steps, point_line, request_spec_counters
 from loadtest.report import Point
 from loadtest.runner import run_load
 from loadtest.spec_stats import SpecDecodeCounters
@@ -77,6 +78,8 @@ class AppRun:
     points: list[tuple[Load, Point]] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # load name -> why
     lanes: dict[str, dict] = field(default_factory=dict)  # load name -> the lanes' timelines read
+    # load name -> requests in flight after every submit and end, [(s on log's clock, count)]
+    in_flight: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     replica_logs: str | None = None  # the replicas' last lines, when the app failed
 
     def failed(self, error: str) -> None:
@@ -99,30 +102,36 @@ def deploy_app(run: AppRun, config: dict, timeout_s: float) -> bool:
 
 def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, request_timeout_s: float,
               seed: int, on_point: Callable[[AppRun], None] = lambda run: None,
-              lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False) -> None:
+              lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False,
+              sampler: Callable[[str], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> None:
     """Run `loads` in order against the deployed app `run.name`, appending a point to `run` each.
 
-    `deadline_s` (time.monotonic) bounds the whole: a load whose estimate no longer fits is
-    skipped (and recorded so), and no request waits past it by more than 10 s. `on_point(run)` is
-    called after every point; `lanes_of(start_s, end_s)`, if given, reads the lanes' timelines over
-    each measured point's wall-clock window. `request_counters`: acceptance from the responses' own
-    counters, not the server's totals (which cover one ingress replica of several).
+    `deadline_s` (time.monotonic) bounds the whole: a load whose estimate (or `min_load_s`, if
+    more) no longer fits is skipped (and recorded so), and no request waits past it by more than
+    10 s. `on_point(run)` is called after every point; `lanes_of(start_s, end_s)`, if given, reads
+    the lanes' timelines over each measured point's wall-clock window. `request_counters`:
+    acceptance from the responses' own counters, not the server's totals (which cover one ingress
+    replica of several). `sampler(app_url)`, if given, runs beside every load and is cancelled
+    when it ends (e.g. polling the app's state).
     """
     done = {load.name: point.summary for load, point in run.points}
     warmups = frozenset(load.name for load in loads if not load.measured)
     for load in loads:
         arrivals = load.resolve(done)
         left_s = deadline_s - time.monotonic()
-        needs_s = estimate_s(load, arrivals, done, warmups) if arrivals else 0.0
+        needs_s = max(min_load_s, estimate_s(load, arrivals, done, warmups)) if arrivals else 0.0
         if arrivals is None or needs_s > left_s:
             run.skipped[load.name] = (f"time budget: needs ~{needs_s:.0f} s, {left_s:.0f} s left" if arrivals
                                       else f"no completed requests at {load.rate_of} to take a rate from")
             log(f"{run.name} {load.name}: skipped ({run.skipped[load.name]})")
             continue
         timeout_s = max(10.0, min(request_timeout_s, left_s + 10))
-        start_s = time.time()
-        result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{run.name}", load.requests, arrivals,
-                                      timeout_s=timeout_s, seed=seed, progress=False))
+        start_s, clock_s = time.time(), time.monotonic() - STARTED_S
+        url = f"http://127.0.0.1:{port}/{run.name}"
+        result = asyncio.run(beside(run_load(url, load.requests, arrivals, options=load.options,
+                                             timeout_s=timeout_s, seed=seed, progress=False),
+                                    sampler(url) if sampler else None))
+        run.in_flight[load.name] = in_flight_steps(result.records, clock_s)
         if request_counters:
             result.spec_before = SpecDecodeCounters(0, 0, 0, [])
             result.spec_after = request_spec_counters(result.records)
@@ -139,19 +148,30 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
 def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: float, *,
             deploy_timeout_s: float, request_timeout_s: float, seed: int,
             on_point: Callable[[AppRun], None] = lambda run: None,
-            lanes_of: Callable[[float, float], dict] | None = None) -> AppRun:
+            lanes_of: Callable[[float, float], dict] | None = None,
+            sampler: Callable[[str], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> AppRun:
     """Deploy `config` as app `name`, run `loads` in order against it (run_loads), delete it."""
     run = AppRun(name)
     if not deploy_app(run, config, deploy_timeout_s):
         return run
     try:
         run_loads(run, port, loads, deadline_s, request_timeout_s=request_timeout_s, seed=seed,
-                  on_point=on_point, lanes_of=lanes_of)
+                  on_point=on_point, lanes_of=lanes_of, sampler=sampler, min_load_s=min_load_s)
     except Exception as exc:  # recorded; the next app still runs
         run.failed(f"{type(exc).__name__}: {exc}")
     finally:
         serve.delete(name)
     return run
+
+
+async def beside(load: Awaitable, sampler: Awaitable[None] | None):
+    """`load`'s result, with `sampler` running until it ends."""
+    task = asyncio.create_task(sampler) if sampler is not None else None
+    try:
+        return await load
+    finally:
+        if task is not None:
+            task.cancel()
 
 
 def lane_reader(name: str, mode: str) -> Callable[[float, float], dict]:

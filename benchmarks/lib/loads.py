@@ -1,6 +1,6 @@
 """What a served benchmark sends and how long it should take: loads (requests at arrivals), the
 warm-up burst, mixed traffic, and what a load's records say beyond the load tester's summary
-(the decode stall, acceptance from the responses' own counters).
+(the decode stall, acceptance from the responses' own counters, requests in flight over time).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.arrivals import Arrivals, ClosedLoop, OpenLoop
+from loadtest.client import RequestOptions
 from loadtest.records import RequestRecord
 from loadtest.report import Point
 from loadtest.spec_stats import SpecDecodeCounters
@@ -35,6 +36,8 @@ class Load:
     rate_of: str | None = None
     factor: float = 1.0
     measured: bool = True  # False: a warm-up, kept in the results but out of the goals
+    # What every request sends besides its prompt (sampling, logprobs, penalties, response_format, ...).
+    options: RequestOptions = RequestOptions()
 
     def resolve(self, done: dict[str, Summary]) -> Arrivals | None:
         if self.arrivals is not None:
@@ -97,6 +100,17 @@ def request_spec_counters(records: list[RequestRecord]) -> SpecDecodeCounters:
     done = [r for r in records if r.status == "completed" and r.num_draft_tokens]
     return SpecDecodeCounters(sum(r.num_drafts for r in done), sum(r.num_draft_tokens for r in done),
                               sum(r.num_accepted_tokens for r in done), [])
+
+
+def in_flight_steps(records: list[RequestRecord], origin_s: float) -> list[tuple[float, int]]:
+    """Requests in flight after every submit and end, on a clock where the load began at `origin_s`.
+    [(s, count)]"""
+    events = sorted([(r.start_s, 1) for r in records] + [(r.end_s, -1) for r in records])
+    count, steps = 0, []
+    for t, delta in events:
+        count += delta
+        steps.append((round(origin_s + t, 3), count))
+    return steps
 
 
 def decode_stall_ms(point: Point, quantile: float = 99) -> float | None:

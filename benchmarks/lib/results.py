@@ -1,16 +1,18 @@
 """A served benchmark's results: a row per point (every submitted request counted), Markdown
-tables, goodput under latency bounds, bar plots, and the files rewritten after every point so
-that a run cut short keeps what it measured. matplotlib is imported only to plot: the GPU
+tables, ratios against goals, goodput under latency bounds, bar plots, and the files rewritten
+after every point so that a run cut short keeps what it measured. matplotlib is imported only to plot: the GPU
 machine's image may lack it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
 
 from benchmarks.lib.loads import Load, decode_stall_ms
+from benchmarks.lib.pairs import PAIR_DIR
 from loadtest.report import Point, _pyplot
 from loadtest.spec_stats import SpecDecodeSummary
 from loadtest.summary import LatencyStats, Summary
@@ -83,6 +85,19 @@ def rows_table(rows: list[dict], labels: int = 2) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, None where either is missing or the denominator is 0."""
+    return None if not numerator or not denominator else round(numerator / denominator, 3)
+
+
+def verdict(value: float | None, goal: tuple[str, float]) -> str:
+    """"met", "MISSED" or "not measured" for `value` against a goal (comparison, bound)."""
+    if value is None:
+        return "not measured"
+    op, bound = goal
+    return "met" if (value >= bound if op == ">=" else value <= bound) else "MISSED"
+
+
 def within_slos(summary: dict, tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) -> bool:
     """Every submitted request completed, p99 TPOT within `tpot_ms` and p99 TTFT within `ttft_ms`."""
     lat = summary["latency_ms"]
@@ -96,6 +111,18 @@ def goodput(points: list[dict], tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) ->
     is known to within the rate grid. None when no rate met them."""
     meeting = [p for p in points if within_slos(p["summary"], tpot_ms, ttft_ms)]
     return max(meeting, key=lambda p: p["summary"]["request_throughput_rps"], default=None)
+
+
+def script_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
+    """The flags issue 31's scripts share (gpu_evidence.py passes them on to paged_capacity.py and
+    families_fused.py): where it runs, where it writes, how long it may take, where the pairs are saved."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="the whole run, deploys included")
+    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR,
+                        help="saved constructed pairs (benchmarks/lib/pairs.py save_pair); a finished save is reused")
+    return parser
 
 
 def write_document(out: Path, name: str, document: dict, markdown: str) -> None:
