@@ -159,8 +159,9 @@ def test_the_only_verify_replica_dies_and_every_stream_ends_within_10_s_then_the
     for record in result.in_flight + result.after:
         assert record.status != "timed_out", record
         if record.status == "failed":  # as when a lane dies under the stream: the client may retry
+            # (a 503 before the first token, or an SSE error event after it)
             assert_clean(record.error)
-            assert record.error.startswith("service_unavailable") and record.error.endswith("retry"), record.error
+            assert "service_unavailable" in record.error and record.error.endswith("retry"), record.error
     assert max(result.ends_s(result.in_flight)) < 10.0, result.summary()
     assert max(r.end_s - r.start_s for r in result.after) < 15.0, result.summary()
     assert result.recovered_s is not None, result.notes
