@@ -97,7 +97,11 @@ class EngineMetrics:
         horizon = time.monotonic() - STEP_WINDOW_S
         while self._steps and self._steps[0][0] < horizon:
             self._steps.popleft()
-        if not self._steps:
+        # The engine thread appends as this runs on the event loop: tuple() copies the deque in one C
+        # call under the GIL; a Python-level loop over it raised "deque mutated during iteration",
+        # failing a stats() call (and the controller's decision that made it).
+        steps = tuple(self._steps)
+        if not steps:
             return None
-        ordered = sorted(ms for _, ms in self._steps)
+        ordered = sorted(ms for _, ms in steps)
         return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
