@@ -16,6 +16,7 @@ from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from deployments.metrics import LaneMetrics
 from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
+from deployments.router_state import describe
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.device.streams import PREFILL_PRIORITY
@@ -68,6 +69,7 @@ class PrefillServer:
         self._verify_route_lock = asyncio.Lock()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self.oom_retries = 0  # prefill batches that ran out of device memory and were retried in halves
+        self.slot_calls = {"sent": 0, "timed_out": 0}  # allocate_many calls to the verify lane (pdv in place)
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -244,7 +246,17 @@ class PrefillServer:
             return None
         # The least loaded verify replica gives the slots; the batch's KV, its commit and every later
         # call about these slots go to that replica (its lease).
-        lease, slots, blocks = await asyncio.wait_for(self.verify.allocate_many.remote(lengths), PEER_CALL_TIMEOUT_S)
+        self.slot_calls["sent"] += 1
+        try:
+            lease, slots, blocks = await asyncio.wait_for(self.verify.allocate_many.remote(lengths),
+                                                          PEER_CALL_TIMEOUT_S)
+        except TimeoutError:
+            # Sent and unanswered, or never sent: this process's router for the verify lane tells which.
+            self.slot_calls["timed_out"] += 1
+            log.warning("allocate_many (%d prompts) unanswered in %g s (%d of %d such calls so far); verify "
+                        "router here: %s", len(lengths), PEER_CALL_TIMEOUT_S, self.slot_calls["timed_out"],
+                        self.slot_calls["sent"], describe(self.verify))
+            raise
         try:
             pool = await self._verify_pool(lease)
         except BaseException as exc:
@@ -281,6 +293,7 @@ class PrefillServer:
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over), "oom_retries": self.oom_retries,
                 "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
+                "slot_calls": dict(self.slot_calls),
                 "replica_pid": os.getpid()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
