@@ -25,13 +25,18 @@ PREFILL_BATCH_MAX = 8  # prompts per prefill forward batch; also the prefill lan
 
 
 def _lane_logs_to_replica_log() -> None:
-    """lanes/ logs what a replica's operator needs at start (its memory plan, its graph captures):
-    send those INFO lines to the replica's log file, through Serve's handlers."""
-    lanes_log = logging.getLogger("lanes")
-    if not lanes_log.handlers:
-        lanes_log.setLevel(logging.INFO)
-        for handler in logging.getLogger("ray.serve").handlers:
-            lanes_log.addHandler(handler)
+    """lanes/ logs what a replica's operator needs at start (its memory plan, its graph captures), and
+    deployments/ what goes wrong between lanes (a peer call unanswered, rows shed, a step retried):
+    send those INFO lines to the replica's log file, through Serve's handlers. Without this they go
+    to the root logger, whose output in a Ray worker ends in the worker's stderr file, not the
+    replica's log where an operator looks."""
+    serve_handlers = logging.getLogger("ray.serve").handlers  # none outside a replica (tests in process)
+    for name in ("lanes", "deployments"):
+        ours = logging.getLogger(name)
+        if serve_handlers and not ours.handlers:
+            ours.setLevel(logging.INFO)
+            for handler in serve_handlers:
+                ours.addHandler(handler)
 
 
 def _target(cfg: AppConfig, device: str) -> LoadedModel:

@@ -11,6 +11,7 @@ import torch
 from ray import serve
 
 from deployments.factories import PREFILL_BATCH_MAX
+from deployments.hedged import hedged
 from deployments.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
@@ -24,6 +25,10 @@ from lanes.engine.backends import KVLost, LaneOOM
 from lanes.spec.prompt_prefiller import PrefilledKV, PromptPrefiller
 
 log = logging.getLogger(__name__)
+
+# allocate_many answers in milliseconds (~5 ms with Ray's hop on an H200); a copy unanswered this long
+# is stuck, and another is sent (deployments/hedged.py).
+SLOT_CALL_RESEND_S = 1.0
 
 
 @dataclass
@@ -69,7 +74,7 @@ class PrefillServer:
         self._verify_route_lock = asyncio.Lock()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self.oom_retries = 0  # prefill batches that ran out of device memory and were retried in halves
-        self.slot_calls = {"sent": 0, "timed_out": 0}  # allocate_many calls to the verify lane (pdv in place)
+        self.slot_calls_resent = 0  # allocate_many calls sent again, their first copy unanswered (deployments/hedged.py)
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -246,17 +251,9 @@ class PrefillServer:
             return None
         # The least loaded verify replica gives the slots; the batch's KV, its commit and every later
         # call about these slots go to that replica (its lease).
-        self.slot_calls["sent"] += 1
-        try:
-            lease, slots, blocks = await asyncio.wait_for(self.verify.allocate_many.remote(lengths),
-                                                          PEER_CALL_TIMEOUT_S)
-        except TimeoutError:
-            # Sent and unanswered, or never sent: this process's router for the verify lane tells which.
-            self.slot_calls["timed_out"] += 1
-            log.warning("allocate_many (%d prompts) unanswered in %g s (%d of %d such calls so far); verify "
-                        "router here: %s", len(lengths), PEER_CALL_TIMEOUT_S, self.slot_calls["timed_out"],
-                        self.slot_calls["sent"], describe(self.verify))
-            raise
+        lease, slots, blocks = await hedged(lambda: self.verify.allocate_many.remote(lengths),
+                                            resend_after_s=SLOT_CALL_RESEND_S, deadline_s=PEER_CALL_TIMEOUT_S,
+                                            discard=self._give_back, on_resend=self._slot_call_resent)
         try:
             pool = await self._verify_pool(lease)
         except BaseException as exc:
@@ -268,6 +265,18 @@ class PrefillServer:
             self.verify.release.remote(slots, lease=lease)
             return None
         return lease, slots, blocks, pool
+
+    def _slot_call_resent(self, copies: int) -> None:
+        # Sent and unanswered, or never sent: this process's router for the verify lane tells which.
+        self.slot_calls_resent += 1
+        log.warning("allocate_many unanswered in %g s (%d copies sent; %d resends so far); sending it again. "
+                    "Verify router here: %s", SLOT_CALL_RESEND_S * copies, copies, self.slot_calls_resent,
+                    describe(self.verify))
+
+    async def _give_back(self, leased: tuple[str, list[int], list[list[int]]]) -> None:
+        """Free the slots of an `allocate_many` copy that answered after another one had."""
+        lease, slots, _ = leased
+        await self.verify.release.remote(slots, lease=lease)
 
     async def _verify_pool(self, lease: str) -> PoolHandle | None:
         """The pool of verify replica `lease` if its GPU is in reach (same GPU, peer access), asked once."""
@@ -293,7 +302,7 @@ class PrefillServer:
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over), "oom_retries": self.oom_retries,
                 "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
-                "slot_calls": dict(self.slot_calls),
+                "slot_calls_resent": self.slot_calls_resent,
                 "replica_pid": os.getpid()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
