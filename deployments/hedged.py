@@ -1,15 +1,14 @@
 """A call between lanes sent again when its first copy goes unanswered: a hedged request.
 
-Why: on one H200 under mixed traffic (benchmarks/results/lanes_1gpu_h200_hedge/), a prefill lane's
-`allocate_many` call to the verify lane now and then reached no replica for as long as it was
-awaited (5 s, and 60 s in an earlier run), while the verify replica answered every other caller's
-calls in milliseconds, and a copy sent after the first was cancelled was answered at once. The
-prefill lane waits for these slots before it hands a batch over, so one stuck call stalled every
-prompt behind it. Sending the call again after `resend_after_s` (hundreds of times its usual
-answer time) bounds that stall; whichever copy answers first wins.
+Why: the prefill lane waits for its verify slots (`allocate_many`) before it hands a batch over, so
+one stuck call stalls every prompt behind it. On one H200 under mixed traffic such calls reached no
+verify replica for the whole 5 s wait while the replica answered everyone else in milliseconds
+(benchmarks/results/lanes_1gpu_h200/before_fix/). The cause, Serve's router stranding calls that
+share a request id, is fixed in deployments/serve_calls.py; this bounds the stall of any stuck call
+to `resend_after_s` (hundreds of times the usual answer time), and logs it.
 
 A copy that answers after the winner may hold something (slots handed out): `discard` gives it
-back. A copy still unanswered when the caller stops waiting is cancelled after `settle_s` more:
+back. A copy still unanswered when the caller stops waiting is cancelled after `SETTLE_S` more:
 a Serve call cancelled before it reached a replica holds nothing, and one that ran has answered.
 """
 

@@ -28,6 +28,7 @@ from deployments.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_choice, completion_choice,
     error_body, new_id, response_body, running_usage,
 )
+from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE, replica_report
 from lanes.engine.outputs import RequestOutput, merge_outputs
 from lanes.sample.params import ParamError
@@ -407,7 +408,8 @@ class Ingress:
         """The engine's chunks, with the request timeout; leaving early cancels it in every lane."""
         start, first_token_at, last = time.perf_counter(), None, None
         called_s, first_s = time.time(), None
-        gen = self.engine.options(stream=True).generate.remote(prompt, params, rid)
+        # Its own request id in Serve's router: the n choices of one request are n calls at once (serve_calls.py).
+        gen = own_request(self.engine.options(stream=True).generate, prompt, params, rid)
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 async for out in gen:

@@ -18,6 +18,7 @@ from deployments.lane_worker import LaneWorker
 from deployments.metrics import LaneMetrics
 from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
 from deployments.router_state import describe
+from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.device.streams import PREFILL_PRIORITY
@@ -106,7 +107,7 @@ class PrefillServer:
             self._set_queue_depth(-1)
         # The RPCs left run here, per request, so the next forward need not wait for them.
         if out.verify_kv is not None:
-            loading = asyncio.ensure_future(self.verify.load_kv.remote(out.verify_kv, job.owner))
+            loading = asyncio.ensure_future(own_request(self.verify.load_kv, out.verify_kv, job.owner))
             try:
                 out.done.target_lease, out.done.target_slot = await asyncio.wait_for(asyncio.shield(loading),
                                                                                     PEER_CALL_TIMEOUT_S)
@@ -142,7 +143,7 @@ class PrefillServer:
         if slot is None:
             lease, slot = call.result()
         try:
-            await self.verify.release.remote([slot], lease=lease)
+            await own_request(self.verify.release, [slot], lease=lease)
         except Exception as exc:  # noqa: BLE001 - it went since: its pool with it
             log.info("release of a verify slot taken after its call timed out failed: %s", exc)
 
@@ -170,7 +171,7 @@ class PrefillServer:
                                                return_exceptions=True)
         if isinstance(forward, BaseException) or isinstance(leased, BaseException):
             if isinstance(leased, tuple):
-                self.verify.release.remote(leased[1], lease=leased[0])
+                own_request(self.verify.release, leased[1], lease=leased[0])
             if not isinstance(forward, BaseException):
                 await self.worker.run(forward[1])
             raise forward if isinstance(forward, BaseException) else leased
@@ -186,7 +187,7 @@ class PrefillServer:
             out.done.target_lease = lease if slots is not None else None
         if slots is not None:
             committed = asyncio.ensure_future(
-                self.verify.commit_many.remote(slots, [kv.target_kv.shape[3] for kv in kvs], [j.owner for j in jobs],
+                own_request(self.verify.commit_many, slots, [kv.target_kv.shape[3] for kv in kvs], [j.owner for j in jobs],
                                                lease=lease))
             for out in outs:
                 out.committed = committed
@@ -251,18 +252,18 @@ class PrefillServer:
             return None
         # The least loaded verify replica gives the slots; the batch's KV, its commit and every later
         # call about these slots go to that replica (its lease).
-        lease, slots, blocks = await hedged(lambda: self.verify.allocate_many.remote(lengths),
+        lease, slots, blocks = await hedged(lambda: own_request(self.verify.allocate_many, lengths),
                                             resend_after_s=SLOT_CALL_RESEND_S, deadline_s=PEER_CALL_TIMEOUT_S,
                                             discard=self._give_back, on_resend=self._slot_call_resent)
         try:
             pool = await self._verify_pool(lease)
         except BaseException as exc:
-            self.verify.release.remote(slots, lease=lease)
+            own_request(self.verify.release, slots, lease=lease)
             if isinstance(exc, TimeoutError):
                 raise replica_silent(lease) from exc
             raise
         if pool is None:  # out of reach: copy through Ray instead
-            self.verify.release.remote(slots, lease=lease)
+            own_request(self.verify.release, slots, lease=lease)
             return None
         return lease, slots, blocks, pool
 
@@ -276,15 +277,15 @@ class PrefillServer:
     async def _give_back(self, leased: tuple[str, list[int], list[list[int]]]) -> None:
         """Free the slots of an `allocate_many` copy that answered after another one had."""
         lease, slots, _ = leased
-        await self.verify.release.remote(slots, lease=lease)
+        await own_request(self.verify.release, slots, lease=lease)
 
     async def _verify_pool(self, lease: str) -> PoolHandle | None:
         """The pool of verify replica `lease` if its GPU is in reach (same GPU, peer access), asked once."""
         async with self._verify_route_lock:  # batches may overlap here: ask each replica once
             if lease not in self._verify_pools:
-                peer = await asyncio.wait_for(self.verify.placement.remote(lease=lease), PEER_CALL_TIMEOUT_S)
+                peer = await asyncio.wait_for(own_request(self.verify.placement, lease=lease), PEER_CALL_TIMEOUT_S)
                 self._verify_pools[lease] = (
-                    await asyncio.wait_for(self.verify.pool_handle.remote(lease=lease), PEER_CALL_TIMEOUT_S)
+                    await asyncio.wait_for(own_request(self.verify.pool_handle, lease=lease), PEER_CALL_TIMEOUT_S)
                     if self.placement_.can_write_into(peer) else None)
         return self._verify_pools[lease]
 

@@ -17,6 +17,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
+from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE
 from lanes.engine.backends import KVLost, LaneOOM
 from lanes.engine.scheduler import Scheduler
@@ -123,7 +124,7 @@ class RemoteVerifier:
         asyncio.run_coroutine_threadsafe(self._call("release", [target_slot], lease=lease), self.loop)
 
     async def _call(self, method: str, *args, **kwargs):
-        return await getattr(self.handle, method).remote(*args, **kwargs)
+        return await own_request(getattr(self.handle, method), *args, **kwargs)
 
 
 def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:
@@ -238,9 +239,9 @@ class RemotePrefiller:
         submitted_s, since_s = time.time(), time.monotonic()
         try:
             if self._peer is None:
-                self._peer = await self.handle.placement.remote()
+                self._peer = await own_request(self.handle.placement)
             await compiled(seq)  # structured output: its first token's mask goes with the prompt
-            result = await self.handle.prefill.remote(self._job(seq))
+            result = await own_request(self.handle.prefill, self._job(seq))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
             result = lane_error(exc, via_prefill=True)
             if isinstance(result, KVLost):
