@@ -12,6 +12,7 @@ Chosen from where the replicas are, not by hand:
     torch's own pickling.
 """
 
+import asyncio
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from deployments.slot_owners import actor_alive
 from lanes.kv.pool import KVPool, PoolShape
 
 
@@ -66,10 +68,11 @@ class PoolHandle:
     shape: PoolShape
     gpu_uuid: str  # the pool's GPU: device indices differ between processes that see several GPUs
     ipc: tuple
+    actor: object | None = None  # the exporting replica's actor handle: a view is dropped once it dies
 
     @classmethod
-    def export(cls, owner: str, pool: KVPool) -> "PoolHandle":
-        return cls(owner, pool.shape, _uuid(pool.kv.device), reduce_tensor(pool.kv))
+    def export(cls, owner: str, pool: KVPool, actor=None) -> "PoolHandle":
+        return cls(owner, pool.shape, _uuid(pool.kv.device), reduce_tensor(pool.kv), actor)
 
     def open(self) -> KVPool:
         rebuild, args = self.ipc
@@ -94,15 +97,37 @@ def _local_index(gpu_uuid: str) -> int:
 
 
 class PoolViews:
-    """Opened views of peers' pools, keyed by owner."""
+    """Opened views of peers' pools, keyed by owner.
+
+    A view keeps its owner's pool alive: CUDA frees an exported allocation only once every process
+    that opened it has closed it, and torch closes it when the last tensor on it goes. So when an
+    owner dies, a view of its pool held here keeps all of its KV memory (tens of GiB) on the GPU,
+    beside its replacement's new pool: on one H200 a killed verify replica's pool stayed, the app's
+    GPU memory rose 1.47x, and came back only when the prefill lane died too
+    (benchmarks/results/lanes_1gpu_h200/faults/). `drop_dead` closes the views of dead owners."""
 
     def __init__(self):
         self._views: dict[str, KVPool] = {}
+        self._actors: dict[str, object] = {}  # owner -> its replica's actor handle, where known
 
     def get(self, handle: PoolHandle) -> KVPool:
         if handle.owner not in self._views:
             self._views[handle.owner] = handle.open()
+            if handle.actor is not None:
+                self._actors[handle.owner] = handle.actor
         return self._views[handle.owner]
+
+    def __contains__(self, owner: str) -> bool:
+        return owner in self._views
+
+    async def drop_dead(self) -> list[str]:
+        """Close the views of every owner that Ray reports dead; returns those owners."""
+        owners = list(self._actors)
+        alive = await asyncio.gather(*(actor_alive(self._actors[owner]) for owner in owners))
+        dead = [owner for owner, ok in zip(owners, alive) if not ok]
+        for owner in dead:
+            del self._views[owner], self._actors[owner]  # the last reference: torch closes the IPC mapping
+        return dead
 
 
 def write_all(writes: list[tuple[KVPool, list[int], torch.Tensor]]) -> list[str]:

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # allocate_many answers in milliseconds (~5 ms with Ray's hop on an H200); a copy unanswered this long
 # is stuck, and another is sent (deployments/hedged.py).
 SLOT_CALL_RESEND_S = 1.0
+VIEWS_WATCH_S = 2.0  # how often the owners of opened peer pools are asked after (a dead one's memory is held)
 
 
 @dataclass
@@ -76,6 +77,8 @@ class PrefillServer:
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self.oom_retries = 0  # prefill batches that ran out of device memory and were retried in halves
         self.slot_calls_resent = 0  # allocate_many calls sent again, their first copy unanswered (deployments/hedged.py)
+        self._views_watch: asyncio.Task | None = None
+        self.views_dropped = 0  # views of dead replicas' pools closed
 
     async def placement(self) -> Placement:
         return self.placement_
@@ -100,6 +103,8 @@ class PrefillServer:
     async def prefill(self, job: PrefillJob) -> PrefillDone:
         """Prefill one prompt in the next batch (calls from all decode replicas are merged)."""
         job.received_s = time.time()  # timelines: transit (sent -> received) apart from the batch queue
+        if self._views_watch is None:  # started lazily, on the replica's event loop
+            self._views_watch = asyncio.get_running_loop().create_task(self._drop_dead_views_forever())
         self._set_queue_depth(+1)
         try:
             out: Prefilled = await self.batcher.submit(job)
@@ -289,6 +294,22 @@ class PrefillServer:
                     if self.placement_.can_write_into(peer) else None)
         return self._verify_pools[lease]
 
+    async def _drop_dead_views_forever(self) -> None:
+        """Close the views of pools whose owner died (deployments/kv_transfer.py, PoolViews): its KV
+        memory comes back to the GPU for its replacement."""
+        while True:
+            await asyncio.sleep(VIEWS_WATCH_S)
+            try:
+                dead = await self.views.drop_dead()
+            except Exception:  # noqa: BLE001 - the watch must outlive one failed round
+                log.exception("checking the owners of opened KV pools failed")
+                continue
+            if dead:
+                self._verify_pools = {lease: pool for lease, pool in self._verify_pools.items()
+                                      if pool is None or pool.owner not in dead}
+                self.views_dropped += len(dead)
+                log.warning("closed the views of %d KV pools whose replicas died: %s", len(dead), ", ".join(dead))
+
     def _export_prefix_cache(self) -> None:
         cache = self.prefiller.prefix_cache
         if cache is not None:
@@ -303,7 +324,7 @@ class PrefillServer:
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over), "oom_retries": self.oom_retries,
                 "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
-                "slot_calls_resent": self.slot_calls_resent,
+                "slot_calls_resent": self.slot_calls_resent, "views_dropped": self.views_dropped,
                 "replica_pid": os.getpid()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:

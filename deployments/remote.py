@@ -173,7 +173,7 @@ def merge_rows(num_rows: int, parts: list[tuple[list[int], VerifyResult | BaseEx
                         errors if any(e is not None for e in errors) else None)
 
 
-def _current_actor():
+def current_actor():
     """This replica's actor handle (None outside an actor: in-process tests)."""
     import ray
 
@@ -201,7 +201,7 @@ class RemotePrefiller:
         self._done: list[tuple[Sequence, PrefillDone | BaseException, float, float]] = []
         self._lock = threading.Lock()
         self._peer: Placement | None = None
-        self.owner_actor = _current_actor()
+        self.owner_actor = current_actor()
         self.on_reply: Callable[[], None] | None = None  # set by the loop that steps the engine, to wake it
         self._exported: dict[str, PoolHandle] = {}
 
@@ -284,7 +284,7 @@ class RemotePrefiller:
     def _export(self, name: str, pool: KVPool) -> PoolHandle:
         # Exported once; the prefill lane opens it once and caches the view by owner.
         if name not in self._exported:
-            self._exported[name] = PoolHandle.export(f"{self.owner}/{name}", pool)
+            self._exported[name] = PoolHandle.export(f"{self.owner}/{name}", pool, self.owner_actor)
         return self._exported[name]
 
     def _land(self, scheduler: Scheduler, seq: Sequence, result

@@ -46,7 +46,7 @@ class SlotOwners:
         for key in list(self._handles):
             if key not in keys:
                 del self._handles[key]  # holds no slot any more
-        alive = await asyncio.gather(*(_alive(self._handles[k]) for k in keys))
+        alive = await asyncio.gather(*(actor_alive(self._handles[k]) for k in keys))
         dead = {k for k, ok in zip(keys, alive) if not ok}
         slots = [slot for slot, key in self._by_slot.items() if key in dead]
         if slots:
@@ -64,7 +64,8 @@ class SlotOwners:
                 log.exception("reaping the slots of dead decode replicas failed")
 
 
-async def _alive(handle) -> bool:
+async def actor_alive(handle) -> bool:
+    """Whether Ray reports this actor alive (one that is only slow to answer counts as alive)."""
     try:
         await asyncio.wait_for(handle.__ray_ready__.remote(), PING_TIMEOUT_S)
     except RayActorError:

@@ -13,7 +13,7 @@ from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
 from deployments.lease_router import LeaseRouter, replica_lease
 from deployments.metrics import LaneMetrics
-from deployments.remote import merge_rows
+from deployments.remote import current_actor, merge_rows
 from deployments.slot_owners import SlotOwners
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
@@ -90,7 +90,7 @@ class VerifyServer:
         self._check_lease(lease)
         if not self.lane.pool.in_place_writable:
             return None
-        return PoolHandle.export(f"verify-{self.lease}", self.lane.pool)
+        return PoolHandle.export(f"verify-{self.lease}", self.lane.pool, current_actor())
 
     async def allocate_many(self, lengths: list[int]) -> tuple[str, list[int], list[list[int]]]:
         """This instance's lease, a free slot per prompt of these lengths and the blocks that back
