@@ -123,13 +123,7 @@ def test_engine_greedy_equals_hf_greedy(family, draft_len):
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (name, stats.acceptance_rate)
 
 
-def _own_group(name: str):
-    """A kernel row in Triton's interpreter takes up to a minute of one core: under pytest-xdist each
-    row is a work unit of its own (tests/conftest.py), so the quick tier's workers share them."""
-    return pytest.param(name, marks=pytest.mark.xdist_group(f"kernel-{name}"))
-
-
-@pytest.mark.parametrize("name", [_own_group(n) for n in ("gemma2", "gemma2_hf_modules", "gemma3", "mistral_window")])
+@pytest.mark.parametrize("name", ["gemma2", "gemma2_hf_modules", "gemma3", "mistral_window"])
 def test_engine_with_the_kernel_equals_hf_greedy(name):
     """The in-place Triton kernel (on CPU under TRITON_INTERPRET) honours sliding windows and
     soft-capping too, on either path; the fused rows run every fused-layer kernel (Gemma's norm and

@@ -85,7 +85,6 @@ def test_split_count_fills_the_gpu_and_never_exceeds_the_key_blocks():
     assert split_count(capacity_tokens=100, batch=1, kv_heads=1, num_sms=132) == 2
 
 
-@pytest.mark.xdist_group("kernel-llama")  # half a minute in Triton's interpreter: a work unit of its own (conftest.py)
 def test_engine_with_the_kernel_equals_target_greedy(llama_pair):
     target, draft = llama_pair
     # float64 has no Triton dot: run this pair in float32.
