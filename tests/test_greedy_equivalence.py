@@ -94,9 +94,10 @@ def penalised_refs(pair):
     """Per prompt: (prompt, {name: (params, the target's greedy output under them)})."""
     target, _ = pair
     prompts = random_prompts(6, VOCAB, 1, 60, seed=11)
-    refs = []
+    refs, plains = [], []
     for p in prompts:
         plain = hf_greedy(target, p, MAX_NEW)
+        plains.append(plain)
         by_name = {}
         for name in PENALISED:
             params = _penalised_params(name, plain)
@@ -106,7 +107,7 @@ def penalised_refs(pair):
         assert len(by_name["min_tokens"][1]) > 10 and plain[2] not in by_name["min_tokens"][1][:10]
         refs.append((p, by_name))
     for name in PENALISED:
-        changed = [by_name[name][1] != hf_greedy(target, p, MAX_NEW)[: len(by_name[name][1])] for p, by_name in refs]
+        changed = [by_name[name][1] != plain[: len(by_name[name][1])] for (_, by_name), plain in zip(refs, plains)]
         assert any(changed), name
     return refs
 
