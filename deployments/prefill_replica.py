@@ -76,7 +76,7 @@ class PrefillServer:
         self._verify_route_lock = asyncio.Lock()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self.oom_retries = 0  # prefill batches that ran out of device memory and were retried in halves
-        self.slot_calls_resent = 0  # allocate_many calls sent again, their first copy unanswered (deployments/hedged.py)
+        self.slot_calls_resent = 0  # allocate_many copies sent again, the first unanswered (deployments/hedged.py)
         self._views_watch: asyncio.Task | None = None
         self.views_dropped = 0  # views of dead replicas' pools closed
 
@@ -191,9 +191,9 @@ class PrefillServer:
         for out in outs:
             out.done.target_lease = lease if slots is not None else None
         if slots is not None:
-            committed = asyncio.ensure_future(
-                own_request(self.verify.commit_many, slots, [kv.target_kv.shape[3] for kv in kvs], [j.owner for j in jobs],
-                                               lease=lease))
+            committed = asyncio.ensure_future(own_request(
+                self.verify.commit_many, slots, [kv.target_kv.shape[3] for kv in kvs], [j.owner for j in jobs],
+                lease=lease))
             for out in outs:
                 out.committed = committed
         return outs
