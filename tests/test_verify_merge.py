@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deployments import prefill_replica
-from deployments.kv_transfer import HostKV
+from deployments.kv_transfer import HostKV, PoolViews
 from deployments.remote import PrefillDone, PrefillJob, RemoteVerifier, merge_rows
 from deployments.verify_replica import merge_batches, split_result
 from lanes.engine.backends import KVLost
@@ -136,6 +136,7 @@ def test_kv_that_no_verify_replica_takes_in_time_recomputes_the_request_and_free
     server = object.__new__(prefill_replica.PrefillServer)
     server.verify, server.pending, server.metrics = _SlowVerifyLane(late_s=0.3), 0, types.SimpleNamespace(
         set_queue_depth=lambda depth: None)
+    server.views, server._views_watch = PoolViews(), None  # its watch for dead owners' pools: none opened here
     done = PrefillDone(3, None, None, None)
     prefilled = prefill_replica.Prefilled(done, "copied", "none", 4, 0, 0, 0.0, 0.0,
                                           verify_kv=HostKV.from_tensor(torch.zeros(2, 1, 1, 4, 2)))
