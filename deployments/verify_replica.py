@@ -59,7 +59,7 @@ class VerifyServer:
         self.rows_shed = 0  # rows not verified for want of KV blocks (their requests are recomputed)
         self.oom_retries = 0  # verify forwards that ran out of device memory and were retried in halves
         self.stale_releases = 0  # slots of another replica whose release was ignored
-        self.slot_calls = 0  # allocate_many calls answered (against the prefill lanes' count sent)
+        self.slot_calls = 0  # allocate_many calls answered here (a stuck one never counts: deployments/hedged.py)
         self.owners = SlotOwners(self._free_slots)
 
     async def placement(self, lease: str | None = None) -> Placement:
