@@ -59,7 +59,6 @@ class VerifyServer:
         self.rows_shed = 0  # rows not verified for want of KV blocks (their requests are recomputed)
         self.oom_retries = 0  # verify forwards that ran out of device memory and were retried in halves
         self.stale_releases = 0  # slots of another replica whose release was ignored
-        self.slot_calls = 0  # allocate_many calls answered here (a stuck one never counts: deployments/hedged.py)
         self.owners = SlotOwners(self._free_slots)
 
     async def placement(self, lease: str | None = None) -> Placement:
@@ -100,7 +99,6 @@ class VerifyServer:
         # in-place hand-over waited for up to two of them. It only changes host-side state (the free
         # list, and the block table under the pool's lock; release and load_kv change them from the
         # worker) and no forward reads a slot before the prefill lane has committed it.
-        self.slot_calls += 1
         pool, slots = self.lane.pool, []
         try:
             for length in lengths:
@@ -228,7 +226,7 @@ class VerifyServer:
                 "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
                 "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
                 "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed,
-                "oom_retries": self.oom_retries, "slot_calls": self.slot_calls}
+                "oom_retries": self.oom_retries}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""

@@ -54,17 +54,26 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-def gpu_mib_by_pid() -> dict[int, float]:
-    """Device memory each process holds, over every GPU of this node (empty without NVML or a GPU)."""
+def _gpus() -> list:
+    """NVML's handle of every GPU of this node (none without NVML, a driver or a GPU: CPU runs record RSS only)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver, no GPU: CPU runs record RSS only
-        return {}
+        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # noqa: BLE001 - no driver, no GPU
+        return []
+
+
+def gpu_mib_by_pid() -> dict[int, float]:
+    """Device memory each process holds, over every GPU of this node (empty without NVML or a GPU)."""
     used: dict[int, float] = {}
-    for index in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    handles = _gpus()
+    if not handles:
+        return used
+    import pynvml  # _gpus() imported it
+
+    for handle in handles:
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             used[proc.pid] = used.get(proc.pid, 0.0) + (proc.usedGpuMemory or 0) / MIB
     return used
@@ -72,14 +81,12 @@ def gpu_mib_by_pid() -> dict[int, float]:
 
 def device_used_mib() -> float | None:
     """Memory in use over every GPU of this node, whoever holds it (None without NVML or a GPU)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:  # noqa: BLE001 - no driver, no GPU
+    handles = _gpus()
+    if not handles:
         return None
-    return round(sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles) / MIB, 1) if handles else None
+    import pynvml
+
+    return round(sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles) / MIB, 1)
 
 
 async def sample_memory(base_url: str, interval_s: float, samples: MemorySamples, stop: asyncio.Event,
