@@ -2,6 +2,7 @@
 
     python benchmarks/lanes_1gpu.py --part uniform --out OUT    # uniform load, then 7,000-token prompts
     python benchmarks/lanes_1gpu.py --part mixed --out OUT      # mixed traffic at two rates
+    python benchmarks/lanes_1gpu.py --part uniform --mps --modes unified,pd,pdv,pdv2 --out OUT
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lanes_1gpu.py --part uniform --device cpu \\
         --shape small --out /tmp/lanes_1gpu                                      (CPU dry run)
 
@@ -20,13 +21,20 @@ The model pair is benchmarks/constructed_pair.py's (a Llama-2-7B-shaped target a
 TinyLlama-shaped draft, random weights, greedy agreement `--agreement` by construction). For each
 mode and load it reports completed, failed, timed out, tok/s, TTFT and TPOT p50/p95/p99, and the
 decode stall: each short request's longest gap between two stream chunks, p99 over them. Every
-submitted request is counted. Writes lanes_1gpu_<part>.json (every point's summary and requests),
+submitted request is counted.
+
+`--mps` runs everything as clients of NVIDIA's Multi-Process Service (benchmarks/lib/mps.py), so
+the lanes' kernels share the GPU at once instead of taking turns in time slices. Mode `pdv2` is
+pdv with two decode replicas (VARIANTS): one drafts while the verify lane scores the other's batch.
+
+Writes lanes_1gpu_<part>.json (every point's summary and requests),
 .md (the table) and .png (stall and TPOT by mode) under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -40,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.lib.apps import GPU_SHARES, PRESETS, app_args, engine_args, lane_reader, run_app  # noqa: E402
 from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines,  # noqa: E402
                                     start_model_cluster, wait_for_device_memory)
+from benchmarks.lib.mps import control_log_tail, mps_daemon, server_pids  # noqa: E402
 from benchmarks.lib.loads import MIXED, Load, exactly, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
 from benchmarks.lib.results import plot_bars, point_document, row, rows_table, write_document  # noqa: E402
@@ -47,6 +56,11 @@ from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.workload import load_tokenizer, synthetic  # noqa: E402
 
 MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed part's capacity is its
+# Benchmark-only modes: a mode of configs/ with its lanes placed otherwise. pdv2: two decode replicas
+# share the verify lane, so one drafts while the other's drafts are verified; the shares still add to 1.
+VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {"num_gpus": 0.54},
+                             "decode_lane": {"num_gpus": 0.08, "num_replicas": 2}})}
+MPS_DIR = Path("/tmp/vpd-mps")  # short: the daemon's pipes are Unix sockets (108-byte paths)
 SIZES = {  # by device: mixed traffic's lengths (MIXED), the max-len prompt, in flight, requests, mixed requests
     "cuda": dict(MIXED["cuda"], max_len_prompt=7000, in_flight=64, requests=256, mixed=240),
     "cpu": dict(MIXED["cpu"], max_len_prompt=200, in_flight=4, requests=12, mixed=16),
@@ -66,6 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.8],
                         help="mixed: Poisson rates as shares of unified's capacity")
     parser.add_argument("--budget-s", type=float, default=560.0)
+    parser.add_argument("--mps", action="store_true", help="run the lanes as clients of NVIDIA MPS")
     args = parser.parse_args(argv)
     args.shape = args.shape or ("tinyllama-7b" if args.device == "cuda" else "small")
     args.max_model_len = args.max_model_len or (8192 if args.device == "cuda" else 256)
@@ -103,6 +118,16 @@ def loads_of(args: argparse.Namespace, requests: dict, capacity_rps: float | Non
         Load(f"mixed {share:.0%}", requests["mixed"], rate_of=closed, factor=share) for share in args.rates]
 
 
+def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tuple[str, dict]:
+    """(the configs/ mode it runs, its app args): a variant's lanes placed as VARIANTS says."""
+    base, lanes = VARIANTS.get(mode, (mode, {}))
+    config = app_args(base, pair.target, pair.draft, dtype=preset["dtype"], engine=engine(args),
+                      lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
+    for lane, options in lanes.items():
+        config[lane] = {**config[lane], **options}
+    return base, config
+
+
 def markdown(rows: list[dict], context: dict) -> str:
     machine_of = context["machine"]
     where = machine_of.get("gpu") or machine_of.get("cpu_model")
@@ -115,6 +140,17 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    with mps_daemon(MPS_DIR) if args.mps else contextlib.nullcontext({}) as mps_env:
+        try:
+            measure(args, argv, mps_env)
+        finally:
+            if args.mps:
+                (args.out / "mps_control.log").write_text(control_log_tail(MPS_DIR, 200))
+    log("done")
+
+
+def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) -> None:
+    """Every mode of `args.modes` in turn on one cluster; the documents rewritten after each."""
     deadline_s = time.monotonic() + args.budget_s
     preset = PRESETS[args.device]
     pair = save_pair(args.shape, args.agreement, PAIR_DIR, dtype=preset["dtype"], device=args.device,
@@ -122,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     requests = requests_of(args, pair.target)
     context = {"part": args.part, "command": "python benchmarks/lanes_1gpu.py " + " ".join(argv),
                "machine": machine(), "commit": git_commit(), "engine": engine(args),
-               "lane_shares": GPU_SHARES, "pair": {"shape": args.shape, "agreement": args.agreement}}
-    port = start_model_cluster()
+               "lane_shares": GPU_SHARES, "variants": VARIANTS, "pair": {"shape": args.shape, "agreement": args.agreement}}
+    port = start_model_cluster(mps_env)
+    if args.mps:
+        context["mps"] = {"pipe_directory": mps_env["CUDA_MPS_PIPE_DIRECTORY"], "server_pids": server_pids(mps_env)}
+        log(f"MPS: {context['mps']}")
     free_bytes = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
     rows, docs, capacity_rps = [], [], None
     name_of = f"lanes_1gpu_{args.part}"
@@ -131,11 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         for i, mode in enumerate(args.modes):
             share_s = (deadline_s - time.monotonic()) / (len(args.modes) - i)
             name = f"{mode}-{args.part}"
-            config = app_args(mode, pair.target, pair.draft, dtype=preset["dtype"], engine=engine(args),
-                              lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
+            base, config = mode_config(mode, args, pair, preset)
             run = run_app(name, config, port, loads_of(args, requests, capacity_rps), time.monotonic() + share_s,
                           deploy_timeout_s=preset["deploy_timeout_s"], request_timeout_s=preset["request_timeout_s"],
-                          seed=0, lanes_of=lane_reader(name, mode) if mode in ("pd", "pdv") else None)
+                          seed=0, lanes_of=lane_reader(name, base) if base in ("pd", "pdv") else None)
             docs.append({"mode": mode, "status": run.status, "error": run.error, "deploy_s": run.deploy_s,
                          "skipped": run.skipped, "lanes": run.lanes,
                          "points": [point_document(load, point) for load, point in run.points]})
@@ -155,7 +193,6 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     measured = [r for r in rows if r["load"] != "warmup"]
     plot_bars(measured, args.out / f"{name_of}.png", ("stall_ms p99", "tpot_ms p99"), x="mode", series="load")
-    log("done")
 
 
 if __name__ == "__main__":
