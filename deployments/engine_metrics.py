@@ -11,13 +11,19 @@ from lanes.engine.snapshot import EngineSnapshot
 from lanes.spec.stats import SpecDecodeStats
 
 STEP_WINDOW_S = 10.0  # the p95 covers the steps of the last 10 s: an idle lane reports none
+# ... and at most the last 256 of them (a p95 over 256 steps is their 13th longest). Under a light load
+# steps are short, so the window shrinks to about a second: on an H200 a burst's 50 ms steps otherwise
+# stayed in the p95 for 10 s after the load fell to one request, and the controller, reading them as
+# saturation, kept speculation off for all of it (unified at 1 in flight: 0.94x nospec).
+STEP_WINDOW_STEPS = 256
 GAUGE_REFRESH_S = 1.0  # while idle, gauges are re-set this often (Ray drops gauges nobody sets)
 
 
 class EngineMetrics:
     def __init__(self, lane: str, mode: str, sample_gpu: bool = True):
         self.metrics = LaneMetrics(lane, mode, sample_gpu)
-        self._steps: deque[tuple[float, float]] = deque()  # (monotonic time s, step time ms)
+        # (monotonic time s, step time ms); appending past maxlen drops the oldest
+        self._steps: deque[tuple[float, float]] = deque(maxlen=STEP_WINDOW_STEPS)
         self._exported = SpecDecodeStats()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self._exported_ooms = 0  # out-of-memory recoveries exported so far
@@ -93,7 +99,7 @@ class EngineMetrics:
         self._exported_prefix = totals
 
     def step_p95_ms(self) -> float | None:
-        """p95 of the steps of the last STEP_WINDOW_S seconds (None when the lane was idle)."""
+        """p95 of the last STEP_WINDOW_STEPS steps within STEP_WINDOW_S seconds (None when the lane was idle)."""
         horizon = time.monotonic() - STEP_WINDOW_S
         while self._steps and self._steps[0][0] < horizon:
             self._steps.popleft()

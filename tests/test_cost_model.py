@@ -12,7 +12,7 @@ from controller.actor import SignalReader
 from controller.cost_model import StepCost, StepCostModel, fastest_draft_len, fit_step_cost, observe_steps, tokens_per_s
 from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
-from deployments.engine_metrics import EngineMetrics
+from deployments.engine_metrics import STEP_WINDOW_STEPS, EngineMetrics
 from lanes.engine.snapshot import snapshot
 from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
@@ -179,6 +179,24 @@ def test_engine_metrics_count_the_steps_that_verify(llama_pair):
     # Steps near a request's max_tokens draft fewer tokens; the rest draft 3.
     assert 1.0 * verify_steps <= totals["draft_forwards"] <= 3.0 * verify_steps
     assert totals["draft_forwards"] == pytest.approx(3.0 * verify_steps, rel=0.35)
+
+
+def test_the_decode_p95_forgets_a_burst_once_the_load_is_light(llama_pair):
+    """The p95 that the controller reads as saturation covers at most the last STEP_WINDOW_STEPS steps:
+    a burst's long steps leave it after that many short ones, not only after STEP_WINDOW_S. Seen on an
+    H200: 50 ms steps of a burst kept unified's p95 near 50 ms for 10 s at 1 in flight, and speculation off."""
+    target, draft = llama_pair
+    snap = snapshot(small_engine(target, draft, num_speculative_tokens=3))
+    metrics = EngineMetrics("engine", "unified")
+    for _ in range(300):
+        metrics.on_step(snap, 50.0, 0)
+    assert metrics.step_p95_ms() == 50.0
+    longest = STEP_WINDOW_STEPS - int(0.95 * STEP_WINDOW_STEPS)  # the steps at or above the p95: 13
+    for _ in range(STEP_WINDOW_STEPS - longest):
+        metrics.on_step(snap, 5.0, 0)
+    assert metrics.step_p95_ms() == 50.0  # 13 burst steps left in the window: the p95 is one of them...
+    metrics.on_step(snap, 5.0, 0)
+    assert metrics.step_p95_ms() == 5.0  # ...12 now, well within STEP_WINDOW_S
 
 
 def _replica(replica: str, num_steps: int, step_ms: float, rows: int, draft_tokens: int, forwards: float) -> dict:
