@@ -12,6 +12,7 @@ import pytest
 from benchmarks.constructed_pair import successor_maps
 from benchmarks.families_fused import floor_ms, kv_bytes
 from benchmarks.gpu_evidence import (GRAMMAR_TOKENS, RESERVED_IDS, Pair, app_config, chain, controller_checks,
+                                     controller_loads,
                                      copy_requests, extras_checks, grammar_tokenizer, prefix_checks,
                                      shared_prefix_requests)
 from benchmarks.lib.apps import beside
@@ -153,3 +154,19 @@ def test_controller_part_merges_its_flag_into_the_drafting_modes_block():
     assert not app_config("nospec", pair, args).get("controller", {}).get("enabled")
     args.part = "ngram"
     assert app_config("unified", pair, args, ngram=True)["draft"] == {"method": "ngram"}
+
+
+def test_each_controller_point_follows_an_unmeasured_one_at_its_concurrency():
+    """The L a point shows is the one the controller settles on at that load: an unmeasured closed loop of
+    the same concurrency runs first, on requests of its own (the measured ones' prompts stay out of the
+    prefix cache)."""
+    args = SimpleNamespace(max_num_seqs=8, single_requests=2, requests_per_slot=2, settle_requests_per_slot=3)
+    requests = list(range(2 * 8 + 8 + 3 * 8))  # as part_controller draws them: measured, warm-up, settling
+    loads = controller_loads(requests, [1, 8], args, {"rate_of": "c8", "factor": 0.9})
+    assert [(load.name, load.measured) for load in loads] == [
+        ("warmup", False), ("settle c1", False), ("c1", True), ("settle c8", False), ("c8", True), ("poisson", True)]
+    by_name = {load.name: load for load in loads}
+    assert by_name["settle c1"].arrivals.concurrency == 1 and by_name["settle c8"].arrivals.concurrency == 8
+    assert len(by_name["settle c1"].requests) == 6 and len(by_name["settle c8"].requests) == 24
+    measured = {r for load in loads if load.measured for r in load.requests}
+    assert not measured & set(by_name["settle c8"].requests)
