@@ -64,6 +64,16 @@ def test_rows_of_a_batch_are_independent_and_padding_never_matches():
     assert out.tokens.shape == (4, 4) and out.probs is None and (out.tokens >= 0).all()
 
 
+def test_the_batch_is_verified_over_its_longest_proposal_only():
+    """Columns past the longest proposal would be verified for nothing: none are sent. Where nothing
+    matches, the proposal has no columns, and the verify step is the one-token decode of nospec."""
+    proposer = NgramProposer(2, 5)
+    nothing = proposer.propose([_seq([1, 2, 3, 4]), _seq([5, 6, 7])], [3, 3])
+    assert nothing.tokens.shape == (2, 0) and nothing.num_draft == [0, 0]
+    two = proposer.propose([_seq([1, 2, 1, 2]), _seq([5, 6, 7])], [4, 4])
+    assert two.tokens.shape == (2, 2) and two.num_draft == [2, 0] and two.tokens[0].tolist() == [1, 2]
+
+
 def _reference(tokens: list[int], draft_len: int, min_n: int, max_n: int) -> list[int]:
     """The definition, one n and one position at a time."""
     for n in range(max_n, min_n - 1, -1):

@@ -38,8 +38,12 @@ class NgramProposer:
         rows = np.flatnonzero(lens)
         tokens = right_aligned([seqs[i].token_ids for i in rows])  # [B', W]
         drafted, counts = lookup(tokens, lens[rows], self.min_n, self.max_n, max_len)  # [B', L], [B']
-        full = np.zeros((batch, max_len), dtype=np.int64)
-        full[rows] = drafted
+        # The batch is verified over as many columns as its longest proposal, not as were asked for: where
+        # nothing matched, the verify step is the one-token forward of no speculation. On an H200 the padded
+        # four-token verify of unmatched rows ran at 0.947x nospec at 1 in flight.
+        width = int(counts.max(initial=0))
+        full = np.zeros((batch, width), dtype=np.int64)
+        full[rows] = drafted[:, :width]
         num_draft = np.zeros(batch, dtype=np.int64)
         num_draft[rows] = counts
         return DraftProposal(torch.from_numpy(full).to(self.device), None, num_draft.tolist())
