@@ -98,6 +98,7 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
     drafting = union(s for d in drafting_each for s in d)
     both = total_s(intersect(verify, drafting))
     forwards = window_events(by_lane, "verify", "verify", start_s, end_s)
+    out["per_verify_ms"] = verify_cycle(by_lane, verify, drafting, len(forwards), start_s, end_s)
     out |= {
         "verify_busy_share": round(total_s(verify) / window_s, 3),
         "drafting_busy_share": round(total_s(drafting) / window_s, 3),
@@ -109,6 +110,26 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
         "decode_calls_per_verify": round(statistics.mean(e["calls"] for e in forwards), 2) if forwards else None,
     }
     return out
+
+
+def verify_cycle(by_lane: dict[str, list[dict]], verify: list[Interval], drafting: list[Interval], forwards: int,
+                 start_s: float, end_s: float) -> dict[str, float] | None:
+    """Where a decode step's time goes, in ms per verify forward. With one decode replica the parts add up
+    to the draft → verify → back cycle: drafting, the forward, the verify replica's own time around it
+    (queue, merge, its thread hop), the rest of the decode replica's wait (the call's transit both ways
+    and the hand-offs between its engine thread and event loop), and the time between its steps."""
+    if not forwards:
+        return None
+    decode = by_lane.get("decode", [])
+    waits = clip(union(s for r in decode for s in spans(r, "verify_wait")), start_s, end_s)
+    calls = clip(union(s for r in by_lane["verify"] for s in spans(r, "verify_call")), start_s, end_s)
+    steps = clip(union(s for r in decode for s in spans(r, "step")), start_s, end_s)
+    # Replicas older than the verify_call event: the replica's own time is then in the transit.
+    called = total_s(calls) if calls else total_s(verify)
+    parts = {"cycle": end_s - start_s, "drafting": total_s(drafting), "verify_forward": total_s(verify),
+             "verify_replica_besides_forward": called - total_s(verify),
+             "transit_and_handoffs": total_s(waits) - called, "between_steps": (end_s - start_s) - total_s(steps)}
+    return {name: round(value * 1e3 / forwards, 2) for name, value in parts.items()}
 
 
 def window_events(by_lane: dict[str, list[dict]], lane: str, kind: str, start_s: float, end_s: float) -> list[dict]:

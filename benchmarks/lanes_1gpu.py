@@ -25,7 +25,8 @@ submitted request is counted.
 
 `--mps` runs everything as clients of NVIDIA's Multi-Process Service (benchmarks/lib/mps.py), so
 the lanes' kernels share the GPU at once instead of taking turns in time slices. Mode `pdv2` is
-pdv with two decode replicas (VARIANTS): one drafts while the verify lane scores the other's batch.
+pdv with two decode replicas (VARIANTS): one drafts while the verify lane scores the other's batch;
+`pd512` and `pdv512` bound the prefill lane's forwards to 512 tokens.
 
 Writes lanes_1gpu_<part>.json (every point's summary and requests),
 .md (the table) and .png (stall and TPOT by mode) under --out.
@@ -58,8 +59,13 @@ from loadtest.workload import load_tokenizer, synthetic  # noqa: E402
 MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed part's capacity is its
 # Benchmark-only modes: a mode of configs/ with its lanes placed otherwise. pdv2: two decode replicas
 # share the verify lane, so one drafts while the other's drafts are verified; the shares still add to 1.
+# pd512, pdv512: the prefill lane's forwards hold at most 512 tokens (unified's chunk while decoding)
+# instead of idle_prefill_tokens' 1,024, so that under MPS a decode step shares the GPU with no more
+# prefill than unified puts beside its own decode steps.
 VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {"num_gpus": 0.54},
-                             "decode_lane": {"num_gpus": 0.08, "num_replicas": 2}})}
+                             "decode_lane": {"num_gpus": 0.08, "num_replicas": 2}}),
+            "pd512": ("pd", {"engine": {"idle_prefill_tokens": 512}}),
+            "pdv512": ("pdv", {"engine": {"idle_prefill_tokens": 512}})}
 MPS_DIR = Path("/tmp/vpd-mps")  # short: the daemon's pipes are Unix sockets (108-byte paths)
 SIZES = {  # by device: mixed traffic's lengths (MIXED), the max-len prompt, in flight, requests, mixed requests
     "cuda": dict(MIXED["cuda"], max_len_prompt=7000, in_flight=64, requests=256, mixed=240),
@@ -119,12 +125,12 @@ def loads_of(args: argparse.Namespace, requests: dict, capacity_rps: float | Non
 
 
 def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tuple[str, dict]:
-    """(the configs/ mode it runs, its app args): a variant's lanes placed as VARIANTS says."""
+    """(the configs/ mode it runs, its app args): a variant's lanes and engine set as VARIANTS says."""
     base, lanes = VARIANTS.get(mode, (mode, {}))
     config = app_args(base, pair.target, pair.draft, dtype=preset["dtype"], engine=engine(args),
                       lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
-    for lane, options in lanes.items():
-        config[lane] = {**config[lane], **options}
+    for block, options in lanes.items():
+        config[block] = {**config[block], **options}
     return base, config
 
 

@@ -164,8 +164,11 @@ class VerifyServer:
             raise StaleTargetSlots(f"{stale} of {rows} rows hold KV slots of another verify replica, or of one "
                                    "that is gone")
         self._set_queue_depth(rows)
+        arrive_s = time.time()
         try:
             result = await self.batcher.submit(batch)
+            # The call's time here, forward included: the rest of the caller's wait is transit and hand-offs.
+            TIMELINE.record("verify_call", arrive_s, time.time(), rows=rows)
             self.rows_verified += rows - sum(error is not None for error in result.errors or [])  # less those shed
             return result
         finally:

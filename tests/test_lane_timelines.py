@@ -25,6 +25,20 @@ def test_lane_activity_measures_verify_while_another_replica_drafts():
     assert only_a["verify_with_drafting_share"] == 0.0  # one decode replica: the lanes take turns
 
 
+def test_a_verify_cycle_splits_into_its_parts():
+    # One decode replica steps 0-10 and waits for its verify call 4-9; the verify replica holds the call
+    # 5-8.5 and runs its forward 6-8; nothing happens 10-12. Per forward (one): drafting 5 s (0-4, 9-10),
+    # the forward 2, the replica around it 1.5, transit and hand-offs 1.5 (4-5, 8.5-9), between steps 2.
+    reports = [lane_report("decode", "A", step=[(0, 10)], verify_wait=[(4, 9)]),
+               lane_report("verify", "V", verify=[(6, 8)], verify_call=[(5, 8.5)])]
+    parts = lane_activity(reports, 0.0, 12.0)["per_verify_ms"]
+    assert parts == {"cycle": 12000, "drafting": 5000, "verify_forward": 2000, "verify_replica_besides_forward": 1500,
+                     "transit_and_handoffs": 1500, "between_steps": 2000}
+    assert sum(parts.values()) == 2 * parts["cycle"]  # the parts add up to the cycle
+    older = lane_activity([reports[0], lane_report("verify", "V", verify=[(6, 8)])], 0.0, 12.0)["per_verify_ms"]
+    assert older["verify_replica_besides_forward"] == 0 and older["transit_and_handoffs"] == 3000
+
+
 def test_prefill_path_splits_the_wait_before_decoding():
     # Two requests submitted at 0 and 1: each waits for a prefill forward (2-3, one of 2 rows),
     # a hand-over and its decode replica taking the reply in; one submitted after the window is out.

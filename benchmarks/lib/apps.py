@@ -186,6 +186,8 @@ def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: 
         return {"error": f"{type(exc).__name__}: {exc}"}
     if path := lanes.get("prefill_path"):
         log(f"  before decoding: {json.dumps(path)}")
+    if cycle := lanes.get("per_verify_ms"):
+        log(f"  per verify forward, ms: {json.dumps(cycle)}")
     return lanes
 
 
