@@ -57,7 +57,7 @@ from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.workload import load_tokenizer, synthetic  # noqa: E402
 
 MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed part's capacity is its
-# Benchmark-only modes: a mode of configs/ with its lanes placed otherwise. pdv2: two decode replicas
+# Benchmark-only modes: a mode of configs/ with its lanes or engine set otherwise. pdv2: two decode replicas
 # share the verify lane, so one drafts while the other's drafts are verified; the shares still add to 1.
 # pd512, pdv512: the prefill lane's forwards hold at most 512 tokens (unified's chunk while decoding)
 # instead of idle_prefill_tokens' 1,024, so that under MPS a decode step shares the GPU with no more
@@ -126,10 +126,10 @@ def loads_of(args: argparse.Namespace, requests: dict, capacity_rps: float | Non
 
 def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tuple[str, dict]:
     """(the configs/ mode it runs, its app args): a variant's lanes and engine set as VARIANTS says."""
-    base, lanes = VARIANTS.get(mode, (mode, {}))
+    base, overrides = VARIANTS.get(mode, (mode, {}))
     config = app_args(base, pair.target, pair.draft, dtype=preset["dtype"], engine=engine(args),
                       lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
-    for block, options in lanes.items():
+    for block, options in overrides.items():
         config[block] = {**config[block], **options}
     return base, config
 
