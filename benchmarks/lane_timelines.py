@@ -114,8 +114,8 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
 
 def verify_cycle(by_lane: dict[str, list[dict]], verify: list[Interval], drafting: list[Interval], forwards: int,
                  start_s: float, end_s: float) -> dict[str, float] | None:
-    """Where a decode step's time goes, in ms per verify forward. With one decode replica the parts add up
-    to the draft → verify → back cycle: drafting, the forward, the verify replica's own time around it
+    """Where pdv's draft → verify → back cycle goes, in ms per verify forward. With one decode replica the
+    parts add up to the cycle: drafting, the forward, the verify replica's own time around it
     (queue, merge, its thread hop), the rest of the decode replica's wait (the call's transit both ways
     and the hand-offs between its engine thread and event loop), and the time between its steps."""
     if not forwards:

@@ -14,7 +14,8 @@ STEP_WINDOW_S = 10.0  # the p95 covers the steps of the last 10 s: an idle lane 
 # ... and at most the last 256 of them (a p95 over 256 steps is their 13th longest). Under a light load
 # steps are short, so the window shrinks to about a second: on an H200 a burst's 50 ms steps otherwise
 # stayed in the p95 for 10 s after the load fell to one request, and the controller, reading them as
-# saturation, kept speculation off for all of it (unified at 1 in flight: 0.94x nospec).
+# saturation, kept speculation off through the short points measured then (unified at 1 in flight:
+# 0.94x nospec).
 STEP_WINDOW_STEPS = 256
 GAUGE_REFRESH_S = 1.0  # while idle, gauges are re-set this often (Ray drops gauges nobody sets)
 

@@ -12,9 +12,8 @@ import pytest
 from benchmarks.constructed_pair import successor_maps
 from benchmarks.families_fused import floor_ms, kv_bytes
 from benchmarks.gpu_evidence import (GRAMMAR_TOKENS, RESERVED_IDS, Pair, app_config, chain, controller_checks,
-                                     controller_loads,
-                                     copy_requests, extras_checks, grammar_tokenizer, prefix_checks,
-                                     shared_prefix_requests)
+                                     controller_loads, copy_requests, extras_checks, grammar_tokenizer,
+                                     prefix_checks, shared_prefix_requests)
 from benchmarks.lib.apps import beside
 from benchmarks.lib.results import ratio, verdict
 from benchmarks.lib.loads import in_flight_steps
