@@ -316,6 +316,11 @@ def controller_sampler(trace: list[dict], app: str):
     return sample
 
 
+def settle_requests(args: argparse.Namespace, concurrency: int) -> int:
+    """Requests of the unmeasured closed loop before the point at `concurrency`."""
+    return max(3 * args.single_requests, args.settle_requests_per_slot * concurrency)
+
+
 def controller_loads(requests: list[WorkloadRequest], concurrencies: list[int], args: argparse.Namespace,
                      poisson: dict) -> list[Load]:
     """Warm-up (max_num_seqs at once), the closed loops, then Poisson (`poisson`: the Load's arrivals, or
@@ -325,9 +330,8 @@ def controller_loads(requests: list[WorkloadRequest], concurrencies: list[int], 
     (on an H200, unified measured at 1 in flight right after the warm-up's burst ran at L = 0 throughout)."""
     loads = [Load("warmup", requests[: args.max_num_seqs], OpenLoop(float("inf")), measured=False)]
     for c in concurrencies:
-        settle = max(3 * args.single_requests, args.settle_requests_per_slot * c)
         if args.settle_requests_per_slot:
-            loads.append(Load(f"settle c{c}", requests[-settle:], ClosedLoop(c), measured=False))
+            loads.append(Load(f"settle c{c}", requests[-settle_requests(args, c):], ClosedLoop(c), measured=False))
         count = args.single_requests if c == 1 else args.requests_per_slot * c
         loads.append(Load(f"c{c}", requests[:count], ClosedLoop(c)))
     return loads + [Load("poisson", requests[: args.requests_per_slot * max(concurrencies)], **poisson)]
@@ -400,7 +404,7 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
     # The settling loads take theirs from the end, apart from the measured ones (whose prompts they would
     # otherwise leave in the prefix cache).
-    settle = max(3 * args.single_requests, args.settle_requests_per_slot * max(concurrencies))
+    settle = settle_requests(args, max(concurrencies))
     requests = random_requests(pair.vocab_size, args.requests_per_slot * max(concurrencies) + args.max_num_seqs + settle,
                                args.prompt_len, args.output_len, SEED)
     modes = args.modes.split(",")
