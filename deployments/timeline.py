@@ -24,8 +24,8 @@ Kinds recorded (one interval per event, extra fields as noted):
                  reached the ingress); decode lane / co-located engine: from generate()
                  to its last chunk (first_s: its first token left the engine)
 
-One timeline per process, hence one per replica; bounded, so a long-running server only keeps
-the most recent events.
+One timeline per process, hence one per replica; bounded in count and in age, so a long-running
+server only keeps the most recent events.
 """
 
 import os
@@ -41,14 +41,21 @@ import ray
 from deployments.kv_transfer import Placement
 
 MAX_EVENTS_PER_KIND = 50_000  # a verify step every ~20 ms fills this in ~17 minutes
+# ... and none that ended longer than this before the newest of its kind. The count alone let the
+# kinds recorded once per request (request, prefill_wait, handover: 250-700 B each) grow for 70
+# minutes at 12 requests/s, and the per-step kinds for 30: a 20-minute pdv soak (issue 33) read as
+# every lane's RSS growing linearly (the decode lane's by ~2 KB per request, most of it these).
+# Readers take a load point's window right after it ends (benchmarks/lib/apps.py lane_reader).
+MAX_EVENT_AGE_S = 300.0
 REPORT_PAGE_EVENTS = 400  # events per kind in one timeline() reply: ~40 KB at most
 
 T = TypeVar("T")
 
 
 class Timeline:
-    def __init__(self, max_events: int = MAX_EVENTS_PER_KIND):
+    def __init__(self, max_events: int = MAX_EVENTS_PER_KIND, max_age_s: float = MAX_EVENT_AGE_S):
         self.max_events = max_events
+        self.max_age_s = max_age_s
         self._events: dict[str, deque[dict]] = {}
         self._lock = threading.Lock()  # worker threads record while the event loop reads
 
@@ -56,6 +63,11 @@ class Timeline:
         with self._lock:
             events = self._events.setdefault(kind, deque(maxlen=self.max_events))
             events.append({"start_s": start_s, "end_s": end_s, **info})
+            # Relative to this event's end, not the clock (tests record synthetic times); the new
+            # event itself is within the horizon, so the loop ends.
+            horizon = end_s - self.max_age_s
+            while events[0]["end_s"] < horizon:
+                events.popleft()
 
     def timed(self, kind: str, fn: Callable[..., T], **info) -> Callable[..., T]:
         """`fn`, recording the interval it runs in (wrap what a lane worker thread executes)."""

@@ -29,8 +29,18 @@ def test_since_keeps_later_events_and_the_bound_drops_the_oldest():
     assert [e["rows"] for e in timeline.since(3.2)["step"]] == [3, 4]  # ended after 3.2
 
 
+def test_events_older_than_the_age_bound_are_dropped():
+    # Kinds recorded once per request would otherwise grow for an hour before the count bound holds.
+    timeline = Timeline(max_events=1000, max_age_s=10.0)
+    for i in range(100):
+        timeline.record("request", float(i), i + 0.5, request_id=str(i))
+    assert [e["request_id"] for e in timeline.since(0.0)["request"]] == [str(i) for i in range(89, 100)]
+    timeline.record("request", 0.0, 1.0, request_id="late")  # an out-of-order end drops nothing
+    assert len(timeline.since(0.0)["request"]) == 12
+
+
 def test_recording_from_threads_while_reading():
-    timeline = Timeline()
+    timeline = Timeline(max_age_s=float("inf"))  # its synthetic intervals span 2,000 s
 
     def work():
         for i in range(2000):
