@@ -87,7 +87,10 @@ async def main(args) -> None:
     if args.timeline_age is not None:
         TIMELINE.max_age_s = args.timeline_age
     prompts = mixed_prompts(decode.engine.core.vocab_size, 4096, args.seed)
-    run = lambda first, count: drive(decode, prompts, first, count, args.concurrency, args.out)  # noqa: E731
+
+    def run(first: int, count: int):
+        return drive(decode, prompts, first, count, args.concurrency, args.out)
+
     started = time.monotonic()
     await run(0, args.warm)
     print(f"warm-up: {args.warm} requests in {time.monotonic() - started:.1f} s", flush=True)
