@@ -145,10 +145,13 @@ def test_the_only_verify_replica_dies_and_every_stream_ends_within_10_s_then_the
     then the app serves the same greedy output again, with no slot left held. Before recover_within_s
     (7ae022d) the streams waited for the replacement: the last ended 36.8 s after the kill.
 
-    A stream sent during the outage is lost only when its hand-over to the verify lane gives up
-    (PEER_CALL_TIMEOUT_S after its prompt's forward, behind the recomputes in the prefill lane's
-    queue): it ends within recover_within_s of its start or at that moment, whichever is later; 12 s
-    after its start in two runs on the busy 2-core host, bounded here at 15 s."""
+    A stream sent during the outage has two ends. It is lost when its hand-over to the verify lane
+    gives up (PEER_CALL_TIMEOUT_S after its prompt's forward, behind the recomputes in the prefill
+    lane's queue): it ends within recover_within_s of its start or at that moment, whichever is later;
+    12 s after its start in two runs on the busy 2-core host, bounded here at 15 s. Or its prompt is
+    still queued or handing over when the replacement comes up, and it completes: the better end (16.1 s
+    after its start in one run whose replacement was up 17.2 s after the kill), bounded by the
+    replacement's 35 s."""
     _wait_healthy(ONE_VERIFY, 120)
     wait_until_idle(ONE_VERIFY, "pdv")
     streams = [WorkloadRequest(f"def f{i}(x):", 5, 600) for i in range(STREAMS)]
@@ -163,7 +166,11 @@ def test_the_only_verify_replica_dies_and_every_stream_ends_within_10_s_then_the
             assert_clean(record.error)
             assert "service_unavailable" in record.error and record.error.endswith("retry"), record.error
     assert max(result.ends_s(result.in_flight)) < 10.0, result.summary()
-    assert max(r.end_s - r.start_s for r in result.after) < 15.0, result.summary()
+    for record, end_s in zip(result.after, result.ends_s(result.after)):
+        if record.status == "failed":
+            assert record.end_s - record.start_s < 15.0, result.summary()
+        else:
+            assert end_s < 40.0, result.summary()
     assert result.recovered_s is not None, result.notes
     assert result.greedy_equal, "greedy output after recovery differs from before the kill"
     wait_until_idle(ONE_VERIFY, "pdv")
