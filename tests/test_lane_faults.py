@@ -169,13 +169,14 @@ def test_the_only_verify_replica_dies_and_every_stream_ends_within_10_s_then_the
     # A stream under way at the kill fails within 10 s of it, or is recomputed and completes once the
     # replacement takes it (its prompt re-prefilled and held by the prefill lane until then): 12 of 12
     # completed 18.0 s after the kill in run 9 (docs/testing.md), bounded by the replacement's 35 s.
+    completed_within_s = 40.0  # after the kill: the replacement's 15-35 s, plus 5
     for record, end_s in zip(result.in_flight, result.ends_s(result.in_flight)):
-        assert end_s < (10.0 if record.status == "failed" else 40.0), result.summary()
+        assert end_s < (10.0 if record.status == "failed" else completed_within_s), result.summary()
     for record, end_s in zip(result.after, result.ends_s(result.after)):
         if record.status == "failed":
             assert record.end_s - record.start_s < 15.0, result.summary()
         else:
-            assert end_s < 40.0, result.summary()
+            assert end_s < completed_within_s, result.summary()
     assert result.recovered_s is not None, result.notes
     assert result.greedy_equal, "greedy output after recovery differs from before the kill"
     wait_until_idle(ONE_VERIFY, "pdv")
