@@ -96,6 +96,22 @@ def test_the_verify_lane_pool_holds_every_decode_replica_and_the_prefill_lane_ba
     assert prefill.num_kv_blocks is None and prefill.max_num_seqs == 8 and prefill.lane_name == "prefill lane"
 
 
+def test_a_lone_lane_counts_the_one_sequence_pools_it_profiled_over_as_its_own():
+    """The profile runs over pools of one sequence, which the lane still holds when it checks the free
+    memory and frees before its pools grow. At a long context they are large (paged_capacity at 32,768
+    tokens on an H200: 107.28 GiB needed against 106.43 free, alone on the GPU): the check credits them."""
+    plan = _plan(1.0, held=45 * GIB, activations=10 * GIB)  # the whole device: no slack to hide in
+    assert plan.num_blocks < plan.max_blocks
+    one_sequence = (SHAPE.blocks_per_slot + 1) * BLOCK
+    # Alone on the device: the driver's free memory lacks everything this process holds.
+    free = TOTAL - plan.held_bytes - plan.activation_bytes - plan.non_torch_bytes - one_sequence
+    check_free(plan, free, held_blocks=SHAPE.blocks_per_slot)
+    with pytest.raises(KVMemoryError):  # what the check did before: the pools counted twice
+        check_free(plan, free)
+    with pytest.raises(KVMemoryError):  # short by two blocks: a neighbour holds more than its share
+        check_free(plan, free - 2 * BLOCK, held_blocks=SHAPE.blocks_per_slot)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the profile run measures CUDA memory")
 def test_on_cuda_an_unset_context_too_long_for_memory_becomes_the_longest_that_fits():
     """The whole path on a GPU: profile, plan, the fitted max_model_len, and a request served at it.

@@ -113,7 +113,7 @@ def num_kv_blocks(shapes: list[PoolShape], dtypes: list[torch.dtype], device: to
     elif plan is not None:
         if plan.num_blocks < per_slot:
             raise KVMemoryError(plan.refusal())
-        _wait_free(plan, device)
+        _wait_free(plan, device, held_blocks=per_slot)  # the profile's one-sequence pools (lanes/engine/core.py)
         log.info("%s", plan.describe())
         return plan.num_blocks
     else:
@@ -124,10 +124,12 @@ def num_kv_blocks(shapes: list[PoolShape], dtypes: list[torch.dtype], device: to
     return blocks
 
 
-def check_free(plan: MemoryPlan, free: int, device: str = "the GPU") -> None:
+def check_free(plan: MemoryPlan, free: int, device: str = "the GPU", held_blocks: int = 0) -> None:
     """The pools and graphs must fit the memory `free` now; if they do not, another process on this
-    GPU holds more than its share (or a process that died has not given its memory back yet)."""
-    needed = (plan.num_blocks + 1) * plan.block_bytes + plan.graph_bytes
+    GPU holds more than its share (or a process that died has not given its memory back yet).
+    `held_blocks`: blocks per pool this process holds already and gives back before the pools grow
+    (the one-sequence pools the profile ran over, as large as 16 GiB for a 7B model at 32k tokens)."""
+    needed = (plan.num_blocks - held_blocks) * plan.block_bytes + plan.graph_bytes
     if needed > free:
         raise KVMemoryError(
             f"{plan.lane}: its KV pools and CUDA graphs need {_gib(needed)} but {device} has {_gib(free)} free: "
@@ -135,13 +137,13 @@ def check_free(plan: MemoryPlan, free: int, device: str = "the GPU") -> None:
             f"gpu_memory_utilization, or this lane's")
 
 
-def _wait_free(plan: MemoryPlan, device: torch.device) -> None:
+def _wait_free(plan: MemoryPlan, device: torch.device, held_blocks: int) -> None:
     """`check_free`, waiting up to FREE_WAIT_S for memory that a killed process of the lane being
     replaced has not given back yet (the driver frees it once the process is gone)."""
     deadline_s = time.monotonic() + FREE_WAIT_S
     while True:
         try:
-            return check_free(plan, torch.cuda.mem_get_info(device)[0], str(device))
+            return check_free(plan, torch.cuda.mem_get_info(device)[0], str(device), held_blocks)
         except KVMemoryError:
             if time.monotonic() > deadline_s:
                 raise
