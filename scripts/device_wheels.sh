@@ -16,18 +16,46 @@ cd "$root"
 mkdir -p .git/info
 bash ../shared/device/make-wheels.sh
 python3 - <<'PY'
-import glob, os, zipfile
+import base64, glob, hashlib, os, subprocess, tempfile, zipfile
+
+STRIPPED = b"vpd: lzma, stripped"
+
+
+def _stripped(data: bytes) -> bytes:
+    """An ELF binary without its symbol tables (gcs_server, raylet, _raylet.so: ~25 % smaller)."""
+    if not data.startswith(b"\x7fELF"):
+        return data
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        subprocess.run(["strip", "--strip-unneeded", f.name], check=True)
+        return open(f.name, "rb").read()
+
+
+def _record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}\n"
+
 
 UNUSED = ("ray/data/", "ray/tune/", "ray/train/", "ray/llm/", "ray/rllib/", "ray/serve/llm/")
 for src in glob.glob(".whl/ray-*.whl"):
     with zipfile.ZipFile(src) as zin:
-        if zin.infolist()[0].compress_type == zipfile.ZIP_LZMA:
+        if zin.comment == STRIPPED:
             continue  # already repacked
         tmp = src + ".tmp"
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_LZMA) as zout:
+            zout.comment = STRIPPED
+            record, hashes = None, {}
             for info in zin.infolist():
-                if not info.filename.startswith(UNUSED):
-                    zout.writestr(info, zin.read(info), compress_type=zipfile.ZIP_LZMA)
+                if info.filename.endswith(".dist-info/RECORD"):
+                    record = info
+                elif not info.filename.startswith(UNUSED):
+                    data = _stripped(zin.read(info))
+                    hashes[info.filename] = _record_line(info.filename, data)
+                    zout.writestr(info, data, compress_type=zipfile.ZIP_LZMA)
+            # RECORD names each file's hash and size: rewritten for the files kept, as they are now.
+            zout.writestr(record, "".join(hashes[n] for n in hashes) + f"{record.filename},,\n",
+                          compress_type=zipfile.ZIP_LZMA)
     os.replace(tmp, src)
 PY
 du -sh .whl
