@@ -33,6 +33,7 @@ Signals, as read from the replicas' `stats()`:
 
 import asyncio
 import logging
+import statistics
 import time
 from dataclasses import asdict
 
@@ -51,6 +52,8 @@ log = logging.getLogger("ray.serve")
 STATS_TIMEOUT_S = 10.0
 _COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 _STEP_TOTALS = ("num_steps", "step_ms", "rows", "draft_tokens", "draft_forwards")
+# A measured ratio outside these is a measurement gone wrong (or a drafter as large as its target).
+MIN_DRAFT_COST_RATIO, MAX_DRAFT_COST_RATIO = 0.01, 0.95
 
 
 class SignalReader:
@@ -101,6 +104,20 @@ class SignalReader:
                 deltas.append(delta)
         self._step_totals = current
         return deltas
+
+
+def measured_draft_cost_ratio(decode: list[dict], verify: list[dict]) -> float | None:
+    """The drafter's one-token forward over the target's, each the median over the replicas that hold
+    that model (decode replicas hold the drafter, and the target too except in pdv, where the verify
+    replicas do); None until both have been reported. Clamped to where ControllerConfig accepts it."""
+    def reports(stats: list[dict], model: str) -> list[float]:
+        return [s["forward_ms"][model] for s in stats if model in (s.get("forward_ms") or {})]
+
+    drafts, targets = reports(decode, "draft"), reports(decode + verify, "target")
+    if not drafts or not targets:
+        return None
+    ratio = statistics.median(drafts) / statistics.median(targets)
+    return min(MAX_DRAFT_COST_RATIO, max(MIN_DRAFT_COST_RATIO, ratio))
 
 
 def batch_occupancy(decode: list[dict], verify: list[dict]) -> float:
@@ -166,6 +183,7 @@ class ControllerServer:
         self.metrics = ControllerMetrics(mode)
         self.last: Decision | None = None
         self.num_pushes = 0
+        self.draft_cost_ratio = self.config.draft_cost_ratio  # the one the last decision used
         self._lanes_down = False  # the lanes were unavailable at the last attempt (logged once per outage)
         # Kept referenced: the event loop holds tasks only weakly.
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -180,7 +198,8 @@ class ControllerServer:
                 "per_request_draft_len": d.per_request_draft_len, "load": str(d.load),
                 "fleet_accept_rate": d.fleet_accept_rate, "draft_len_cap": d.draft_len_cap, "reason": d.reason,
                 "step_cost": asdict(d.step_cost) if d.step_cost is not None else None,
-                "signals": asdict(d.signals), "num_pushes": self.num_pushes}
+                "signals": asdict(d.signals), "num_pushes": self.num_pushes,
+                "draft_cost_ratio": self.draft_cost_ratio}
 
     async def _run(self) -> None:
         while True:
@@ -206,7 +225,7 @@ class ControllerServer:
             return  # no decode replica running yet
         verify = await _broadcast(self.verify, "stats") if self.verify is not None else []
         signals = self.reader.read(decode, verify, time.monotonic())
-        self.policy, decision = decide(self.policy, signals, self.config)
+        self.policy, decision = decide(self.policy, signals, self._config_for(decode, verify))
         default, per_request = desired_lengths(decision)
         pushed = replicas_differ(decode, default, per_request)
         if pushed:
@@ -219,6 +238,17 @@ class ControllerServer:
                  self.policy.decision_index, " (pushed)" if pushed else "", decision.reason,
                  signals.verify_queue_depth, signals.verify_batch_occupancy, signals.decode_step_p95_ms,
                  signals.arrival_rate_rps, signals.requests_per_verify_batch, len(signals.requests))
+
+
+    def _config_for(self, decode: list[dict], verify: list[dict]) -> ControllerConfig:
+        """The config with the lanes' measured drafter cost, where it is to be measured and they report it."""
+        measured = measured_draft_cost_ratio(decode, verify) if self.config.measure_draft_cost else None
+        if measured is None:
+            return self.config
+        if measured != self.draft_cost_ratio:
+            log.info("controller: draft_cost_ratio %.3f, measured by the lanes", measured)
+        self.draft_cost_ratio = measured
+        return self.config.model_copy(update={"draft_cost_ratio": measured})
 
 
 async def _broadcast(handle, method: str, *args) -> list:

@@ -99,8 +99,15 @@ class ControllerConfig(BaseModel):
     draft_cost_ratio: float = Field(
         default=0.1, gt=0, lt=1, description="Cost of one drafter step relative to one verify step (the `c` of "
         "Leviathan et al. 2023). Sets the L that maximises tokens per unit cost for a given acceptance rate; the "
-        "step-cost model also takes this share of each step time as the drafter's, so set it to the measured "
-        "ratio (drafter forward / target forward over the same rows).",
+        "step-cost model also takes this share of each step time as the drafter's. With `measure_draft_cost` "
+        "on (the default) it is used only until the lanes report their measured forwards, and where they "
+        "cannot (a drafter by prompt lookup runs no model).",
+    )
+    measure_draft_cost: bool = Field(
+        default=True, description="Take `draft_cost_ratio` from the lanes: each replica times a one-token "
+        "forward of its models over 16 rows when it starts (lanes/model/forward_cost.py), and the ratio is "
+        "the drafter's median over the target's. The ratio depends on the hardware as much as on the pair "
+        "(the shipped 7B/TinyLlama pair measures ~0.25 on an H200), so a fixed value picks the wrong L.",
     )
     min_gain_frac: float = Field(
         default=0.02, ge=0, description="Relative gain in expected tokens per unit cost (per second, for the "

@@ -103,6 +103,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
                                     allow_tokenizer_mismatch=_allows_tokenizer_mismatch(cfg),
                                     tp=tp, shard_draft=cfg.shard_draft)
         core.capture_graphs()  # before the first request, not during it
+        core.measure_forward_costs()
         return core
     draft = _draft(cfg, device)
     placement = Placement.here(device)
@@ -134,6 +135,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
     core = EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
                       draft_runner, verifier, prefiller, streams, build_proposer(cfg, model_device))
     core.capture_graphs()
+    core.measure_forward_costs()
     return core
 
 

@@ -20,6 +20,7 @@ from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.device.streams import VERIFY_PRIORITY
 from lanes.engine.backends import LaneOOM
 from lanes.kv.pool import PoolFullError
+from lanes.model.forward_cost import one_token_forward_ms
 from lanes.sample.grammar import merge_bitmasks
 from lanes.sample.penalties import PenaltyHistory
 from lanes.spec.rejection import point_mass
@@ -42,6 +43,8 @@ class VerifyServer:
         group (deployments/tp_workers.py); the lane, rank 0, is built with the address they meet at."""
         lane_factory, self.shard_workers = bind_workers(lane_factory, start_workers)
         self.lane: VerifyLane = lane_factory()
+        # Before serving: what the controller derives the drafter's relative cost from (lanes/model/forward_cost.py).
+        self.forward_ms = {"target": one_token_forward_ms(self.lane.runner)}
         self.worker = LaneWorker("verify", self.lane.runner.device, VERIFY_PRIORITY)
         # A worker rank that ends fails every forward at once (rank 0 would wait on it), and the health check.
         self._worker_watch = watch_workers(self.shard_workers, self.worker.lose)
@@ -229,7 +232,7 @@ class VerifyServer:
                 "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
                 "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
                 "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed,
-                "oom_retries": self.oom_retries}
+                "oom_retries": self.oom_retries, "forward_ms": self.forward_ms}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from controller.actor import measured_draft_cost_ratio
+from controller.config import ControllerConfig
 from deployments.builder import ConfigError, build_app
 from lanes.model.loader import load_model
 from tests.conftest import perturbed_copy
@@ -56,8 +58,11 @@ def apps(pair_paths):
         # token costs a target forward, and with an unrelated drafter no draft is accepted, so in both no
         # L > 0 beats L = 0 on wall time and the model (rightly) turns speculation off; these two tests are
         # about what acceptance does to L. The model runs in "load".
+        # Both with the drafter cost as configured (0.1): this drafter is the target itself, whose measured
+        # cost (~1) makes L = 1 the fastest at any acceptance short of exactly 1, rightly; "bad" measures it.
         "good": app_config("unified", target, same,
-                           controller={**CONTROLLER, "initial_draft_len": 2, "step_cost_enabled": False}),
+                           controller={**CONTROLLER, "initial_draft_len": 2, "step_cost_enabled": False,
+                                       "measure_draft_cost": False}),
         # accept_lower_below = 0: the default L never falls for acceptance, so what falls is the
         # per-request L alone. lower_dwell = 1 and max_step = 3: 4 -> 1 at the first decision that sees a
         # request's drafts fail. A 200-token request at acceptance ~0 now lasts about 0.5 s, one decision,
@@ -66,10 +71,12 @@ def apps(pair_paths):
                           controller={**CONTROLLER, "initial_draft_len": 4, "accept_lower_below": 0.0,
                                       "lower_dwell": 1, "max_step": 3, "step_cost_enabled": False}),
         # Two decode replicas of 4 slots each: 24 requests in flight leave 16 queued >= verify_queue_high.
+        # Measured, its cost (~1) would also keep speculation off once the queue drains: the test is about
+        # what the queue does to L.
         "load": app_config("pdv", target, same, engine={"max_model_len": 256, "max_num_seqs": 4,
                                                        "num_speculative_tokens": 4, "prefill_chunk_tokens": 32},
                            controller={**CONTROLLER, "initial_draft_len": 4, "verify_queue_high": 6,
-                                       "verify_queue_low": 2}),
+                                       "verify_queue_low": 2, "measure_draft_cost": False}),
     }):
         yield
 
@@ -163,6 +170,12 @@ def test_failing_drafts_shorten_per_request_l_below_the_default():
         state = controller_state("bad")
     assert set(load.statuses) == {200}, load.errors
     assert state["fleet_accept_rate"] < 0.3, state
+    # The drafter's cost is the replicas' measurement (a drafter as large as its target: about 1,
+    # clamped), not the config's 0.1.
+    stats = lane_stats("bad", "DecodeLane")
+    assert all(set(s["forward_ms"]) == {"target", "draft"} for s in stats), stats
+    assert state["draft_cost_ratio"] == pytest.approx(measured_draft_cost_ratio(stats, []), rel=1e-6)
+    assert state["draft_cost_ratio"] > 2 * ControllerConfig().draft_cost_ratio, state
     print(f"per-request L 4 -> 1 on replicas after {took_s:.1f} s")
 
 
@@ -174,6 +187,9 @@ def test_queue_over_verify_queue_high_turns_speculation_off_and_back_on():
         return all(s["default_draft_len"] >= 1 for s in stats)
 
     assert len(lane_stats("load", "DecodeLane")) == 2
+    # pdv: the decode replicas time the drafter, the verify replica the target (the controller's ratio).
+    assert all(set(s["forward_ms"]) == {"draft"} for s in lane_stats("load", "DecodeLane"))
+    assert all(set(s["forward_ms"]) == {"target"} for s in lane_stats("load", "VerifyLane"))
     with Load("load", concurrency=24, max_tokens=48) as load:
         off_s = wait_for("load", speculation_off, MOVE_BOUND_S)
         state = controller_state("load")

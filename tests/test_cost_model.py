@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from controller.actor import SignalReader
+from controller.actor import MAX_DRAFT_COST_RATIO, SignalReader, measured_draft_cost_ratio
 from controller.cost_model import StepCost, StepCostModel, fastest_draft_len, fit_step_cost, observe_steps, tokens_per_s
 from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
 from deployments.engine_metrics import STEP_WINDOW_STEPS, EngineMetrics
-from lanes.engine.snapshot import snapshot
+from lanes.engine.snapshot import core_report, snapshot
 from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import random_prompts, small_engine
@@ -179,6 +179,37 @@ def test_engine_metrics_count_the_steps_that_verify(llama_pair):
     # Steps near a request's max_tokens draft fewer tokens; the rest draft 3.
     assert 1.0 * verify_steps <= totals["draft_forwards"] <= 3.0 * verify_steps
     assert totals["draft_forwards"] == pytest.approx(3.0 * verify_steps, rel=0.35)
+
+
+def test_the_engine_times_a_one_token_forward_of_each_model_and_reports_it(llama_pair):
+    """What the controller's measured drafter cost comes from: each local model's forward over a batch,
+    timed once before serving (on the CPU here; the same code syncs the GPU there)."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft)
+    assert core_report(engine)["forward_ms"] == {}  # nothing is measured unasked
+    measured = engine.measure_forward_costs()
+    assert set(measured) == {"target", "draft"} and all(ms > 0 for ms in measured.values()), measured
+    assert core_report(engine)["forward_ms"] == measured
+    assert not engine.has_work  # the pad slot only: no request, no slot, no block taken
+    assert engine.scheduler.draft_pool.num_used == 0
+    nospec = small_engine(target, None)
+    assert set(nospec.measure_forward_costs()) == {"target"}
+
+
+def test_the_controller_takes_the_drafter_cost_from_the_replicas_reports():
+    # Co-located modes: each decode replica reports both models; the medians give the ratio.
+    decode = [{"forward_ms": {"target": 6.0, "draft": 1.5}}, {"forward_ms": {"target": 8.0, "draft": 1.8}},
+              {"forward_ms": {"target": 7.0, "draft": 1.6}}]
+    assert measured_draft_cost_ratio(decode, []) == pytest.approx(1.6 / 7.0)
+    # pdv: the decode replicas hold the drafter, the verify replicas the target.
+    assert measured_draft_cost_ratio([{"forward_ms": {"draft": 2.0}}], [{"forward_ms": {"target": 8.0}}]) == 0.25
+    # Nothing to take it from: before the first report, a drafter by prompt lookup (no model), or an
+    # older replica that reports no forward_ms; the config's value holds then.
+    assert measured_draft_cost_ratio([{"forward_ms": {"draft": 2.0}}], []) is None
+    assert measured_draft_cost_ratio([{"forward_ms": {"target": 8.0}}], []) is None
+    assert measured_draft_cost_ratio([{}], [{}]) is None
+    # A drafter as slow as its target is clamped to where ControllerConfig accepts it.
+    assert measured_draft_cost_ratio([{"forward_ms": {"target": 1.0, "draft": 3.0}}], []) == MAX_DRAFT_COST_RATIO
 
 
 def test_the_decode_p95_forgets_a_burst_once_the_load_is_light(llama_pair):

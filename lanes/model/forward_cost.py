@@ -1,0 +1,41 @@
+"""What one forward of a model costs, measured once when a lane starts: a one-token forward over a
+batch of rows, as a decode step runs it (graph replay where graphs are captured).
+
+The controller's step-cost model needs the drafter's cost relative to the target's over the same rows
+(the c of Leviathan et al. 2023; controller/cost_model.py). It is a property of the pair *and* the
+hardware: the shipped 7B/TinyLlama pair on an H200 measures ~0.25 (a drafter forward is bound by kernel
+launches, not by its weights), where the parameter ratio says 0.16 and a 70B/1B pair would say 0.02. A
+fixed default picks the wrong L on most machines: 0.1 made the controller draft 6 tokens at 16 in
+flight on the H200, where 3 was faster (benchmarks/results/issue31_h200/controller). Measured at start,
+outside any request: the timing syncs the device, which the hot path never does."""
+
+import statistics
+import time
+
+import torch
+
+from lanes.model.runner import ModelRunner
+
+CALIBRATION_ROWS = 16  # a mid-sized decode batch: both models are memory-bound there on a GPU
+CALIBRATION_REPEATS = 7
+
+
+def one_token_forward_ms(runner: ModelRunner, rows: int = CALIBRATION_ROWS,
+                         repeats: int = CALIBRATION_REPEATS) -> float:
+    """Median wall time of a forward of one token for `rows` rows (at most the pool's slots), on the
+    pool's pad slot, after one unmeasured forward."""
+    rows = max(1, min(rows, runner.pool.shape.num_slots))
+    times_ms = []
+    for i in range(repeats + 1):
+        _sync(runner.device)
+        start_s = time.perf_counter()
+        runner.pad_forward(rows, 0, 1, keep_last=False, prefill=False)
+        _sync(runner.device)
+        if i:  # the first warms caches (and on CPU the allocator)
+            times_ms.append((time.perf_counter() - start_s) * 1e3)
+    return statistics.median(times_ms)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
