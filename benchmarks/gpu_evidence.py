@@ -311,6 +311,10 @@ def controller_sampler(trace: list[dict], app: str):
                               "default_draft_len": state.get("default_draft_len"),
                               "draft_len_cap": state.get("draft_len_cap"), "load": state.get("load"),
                               "fleet_accept_rate": state.get("fleet_accept_rate"),
+                              # Why the controller chose that L: the step-cost fit, the drafter's cost
+                              # and the decision's own account (a miss is diagnosed from these).
+                              "step_cost": state.get("step_cost"), "draft_cost_ratio": state.get("draft_cost_ratio"),
+                              "reason": state.get("reason"),
                               **{k: signals.get(k) for k in TRACED}})
                 await asyncio.sleep(0.5)
     return sample
