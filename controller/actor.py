@@ -54,6 +54,7 @@ _COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 _STEP_TOTALS = ("num_steps", "step_ms", "rows", "draft_tokens", "draft_forwards")
 # A measured ratio outside these is a measurement gone wrong (or a drafter as large as its target).
 MIN_DRAFT_COST_RATIO, MAX_DRAFT_COST_RATIO = 0.01, 0.95
+RATIO_ROWS = 16  # the batch size at which c, the drafter's cost relative to the target's, is read
 
 
 class SignalReader:
@@ -74,6 +75,7 @@ class SignalReader:
             requests_per_verify_batch=requests_per_verify_batch(decode, verify),
             requests=self._request_deltas(decode),
             step_totals=self._step_deltas(decode),
+            draft_forward_ms=drafter_forward_ms(decode),
         )
 
     def _arrival_rate(self, arrivals: int, now_s: float) -> float:
@@ -107,17 +109,37 @@ class SignalReader:
 
 
 def measured_draft_cost_ratio(decode: list[dict], verify: list[dict]) -> float | None:
-    """The drafter's one-token forward over the target's, each the median over the replicas that hold
-    that model (decode replicas hold the drafter, and the target too except in pdv, where the verify
-    replicas do); None until both have been reported. Clamped to where ControllerConfig accepts it."""
-    def reports(stats: list[dict], model: str) -> list[float]:
-        return [s["forward_ms"][model] for s in stats if model in (s.get("forward_ms") or {})]
-
-    drafts, targets = reports(decode, "draft"), reports(decode + verify, "target")
+    """The drafter's one-token forward over the target's at RATIO_ROWS rows (or the nearest size each
+    measured), each the median over the replicas that hold that model (decode replicas hold the drafter,
+    and the target too except in pdv, where the verify replicas do); None until both have been
+    reported. Clamped to where ControllerConfig accepts it."""
+    drafts, targets = _at_rows(decode, "draft", RATIO_ROWS), _at_rows(decode + verify, "target", RATIO_ROWS)
     if not drafts or not targets:
         return None
     ratio = statistics.median(drafts) / statistics.median(targets)
     return min(MAX_DRAFT_COST_RATIO, max(MIN_DRAFT_COST_RATIO, ratio))
+
+
+def drafter_forward_ms(decode: list[dict]) -> dict[int, float]:
+    """{rows: ms} of the drafter's one-token forward, the median over the decode replicas that measured
+    it at those rows; {} where none did."""
+    sizes = {rows for s in decode for rows in _forward(s, "draft")}
+    return {rows: statistics.median(_at_rows(decode, "draft", rows, exact=True)) for rows in sorted(sizes)}
+
+
+def _forward(stats: dict, model: str) -> dict[int, float]:
+    return (stats.get("forward_ms") or {}).get(model) or {}
+
+
+def _at_rows(stats: list[dict], model: str, rows: int, exact: bool = False) -> list[float]:
+    """Each replica's `model` forward at `rows` rows (at the size nearest to it, unless `exact`)."""
+    found = []
+    for s in stats:
+        if measured := _forward(s, model):
+            nearest = min(measured, key=lambda n: abs(n - rows))
+            if not exact or nearest == rows:
+                found.append(measured[nearest])
+    return found
 
 
 def batch_occupancy(decode: list[dict], verify: list[dict]) -> float:

@@ -18,6 +18,14 @@ tokens: linear in (t0, b). Divided by x = 1 + c F it is a line, y / x = t0 + b z
 fitted by least squares with weights `num_steps` x^2 (the same minimum as the undivided problem) over the
 interval samples of the last `window_decisions` decisions.
 
+Where the lanes measured the drafter (`DraftCost`, a line through its one-token forward at two batch
+sizes, lanes/model/forward_cost.py), its time replaces c t(n): step_ms(n, L) = t(n (L + 1)) + L d(n). A
+small drafter is bound by kernel launches and costs about the same at 16 rows and at 64, while c t(n)
+grows with the target's forward: on an H200 (TinyLlama for a 7B target) that overstated the drafter by
+~40 % at 92 rows and turned speculation off where L = 1 still paid (benchmarks/results/issue31_h200).
+The fit then subtracts the drafter's measured time, d0 F + d1 D, from each sample and fits the target's
+line to the rest: y = t0 + b z with y = (step_ms - d0 F - d1 D) / steps and z = T / steps.
+
 A window whose z hardly varies cannot tell the slope: at L = 0 under a steady load every step verifies the
 same n tokens. There the slope of the previous fit carries over (b = 0 before the first fit: a step's cost
 independent of L, what the policy assumed before this model): b = (S_zy + lam b_prev) / (S_zz + lam) with
@@ -41,9 +49,32 @@ class StepCost:
     def forward_ms(self, num_tokens: float) -> float:
         return self.t0_ms + self.slope_ms_per_token * num_tokens
 
-    def step_ms(self, rows: float, draft_len: int, draft_cost_ratio: float) -> float:
-        """One decode step of `rows` requests at draft length L: the verify forward and L drafter forwards."""
-        return self.forward_ms(rows * (draft_len + 1)) + draft_cost_ratio * draft_len * self.forward_ms(rows)
+    def step_ms(self, rows: float, draft_len: int, draft_cost_ratio: float, draft: "DraftCost | None" = None) -> float:
+        """One decode step of `rows` requests at draft length L: the verify forward and L drafter forwards
+        (each `draft`'s measured time where given, else c times the target's forward over the rows)."""
+        drafter_ms = draft.forward_ms(rows) if draft is not None else draft_cost_ratio * self.forward_ms(rows)
+        return self.forward_ms(rows * (draft_len + 1)) + draft_len * drafter_ms
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """d(n) = t0_ms + slope_ms_per_row n: one drafter forward of one token over n rows, as measured."""
+
+    t0_ms: float
+    slope_ms_per_row: float
+
+    def forward_ms(self, rows: float) -> float:
+        return self.t0_ms + self.slope_ms_per_row * rows
+
+    @classmethod
+    def through(cls, points: dict[int, float]) -> "DraftCost":
+        """The line through measurements {rows: ms} (flat through one), kept non-negative."""
+        (n1, ms1), *rest = sorted(points.items())
+        if not rest:
+            return cls(ms1, 0.0)
+        n2, ms2 = rest[-1]
+        slope = max(0.0, (ms2 - ms1) / (n2 - n1))
+        return cls(max(0.0, ms1 - slope * n1), slope)
 
 
 @dataclass(frozen=True)
@@ -54,9 +85,12 @@ class StepCostModel:
     fit: StepCost | None = None
 
 
-def _line_point(totals: StepTotals, draft_cost_ratio: float) -> tuple[float, float, float]:
+def _line_point(totals: StepTotals, draft_cost_ratio: float, draft: DraftCost | None = None) -> tuple[float, float, float]:
     """(z, y / x, weight) of one sample: the step totals as one point of the line y / x = t0 + b z."""
     steps, c = totals.num_steps, draft_cost_ratio
+    if draft is not None:  # the drafter's measured time out, the target's line from the rest (x = 1)
+        drafter_ms = draft.t0_ms * totals.draft_forwards + draft.slope_ms_per_row * totals.draft_tokens
+        return (totals.rows + totals.draft_tokens) / steps, (totals.step_ms - drafter_ms) / steps, float(steps)
     x = 1.0 + c * totals.draft_forwards / steps
     verify_tokens = (totals.rows + totals.draft_tokens) / steps
     z = (verify_tokens + c * totals.draft_tokens / steps) / x
@@ -64,11 +98,12 @@ def _line_point(totals: StepTotals, draft_cost_ratio: float) -> tuple[float, flo
 
 
 def fit_step_cost(
-    samples: list[StepTotals], prev: StepCost | None, draft_cost_ratio: float, spread_frac: float
+    samples: list[StepTotals], prev: StepCost | None, draft_cost_ratio: float, spread_frac: float,
+    draft: DraftCost | None = None,
 ) -> StepCost | None:
     """Weighted least-squares line through the samples, its slope pulled toward `prev`'s (0 without one)
     as far as the samples lack spread; t0 and the slope are kept non-negative. None without samples."""
-    points = [_line_point(s, draft_cost_ratio) for s in samples if s.num_steps > 0]
+    points = [_line_point(s, draft_cost_ratio, draft) for s in samples if s.num_steps > 0]
     if not points:
         return None
     weight = sum(w for _, _, w in points)
@@ -94,6 +129,7 @@ def observe_steps(
     window_decisions: int,
     draft_cost_ratio: float,
     spread_frac: float,
+    draft: DraftCost | None = None,
 ) -> StepCostModel:
     """Add this decision's samples, drop those older than the window, refit. An interval without steps
     leaves the fit as it was (an idle lane says nothing about the cost of a step)."""
@@ -101,14 +137,15 @@ def observe_steps(
     if not new:
         return model
     samples = tuple(s for s in model.samples if decision_index - s[0] < window_decisions) + new
-    fit = fit_step_cost([t for _, t in samples], model.fit, draft_cost_ratio, spread_frac)
+    fit = fit_step_cost([t for _, t in samples], model.fit, draft_cost_ratio, spread_frac, draft)
     return StepCostModel(samples, fit)
 
 
-def tokens_per_s(cost: StepCost, rows: float, accept_rate: float, draft_len: int, draft_cost_ratio: float) -> float:
+def tokens_per_s(cost: StepCost, rows: float, accept_rate: float, draft_len: int, draft_cost_ratio: float,
+                 draft: DraftCost | None = None) -> float:
     """Expected output tokens per second of a verify batch of `rows` requests at draft length L."""
     tokens = rows * expected_tokens_per_step(accept_rate, draft_len)
-    return 1e3 * tokens / cost.step_ms(rows, draft_len, draft_cost_ratio)
+    return 1e3 * tokens / cost.step_ms(rows, draft_len, draft_cost_ratio, draft)
 
 
 def fastest_draft_len(
@@ -121,13 +158,14 @@ def fastest_draft_len(
     draft_cost_ratio: float,
     min_gain_frac: float,
     spec_min_gain_frac: float,
+    draft: DraftCost | None = None,
 ) -> int:
     """The L in [lo, hi] with the most tokens per second at `rows` requests per verify batch. Among L > 0
     an in-bounds `current` is kept unless the best beats it by `min_gain_frac` (neighbouring L are often
     within 1 % of each other); L = 0 (when lo allows it) wins unless the best L > 0 beats it by
     `spec_min_gain_frac`: a margin for the model's error, so that speculation is on only where it pays."""
     def rate(draft_len: int) -> float:
-        return tokens_per_s(cost, rows, accept_rate, draft_len, draft_cost_ratio)
+        return tokens_per_s(cost, rows, accept_rate, draft_len, draft_cost_ratio, draft)
 
     best = max(range(max(lo, 1), hi + 1), key=rate)  # the shorter L on ties
     if max(lo, 1) <= current <= hi and rate(best) < (1.0 + min_gain_frac) * rate(current):

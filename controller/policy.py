@@ -46,7 +46,7 @@ from enum import StrEnum
 from typing import Self
 
 from controller.config import ControllerConfig
-from controller.cost_model import StepCost, StepCostModel, fastest_draft_len, observe_steps
+from controller.cost_model import DraftCost, StepCost, StepCostModel, fastest_draft_len, observe_steps
 from controller.signals import LaneSignals, estimate_acceptance_rate, ewma, expected_tokens_per_step
 
 
@@ -162,8 +162,17 @@ def batch_rows(signals: LaneSignals) -> float | None:
     return max(rows) if rows else None
 
 
+def measured_draft(signals: LaneSignals, config: ControllerConfig) -> DraftCost | None:
+    """The drafter's measured forward as a line in the batch size, where the lanes measured it and the
+    config takes measurements (controller/cost_model.py); None: c times the target's forward instead."""
+    if not config.measure_draft_cost or not signals.draft_forward_ms:
+        return None
+    return DraftCost.through(signals.draft_forward_ms)
+
+
 def cost_cap_draft_len(
-    cost: StepCost | None, rows: float | None, accept_rate: float | None, current: int, config: ControllerConfig
+    cost: StepCost | None, rows: float | None, accept_rate: float | None, current: int, config: ControllerConfig,
+    draft: DraftCost | None = None,
 ) -> int:
     """The L with the most expected tokens per second at `rows` requests per verify batch under the step
     cost (controller/cost_model.py), 0 where no L > 0 beats speculation off by `spec_min_gain_frac`. No cap
@@ -172,7 +181,7 @@ def cost_cap_draft_len(
     if not config.step_cost_enabled or cost is None or rows is None or accept_rate is None:
         return config.max_draft_len
     return fastest_draft_len(cost, rows, accept_rate, current, config.min_draft_len, config.max_draft_len,
-                             config.draft_cost_ratio, config.min_gain_frac, config.spec_min_gain_frac)
+                             config.draft_cost_ratio, config.min_gain_frac, config.spec_min_gain_frac, draft)
 
 
 def shed_draft_len(current: int, decode_p95_ms: float, config: ControllerConfig) -> int | None:
@@ -291,11 +300,12 @@ def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -
     fleet_accept_ewma = (state.fleet_accept_ewma if fleet_accept is None
                          else ewma(state.fleet_accept_ewma, fleet_accept, config.ewma_alpha))
     step_cost = state.step_cost
+    draft = measured_draft(signals, config)
     if config.step_cost_enabled:
         step_cost = observe_steps(step_cost, signals.step_totals, index, config.step_cost_window_decisions,
-                                  config.draft_cost_ratio, config.step_cost_spread_frac)
+                                  config.draft_cost_ratio, config.step_cost_spread_frac, draft)
     rows = batch_rows(signals)
-    cost_cap = cost_cap_draft_len(step_cost.fit, rows, fleet_accept_ewma, current, config)
+    cost_cap = cost_cap_draft_len(step_cost.fit, rows, fleet_accept_ewma, current, config, draft)
     target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, cost_cap, config)
     default = next_default(state.default, target, load_cap, shed, config)
     requests = _next_requests(state, signals, accept_rates, default.draft_len, index, config)
@@ -307,7 +317,7 @@ def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -
     reason = (
         f"{load}: {load_why}; default L {current} -> {default.draft_len} "
         f"(target {target}, {target_why}{_cap_why(load_cap, in_flight, shed, config)}"
-        f"{_cost_why(cost_cap, step_cost.fit, rows, fleet_accept_ewma, config)}, "
+        f"{_cost_why(cost_cap, step_cost.fit, rows, fleet_accept_ewma, config, draft)}, "
         f"streak {default.streak}); {_request_moves(state, requests)}; fleet acceptance {_fmt(fleet_accept)}"
     )
     decision = Decision(default.draft_len, per_request, load, fleet_accept, cap, reason, signals, step_cost.fit)
@@ -377,12 +387,15 @@ def _cap_why(load_cap: int, in_flight: float, shed: int | None, config: Controll
 
 
 def _cost_why(
-    cost_cap: int, cost: StepCost | None, rows: float | None, accept_rate: float | None, config: ControllerConfig
+    cost_cap: int, cost: StepCost | None, rows: float | None, accept_rate: float | None, config: ControllerConfig,
+    draft: DraftCost | None = None,
 ) -> str:
     if not config.step_cost_enabled or cost is None or rows is None or accept_rate is None:
         return ""
-    return (f", step cost {cost.t0_ms:.2f} + {cost.slope_ms_per_token:.4f} ms/token: L {cost_cap} fastest at "
-            f"{rows:.1f} rows and acceptance {accept_rate:.3f}")
+    drafter = (f"drafter {draft.t0_ms:.2f} + {draft.slope_ms_per_row:.4f} ms/row measured" if draft is not None
+               else f"drafter c = {config.draft_cost_ratio:.3f}")
+    return (f", step cost {cost.t0_ms:.2f} + {cost.slope_ms_per_token:.4f} ms/token, {drafter}: L {cost_cap} "
+            f"fastest at {rows:.1f} rows and acceptance {accept_rate:.3f}")
 
 
 def _fmt(value: float | None) -> str:

@@ -63,6 +63,9 @@ class LaneSignals:
     requests_per_verify_batch: float = 0.0
     requests: dict[str, RequestDraftStats] = field(default_factory=dict)  # request id -> counter deltas
     step_totals: list[StepTotals] = field(default_factory=list)  # one per decode replica that stepped
+    # The drafter's one-token forward, {rows: ms}, as the decode replicas measured it at start (median
+    # over replicas); empty where none did (no drafter model, or replicas that do not report it).
+    draft_forward_ms: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         signals = (self.verify_queue_depth, self.decode_step_p95_ms, self.arrival_rate_rps,

@@ -20,7 +20,7 @@ from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.device.streams import VERIFY_PRIORITY
 from lanes.engine.backends import LaneOOM
 from lanes.kv.pool import PoolFullError
-from lanes.model.forward_cost import one_token_forward_ms
+from lanes.model.forward_cost import forward_costs_ms
 from lanes.sample.grammar import merge_bitmasks
 from lanes.sample.penalties import PenaltyHistory
 from lanes.spec.rejection import point_mass
@@ -44,7 +44,7 @@ class VerifyServer:
         lane_factory, self.shard_workers = bind_workers(lane_factory, start_workers)
         self.lane: VerifyLane = lane_factory()
         # Before serving: what the controller derives the drafter's relative cost from (lanes/model/forward_cost.py).
-        self.forward_ms = {"target": one_token_forward_ms(self.lane.runner)}
+        self.forward_ms = {"target": forward_costs_ms(self.lane.runner)}
         self.worker = LaneWorker("verify", self.lane.runner.device, VERIFY_PRIORITY)
         # A worker rank that ends fails every forward at once (rank 0 would wait on it), and the health check.
         self._worker_watch = watch_workers(self.shard_workers, self.worker.lose)

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from controller.config import ControllerConfig
-from controller.cost_model import StepCost, tokens_per_s
+from controller.cost_model import DraftCost, StepCost, tokens_per_s
 from controller.policy import Decision, Load, PolicyState, decide, load_cap_draft_len, optimal_draft_len
 from controller.signals import (
     LaneSignals,
@@ -373,6 +373,47 @@ def test_flat_step_time_turns_speculation_back_on():
     assert decisions[-1].step_cost.slope_ms_per_token < 0.001
     assert optimal_draft_len(0.7, config.draft_cost_ratio, 1, 8) == 4
     assert tokens_per_s(FLAT, 64, 0.7, 3, config.draft_cost_ratio) > tokens_per_s(FLAT, 64, 0.7, 4, 0.1) / 1.02
+
+
+# The H200 run's numbers (benchmarks/results/issue31_h200/controller_spec_trace): the target's fitted line
+# at 128 in flight, and a TinyLlama drafter that costs ~1.6-1.8 ms whatever the batch.
+H200_TARGET = StepCost(4.91, 0.0492)
+H200_DRAFTER = {16: 1.6, 64: 1.8}
+
+
+def _measured_drafter_steps(seed: int) -> Callable[[int, int], list[StepTotals]]:
+    """92 requests a batch, every step costing the target's forward plus L forwards of the flat drafter."""
+    rng, drafter = random.Random(seed), DraftCost.through(H200_DRAFTER)
+
+    def steps_at(i: int, draft_len: int) -> list[StepTotals]:
+        rows = _batch_of(84, 92, 100)(i)
+        step_ms = H200_TARGET.forward_ms(rows * (draft_len + 1)) + draft_len * drafter.forward_ms(rows)
+        total_ms = sum(step_ms * (1.0 + rng.gauss(0.0, 0.01)) for _ in range(STEPS_PER_DECISION))
+        n = STEPS_PER_DECISION
+        return [StepTotals(n, total_ms, rows * n, rows * draft_len * n, draft_len * n)]
+
+    return steps_at
+
+
+def test_the_replicas_measured_drafter_reaches_the_step_cost_fit():
+    """~92 requests a batch, c = 0.286 (the H200's measured ratio at 16 rows), steps that cost the H200's
+    target line plus L forwards of a drafter flat at ~1.6-1.8 ms. With the replicas' drafter measurement
+    in the signals the fit takes the drafter's time out and finds the target's own line; as c times the
+    target's forward (2.7 ms at 92 rows) the drafter's overstatement lands in the target's line. Which L
+    each then picks at the H200's numbers: tests/test_cost_model.py."""
+    config = _config(draft_cost_ratio=0.286, initial_draft_len=2)
+    lane = lambda i: replace(_lane(in_flight=92.0), draft_forward_ms=H200_DRAFTER)  # noqa: E731
+    _, measured = _run(config, lane, {"a": 0.82, "b": 0.82}, 20, steps_at=_measured_drafter_steps(7))
+    fit = measured[-1].step_cost
+    assert fit.t0_ms == pytest.approx(H200_TARGET.t0_ms, rel=0.05), fit
+    assert fit.slope_ms_per_token == pytest.approx(H200_TARGET.slope_ms_per_token, rel=0.05), fit
+    assert "drafter 1.53 + 0.0042 ms/row measured" in measured[-1].reason
+    # Off (or no measurement in the signals): c times the target's forward, as before.
+    for off_config, off_lane in ((config.model_copy(update={"measure_draft_cost": False}), lane),
+                                 (config, lambda i: _lane(in_flight=92.0))):
+        _, c_model = _run(off_config, off_lane, {"a": 0.82, "b": 0.82}, 20, steps_at=_measured_drafter_steps(7))
+        assert "drafter c = 0.286" in c_model[-1].reason
+        assert c_model[-1].step_cost != fit
 
 
 def test_steady_batch_at_l0_keeps_speculation_off():

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from controller.actor import MAX_DRAFT_COST_RATIO, SignalReader, measured_draft_cost_ratio
-from controller.cost_model import StepCost, StepCostModel, fastest_draft_len, fit_step_cost, observe_steps, tokens_per_s
+from controller.actor import MAX_DRAFT_COST_RATIO, SignalReader, drafter_forward_ms, measured_draft_cost_ratio
+from controller.cost_model import (DraftCost, StepCost, StepCostModel, fastest_draft_len, fit_step_cost, observe_steps,
+                                   tokens_per_s)
 from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
 from deployments.engine_metrics import STEP_WINDOW_STEPS, EngineMetrics
@@ -183,12 +184,14 @@ def test_engine_metrics_count_the_steps_that_verify(llama_pair):
 
 def test_the_engine_times_a_one_token_forward_of_each_model_and_reports_it(llama_pair):
     """What the controller's measured drafter cost comes from: each local model's forward over a batch,
-    timed once before serving (on the CPU here; the same code syncs the GPU there)."""
+    timed once before serving at 16 and 64 rows, as far as the slots allow (on the CPU here; the same
+    code syncs the GPU there)."""
     target, draft = llama_pair
-    engine = small_engine(target, draft)
+    engine = small_engine(target, draft, max_num_seqs=32)
     assert core_report(engine)["forward_ms"] == {}  # nothing is measured unasked
     measured = engine.measure_forward_costs()
-    assert set(measured) == {"target", "draft"} and all(ms > 0 for ms in measured.values()), measured
+    assert set(measured) == {"target", "draft"}, measured
+    assert all(set(by_rows) == {16, 32} and min(by_rows.values()) > 0 for by_rows in measured.values()), measured
     assert core_report(engine)["forward_ms"] == measured
     assert not engine.has_work  # the pad slot only: no request, no slot, no block taken
     assert engine.scheduler.draft_pool.num_used == 0
@@ -197,19 +200,57 @@ def test_the_engine_times_a_one_token_forward_of_each_model_and_reports_it(llama
 
 
 def test_the_controller_takes_the_drafter_cost_from_the_replicas_reports():
-    # Co-located modes: each decode replica reports both models; the medians give the ratio.
-    decode = [{"forward_ms": {"target": 6.0, "draft": 1.5}}, {"forward_ms": {"target": 8.0, "draft": 1.8}},
-              {"forward_ms": {"target": 7.0, "draft": 1.6}}]
+    # Co-located modes: each decode replica reports both models; the medians at 16 rows give the ratio.
+    decode = [{"forward_ms": {"target": {16: 6.0, 64: 9.0}, "draft": {16: 1.5, 64: 1.7}}},
+              {"forward_ms": {"target": {16: 8.0, 64: 11.0}, "draft": {16: 1.8, 64: 2.0}}},
+              {"forward_ms": {"target": {16: 7.0, 64: 10.0}, "draft": {16: 1.6, 64: 1.9}}}]
     assert measured_draft_cost_ratio(decode, []) == pytest.approx(1.6 / 7.0)
-    # pdv: the decode replicas hold the drafter, the verify replicas the target.
-    assert measured_draft_cost_ratio([{"forward_ms": {"draft": 2.0}}], [{"forward_ms": {"target": 8.0}}]) == 0.25
+    assert drafter_forward_ms(decode) == {16: 1.6, 64: 1.9}
+    # pdv: the decode replicas hold the drafter, the verify replicas the target (whose larger pool was
+    # measured at other sizes: the nearest to 16 counts).
+    pdv = measured_draft_cost_ratio([{"forward_ms": {"draft": {4: 2.0}}}], [{"forward_ms": {"target": {16: 8.0}}}])
+    assert pdv == 0.25
     # Nothing to take it from: before the first report, a drafter by prompt lookup (no model), or an
     # older replica that reports no forward_ms; the config's value holds then.
-    assert measured_draft_cost_ratio([{"forward_ms": {"draft": 2.0}}], []) is None
-    assert measured_draft_cost_ratio([{"forward_ms": {"target": 8.0}}], []) is None
-    assert measured_draft_cost_ratio([{}], [{}]) is None
+    assert measured_draft_cost_ratio([{"forward_ms": {"draft": {16: 2.0}}}], []) is None
+    assert measured_draft_cost_ratio([{"forward_ms": {"target": {16: 8.0}}}], []) is None
+    assert measured_draft_cost_ratio([{}], [{}]) is None and drafter_forward_ms([{}]) == {}
     # A drafter as slow as its target is clamped to where ControllerConfig accepts it.
-    assert measured_draft_cost_ratio([{"forward_ms": {"target": 1.0, "draft": 3.0}}], []) == MAX_DRAFT_COST_RATIO
+    slow = [{"forward_ms": {"target": {16: 1.0}, "draft": {16: 3.0}}}]
+    assert measured_draft_cost_ratio(slow, []) == MAX_DRAFT_COST_RATIO
+
+
+def test_a_measured_drafter_line_replaces_c_times_the_targets_forward():
+    flat = DraftCost.through({16: 1.6, 64: 1.8})
+    assert flat.forward_ms(16) == pytest.approx(1.6) and flat.forward_ms(64) == pytest.approx(1.8)
+    assert DraftCost.through({8: 2.0}) == DraftCost(2.0, 0.0)  # one size: flat
+    assert DraftCost.through({16: 2.0, 64: 1.0}).slope_ms_per_row == 0.0  # noise never makes it cheaper per row
+    assert COMPUTE_BOUND.step_ms(64, 4, C, flat) == pytest.approx(35.0 + 4 * flat.forward_ms(64))
+    # The fit takes the drafter's measured time out of each sample and recovers the target's line, where
+    # the c-model (the drafter taken as c of the target's forward) cannot.
+    true_drafter = DraftCost(1.5, 0.002)
+    samples = [StepTotals(50, 50 * (COMPUTE_BOUND.forward_ms(rows * (length + 1)) + length * true_drafter.forward_ms(rows)),
+                          rows * 50, rows * length * 50, length * 50)
+               for rows, length in ((8, 1), (32, 3), (64, 2), (128, 1), (96, 0))]
+    fit = fit_step_cost(samples, None, C, SPREAD, true_drafter)
+    # (Within 1 %: without a previous fit the slope is pulled slightly toward 0, fit_step_cost.)
+    assert fit.t0_ms == pytest.approx(COMPUTE_BOUND.t0_ms, rel=0.01)
+    assert fit.slope_ms_per_token == pytest.approx(COMPUTE_BOUND.slope_ms_per_token, rel=0.01)
+    c_model = fit_step_cost(samples, None, C, SPREAD)
+    assert abs(c_model.t0_ms - COMPUTE_BOUND.t0_ms) > 0.1  # the drafter's 1.5 ms a forward lands in t0
+
+
+def test_with_the_measured_drafter_speculation_stays_on_where_the_c_model_turned_it_off():
+    """The decision of the H200 controller run at 128 in flight (issue31_h200/controller_spec_trace): the
+    fitted target line 4.91 + 0.0492 ms/token, 92 rows, acceptance 0.786, c = 0.286 measured at 16 rows,
+    and the drafter's forward measured flat at ~1.6-1.8 ms. c x t(92) = 2.7 ms made L = 1 gain 1 %, under
+    the 3 % margin: L = 0, which served 0.86x nospec. The drafter's own 1.8 ms makes L = 1 gain over 5 %."""
+    fit, rows, accept, c = StepCost(4.91, 0.0492), 92.0, 0.786, 0.286
+    measured = DraftCost.through({16: 1.6, 64: 1.8})
+    assert fastest_draft_len(fit, rows, accept, 0, 0, 8, c, 0.02, 0.03) == 0
+    assert fastest_draft_len(fit, rows, accept, 0, 0, 8, c, 0.02, 0.03, measured) == 1
+    gain = tokens_per_s(fit, rows, accept, 1, c, measured) / tokens_per_s(fit, rows, accept, 0, c, measured)
+    assert gain > 1.05
 
 
 def test_the_decode_p95_forgets_a_burst_once_the_load_is_light(llama_pair):

@@ -26,7 +26,7 @@ from lanes.engine.step_profile import StepProfile
 from lanes.kv.pool import KVPool, PoolFullError, PoolShape
 from lanes.kv.sizing import num_kv_blocks
 from lanes.model.families import check_supported
-from lanes.model.forward_cost import CALIBRATION_ROWS, one_token_forward_ms
+from lanes.model.forward_cost import forward_costs_ms
 from lanes.model.loader import LoadedModel, check_compatible
 from lanes.model.memory_profile import plan_memory
 from lanes.model.runner import ModelRunner
@@ -143,7 +143,7 @@ class EngineCore:
         self._lost: dict[str, Sequence] = {}  # lost requests that no replica holds again yet (recover_within_s)
         # Rows and prefill tokens a step may carry: below the configured maxima after an out-of-memory error.
         self.step_cap = StepCap(config.max_num_seqs, config.idle_prefill_tokens, config.block_size)
-        self.forward_ms: dict[str, float] = {}  # measure_forward_costs(): one-token forward per local model
+        self.forward_ms: dict[str, dict[int, float]] = {}  # measure_forward_costs(): {model: {rows: ms}}
         self._row_cursor = 0  # where the next capped decode step starts in the running list
         self._prefilled_last = False  # prefill_first: the last step was prefill-only
         # Set when a failed batch left the device unusable (lanes/device/fault.py): the loop that
@@ -210,12 +210,11 @@ class EngineCore:
             log.info("captured the engine's CUDA graphs in %.1f s", spent_ms / 1e3)
         return spent_ms
 
-    def measure_forward_costs(self) -> dict[str, float]:
+    def measure_forward_costs(self) -> dict[str, dict[int, float]]:
         """Time a one-token forward of each local model over a batch (lanes/model/forward_cost.py), once,
         before serving: what the controller derives the drafter's relative cost from."""
-        self.forward_ms = {name: one_token_forward_ms(r) for name, r in self.local_runners().items()}
-        log.info("one-token forward over %d rows: %s", CALIBRATION_ROWS,
-                 ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.forward_ms.items()))
+        self.forward_ms = {name: forward_costs_ms(r) for name, r in self.local_runners().items()}
+        log.info("one-token forward, ms by rows: %s", self.forward_ms)
         return self.forward_ms
 
     # ---- requests -------------------------------------------------------------------------

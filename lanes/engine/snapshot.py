@@ -69,7 +69,7 @@ def core_report(core: EngineCore) -> dict:
         "prefix_cache": ({"queries": s.prefix_cache.num_queries, "hits": s.prefix_cache.num_hits}
                          if s.prefix_cache is not None else None),
         "default_draft_len": core.default_draft_len,
-        "forward_ms": core.forward_ms,  # one-token forward over a batch, per local model (measured at start)
+        "forward_ms": core.forward_ms,  # {model: {rows: ms}}: a one-token forward per local model, measured at start
         "spec_decode": core.total_stats.to_dict(),
         "step_profile": asdict(core.step_profile),  # cumulative; StepProfile(**a).since(StepProfile(**b))
         # The target pool where this engine holds it (unified, spec, nospec, pd); pdv's is the verify lane's.

@@ -16,15 +16,22 @@ import torch
 
 from lanes.model.runner import ModelRunner
 
-CALIBRATION_ROWS = 16  # a mid-sized decode batch: both models are memory-bound there on a GPU
+# Two batch sizes, for a line in the batch size: a small drafter costs about the same at both (kernel
+# launches), a large target more at 64 (controller/cost_model.py's DraftCost). 16 is also where the
+# drafter-to-target ratio c is read: a mid-sized batch, memory-bound for both models on a GPU.
+CALIBRATION_ROWS = (16, 64)
 CALIBRATION_REPEATS = 7
 
 
-def one_token_forward_ms(runner: ModelRunner, rows: int = CALIBRATION_ROWS,
-                         repeats: int = CALIBRATION_REPEATS) -> float:
-    """Median wall time of a forward of one token for `rows` rows (at most the pool's slots), on the
-    pool's pad slot, after one unmeasured forward."""
-    rows = max(1, min(rows, runner.pool.shape.num_slots))
+def forward_costs_ms(runner: ModelRunner) -> dict[int, float]:
+    """`one_token_forward_ms` at each of CALIBRATION_ROWS rows that the pool's slots allow: {rows: ms}."""
+    sizes = sorted({max(1, min(rows, runner.pool.shape.num_slots)) for rows in CALIBRATION_ROWS})
+    return {rows: one_token_forward_ms(runner, rows) for rows in sizes}
+
+
+def one_token_forward_ms(runner: ModelRunner, rows: int, repeats: int = CALIBRATION_REPEATS) -> float:
+    """Median wall time of a forward of one token for `rows` rows, on the pool's pad slot, after one
+    unmeasured forward."""
     times_ms = []
     for i in range(repeats + 1):
         _sync(runner.device)
