@@ -261,7 +261,6 @@ class ControllerServer:
                  signals.verify_queue_depth, signals.verify_batch_occupancy, signals.decode_step_p95_ms,
                  signals.arrival_rate_rps, signals.requests_per_verify_batch, len(signals.requests))
 
-
     def _config_for(self, decode: list[dict], verify: list[dict]) -> ControllerConfig:
         """The config with the lanes' measured drafter cost, where it is to be measured and they report it."""
         measured = measured_draft_cost_ratio(decode, verify) if self.config.measure_draft_cost else None

@@ -104,10 +104,11 @@ class ControllerConfig(BaseModel):
         "cannot (a drafter by prompt lookup runs no model).",
     )
     measure_draft_cost: bool = Field(
-        default=True, description="Take `draft_cost_ratio` from the lanes: each replica times a one-token "
-        "forward of its models over 16 rows when it starts (lanes/model/forward_cost.py), and the ratio is "
-        "the drafter's median over the target's. The ratio depends on the hardware as much as on the pair "
-        "(the shipped 7B/TinyLlama pair measures ~0.25 on an H200), so a fixed value picks the wrong L.",
+        default=True, description="Take the drafter's cost from the lanes: each replica times a one-token "
+        "forward of its models over 16 and 64 rows when it starts (lanes/model/forward_cost.py). "
+        "`draft_cost_ratio` becomes the drafter's median over the target's at 16 rows, and the step-cost model "
+        "uses the drafter's own line through both sizes. The cost depends on the hardware as much as on the "
+        "pair (the shipped 7B/TinyLlama pair measures 0.29 on an H200), so a fixed value picks the wrong L.",
     )
     min_gain_frac: float = Field(
         default=0.02, ge=0, description="Relative gain in expected tokens per unit cost (per second, for the "

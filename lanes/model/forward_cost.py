@@ -3,10 +3,10 @@ batch of rows, as a decode step runs it (graph replay where graphs are captured)
 
 The controller's step-cost model needs the drafter's cost relative to the target's over the same rows
 (the c of Leviathan et al. 2023; controller/cost_model.py). It is a property of the pair *and* the
-hardware: the shipped 7B/TinyLlama pair on an H200 measures ~0.25 (a drafter forward is bound by kernel
-launches, not by its weights), where the parameter ratio says 0.16 and a 70B/1B pair would say 0.02. A
-fixed default picks the wrong L on most machines: 0.1 made the controller draft 6 tokens at 16 in
-flight on the H200, where 3 was faster (benchmarks/results/issue31_h200/controller). Measured at start,
+hardware: the shipped 7B/TinyLlama pair on an H200 measures 0.29 (a drafter forward is bound by kernel
+launches, not by its weights), where the parameter ratio says 0.16. A fixed default picks the wrong L:
+0.1 made the controller draft 5 tokens at 16 in flight on the H200, where the measured ratio's L = 2
+served 1.43x nospec against 1.25x (benchmarks/results/issue31_h200/README.md). Measured at start,
 outside any request: the timing syncs the device, which the hot path never does."""
 
 import statistics
