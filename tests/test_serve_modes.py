@@ -258,7 +258,9 @@ def test_gpu_config_on_a_machine_without_gpus_fails_fast(pair_paths):
 
 
 def test_sse_events_are_well_formed():
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    # ignore_eos: a sampled token may be the end token before the 5th (run 13 of issue 29: 4 tokens).
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
     with httpx.stream("POST", f"{base_url('pdv')}/completions", json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
