@@ -20,10 +20,15 @@ Dividing (b)'s ratio by that step ratio gives the ratio against the slot code it
     the log-normal workload of (b) are added at once; the most requests decoding in one step (before the
     first finishes) against `contiguous_slots` at 32,768. Goal >= 8x.
 (b) throughput. Log-normal prompt lengths (median 512, sigma 1, clipped to 64-4,096: lengths vary over
-    10x), 128 output tokens, greedy, ignore_eos, L = 3. Paged: every request in flight at once (the
-    engine admits by free blocks). Contiguous: at most `contiguous_slots` at max_model_len 4,096 + 128, the
-    shortest that serves this workload and so the most slots a contiguous pool could have had. Output tok/s
-    paged / contiguous, each over requests of its own (no prefix shared). Goal >= 2x.
+    10x), --throughput-output-len output tokens (512), greedy, ignore_eos, L = 3, on an engine of its own
+    whose pools hold --throughput-kv-tokens (16,384 on cuda: 8 GiB of the 7B target's KV, what a 24 GB
+    card has left beside its weights). Paged: every request in flight at once (the engine admits by free
+    blocks). Contiguous: at most `contiguous_slots` at max_model_len 4,096 + output, the shortest that
+    serves this workload and so the most slots a contiguous pool could have had. Output tok/s paged /
+    contiguous, each over requests of its own (no prefix shared). Goal >= 2x.
+    Why its own pools: on (a)'s 200k-token pools, with 128 output tokens, both decoded ~30 rows a step
+    (H200, 2026-11-27: 0.96x): 6 prompt tokens to each output token made both prefill-bound, and the KV
+    pool, which paging saves, bounded neither.
 
 Writes paged.json and paged.md under --out, after each measurement.
 """
@@ -47,6 +52,7 @@ from benchmarks.lib.results import ratio, rows_table, script_parser, verdict, wr
 
 GOALS = {"capacity": 8.0, "throughput": 2.0}
 CAPACITY_LEN = 32768
+BLOCK_TOKENS = 16  # EngineConfig.block_size's default
 DRAFT_LEN = 3
 
 
@@ -88,6 +94,10 @@ class Pools:
     @property
     def tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+
+def vocab_of(core) -> int:
+    return core.local_runners()["target"].vocab_size
 
 
 def target_pools(core) -> Pools:
@@ -133,18 +143,21 @@ def peak_running(core, prompts: list[list[int]], output_len: int, deadline_s: fl
             "preemptions": sched.num_preemptions}
 
 
-def build_engine(args: argparse.Namespace):
-    """The unified engine on the constructed pair, max_model_len 32,768, prefix caching off."""
+def build_engine(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, kv_tokens: int | None):
+    """The unified engine on the constructed pair, prefix caching off; pools of `kv_tokens` (None: sized by
+    the memory profile at gpu_memory_utilization; on cpu --cpu-kv-blocks)."""
     from benchmarks.lib.pairs import save_pair
     from benchmarks.serving_overhead import colocated_engine
     from deployments.config import AppConfig
 
     pair = save_pair(args.shape, 0.8, args.pair_dir, dtype=args.dtype, device=args.device)
-    engine = {"max_model_len": args.capacity_len, "max_num_seqs": args.capacity_requests, "num_speculative_tokens": DRAFT_LEN,
+    engine = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "num_speculative_tokens": DRAFT_LEN,
               "max_draft_len": 8, "enable_prefix_caching": False, "gpu_memory_utilization": args.gpu_memory_utilization,
               # Admission at several prompts a step (the memory profile sizes activations for these budgets).
               "prefill_chunk_tokens": args.prefill_tokens, "idle_prefill_tokens": 2 * args.prefill_tokens}
-    if args.device == "cpu":
+    if kv_tokens is not None:
+        engine["num_kv_blocks"] = -(-kv_tokens // BLOCK_TOKENS)
+    elif args.device == "cpu":
         engine["num_kv_blocks"] = args.cpu_kv_blocks
     cfg = AppConfig.model_validate({"mode": "unified", "target": {"path": str(pair.target), "dtype": args.dtype},
                                     "draft": {"path": str(pair.draft), "dtype": args.dtype}, "engine": engine})
@@ -189,7 +202,8 @@ def markdown(doc: dict) -> str:
              "Baseline: this paged engine admitting at most the requests that contiguous slots of max_model_len "
              "(+ slack) would hold in the same pool memory (benchmarks/paged_capacity.py's docstring). Its steps "
              "are the paged steps: divide (b) by 2 (d)'s step ratio for the slot code's own.", "",
-             f"Pools: {json.dumps(doc.get('pools'))}", "", "## Against the goals", "", rows_table(doc["checks"])]
+             f"(a) pools: {json.dumps(doc.get('pools'))}; (b) pools: "
+             f"{json.dumps((doc.get('throughput') or {}).get('pools'))}", "", "## Against the goals", "", rows_table(doc["checks"])]
     lines += ["## Details", "", "```", json.dumps({k: doc.get(k) for k in ("capacity", "throughput")}, indent=1),
               "```", ""]
     return "\n".join(lines)
@@ -203,8 +217,10 @@ def write(doc: dict, out: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = script_parser(__doc__, budget_s=300.0)
     parser.add_argument("--capacity-requests", type=int, default=None, help="default 512 on cuda, 64 on cpu")
-    parser.add_argument("--throughput-requests", type=int, default=None, help="default 256 on cuda, 24 on cpu")
-    parser.add_argument("--output-len", type=int, default=None, help="(b): default 128 on cuda, 8 on cpu")
+    parser.add_argument("--throughput-requests", type=int, default=None, help="default 96 on cuda, 24 on cpu")
+    parser.add_argument("--output-len", type=int, default=None, help="(b): default 512 on cuda, 8 on cpu")
+    parser.add_argument("--throughput-kv-tokens", type=int, default=None,
+                        help="(b): tokens each pool holds; default 16,384 on cuda, 1,600 on cpu")
     parser.add_argument("--capacity-output-len", type=int, default=None,
                         help="(a): max_tokens, long enough that none finishes while the rest are admitted; "
                         "default 2048 on cuda, 64 on cpu")
@@ -217,7 +233,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cpu: blocks per pool (no memory profile on the CPU); 400 x 16 = 6,400 tokens")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    for key, gpu, cpu in (("capacity_requests", 512, 64), ("throughput_requests", 256, 24), ("output_len", 128, 8),
+    for key, gpu, cpu in (("capacity_requests", 512, 64), ("throughput_requests", 96, 24), ("output_len", 512, 8),
+                          ("throughput_kv_tokens", 16384, 1600),
                           ("max_prompt_len", 4096, 256), ("capacity_len", CAPACITY_LEN, 2048), ("capacity_output_len", 2048, 64)):
         if getattr(args, key) is None:
             setattr(args, key, gpu if cuda else cpu)
@@ -232,15 +249,13 @@ def main(argv: list[str] | None = None) -> None:
     doc = {"command": "python3 benchmarks/paged_capacity.py " + " ".join(argv), "commit": git_commit(),
            "machine": machine(), "goals": GOALS}
     low = min(64, args.max_prompt_len // 4)
-    with build_engine(args) as core:
+    median = min(512, args.max_prompt_len / 4)
+    with build_engine(args, args.capacity_len, args.capacity_requests, None) as core:
         pools = target_pools(core)
-        vocab = core.local_runners()["target"].vocab_size
         doc["pools"] = {"num_kv_blocks": pools.num_kv_blocks, "block_size": pools.block_size, "tokens": pools.tokens}
-        log(f"pools: {doc['pools']}")
-        # (a) capacity at max_model_len 32,768
-        lengths = lognormal_lengths(args.capacity_requests, seed=1, high=args.max_prompt_len, low=low,
-                                    median=min(512, args.max_prompt_len / 4))
-        cap = peak_running(core, prompts_of(lengths, vocab, seed=2), args.capacity_output_len,
+        log(f"(a) pools: {doc['pools']}")
+        lengths = lognormal_lengths(args.capacity_requests, seed=1, high=args.max_prompt_len, low=low, median=median)
+        cap = peak_running(core, prompts_of(lengths, vocab_of(core), seed=2), args.capacity_output_len,
                            deadline_s - args.budget_s / 2)
         cap["contiguous_slots"] = contiguous_slots(pools.tokens, slot_capacity(args.capacity_len, core.config.max_draft_len))
         cap["max_model_len"] = args.capacity_len
@@ -251,21 +266,24 @@ def main(argv: list[str] | None = None) -> None:
         doc["capacity"] = cap
         write(doc, args.out)
         log(f"(a) capacity: {json.dumps(cap)}")
-        # (b) throughput on the log-normal workload, paged against contiguous at max_model_len = longest + output
-        lengths = lognormal_lengths(args.throughput_requests, seed=3, high=args.max_prompt_len, low=low,
-                                    median=min(512, args.max_prompt_len / 4))
-        slots = contiguous_slots(pools.tokens,
-                                 slot_capacity(args.max_prompt_len + args.output_len, core.config.max_draft_len))
-        doc["throughput"] = {"contiguous_slots": slots, "max_model_len_contiguous": args.max_prompt_len + args.output_len,
-                             "prompt_tokens_mean": round(float(np.mean(lengths)), 1)}
+    max_model_len = args.max_prompt_len + args.output_len  # the shortest that serves (b)'s workload
+    with build_engine(args, max_model_len, args.throughput_requests, args.throughput_kv_tokens) as core:
+        pools = target_pools(core)
+        lengths = lognormal_lengths(args.throughput_requests, seed=3, high=args.max_prompt_len, low=low, median=median)
+        slots = contiguous_slots(pools.tokens, slot_capacity(max_model_len, core.config.max_draft_len))
+        doc["throughput"] = {"pools": {"num_kv_blocks": pools.num_kv_blocks, "block_size": pools.block_size,
+                                       "tokens": pools.tokens},
+                             "contiguous_slots": slots, "max_model_len_contiguous": max_model_len,
+                             "output_len": args.output_len, "prompt_tokens_mean": round(float(np.mean(lengths)), 1)}
+        log(f"(b) pools: {doc['throughput']['pools']}, contiguous slots {slots}")
         for index, (name, concurrency) in enumerate((("paged", args.throughput_requests), ("contiguous", max(slots, 1)))):
             if time.monotonic() > deadline_s - 30:
                 doc["throughput"][name] = None
                 log(f"(b) {name}: skipped, out of time")
                 continue
             # Prompts of each run's own (prefix caching is off too).
-            doc["throughput"][name] = throughput(core, prompts_of(lengths, vocab, seed=4 + index), args.output_len,
-                                                 concurrency, vocab)
+            doc["throughput"][name] = throughput(core, prompts_of(lengths, vocab_of(core), seed=4 + index),
+                                                 args.output_len, concurrency, vocab_of(core))
             write(doc, args.out)
             log(f"(b) {name}: {json.dumps(doc['throughput'][name])}")
     write(doc, args.out)

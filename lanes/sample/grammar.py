@@ -34,6 +34,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from lanes.sample.matcher import RequestGrammar
@@ -118,6 +119,11 @@ class ColumnMasks:
         self.num_draft = list(num_draft)  # per row, cut where the grammar refuses or ends
         words = self.grammars[self.rows[0]].words  # the target's vocabulary, whichever model drafts
         self.host = torch.full((len(seqs), columns, words), _ALL_ALLOWED, dtype=torch.int32)  # [B, L + 1, W]
+        # [B, W] what each row's fills are narrowed by (JSON's tokens), in one operation per use rather
+        # than one per fill (4 of the 6 us a fill took at V = 32k); None when no row narrows.
+        self.allowed = _row_narrowing(self.grammars, words)
+        self.matched = np.zeros((len(seqs), columns), dtype=bool)  # the columns a matcher filled
+        self._cells = self.host.view(len(seqs) * columns, words)  # row i, column c at i * (L + 1) + c: no view per fill
         self.filled = [0] * len(seqs)  # columns filled per row
         for i in self.rows:
             self._fill_next(i)
@@ -131,7 +137,8 @@ class ColumnMasks:
 
     def apply(self, logits: torch.Tensor, column: int, rows: list[int] | None = None) -> torch.Tensor:
         """Mask `logits` [B', V] (rows `rows` of the batch, default all) with their bitmasks of `column`."""
-        return apply_token_bitmask(logits, self.host[:, column] if rows is None else self.host[rows, column])
+        host = self.host[:, column] & self._narrowing(column)
+        return apply_token_bitmask(logits, host if rows is None else host[rows])
 
     def advance(self, column: int, tokens: list[int], rows: list[int] | None = None) -> None:
         """Drafts `tokens` were drawn at `column` (for rows `rows`, default all): fill the next column."""
@@ -151,7 +158,16 @@ class ColumnMasks:
 
     def bitmask(self) -> torch.Tensor:
         """[B, L + 1, W] int32, on the host; every row's columns filled (`follow` first)."""
-        return self.host
+        return self.host & self._narrowing()
+
+    def _narrowing(self, column: int | None = None) -> torch.Tensor:
+        """`allowed` where a row's matcher filled the column, all-allowed elsewhere: [B, L + 1, W], or
+        [B, W] for one column ([1] when no row narrows)."""
+        if self.allowed is None:
+            return torch.tensor([_ALL_ALLOWED], dtype=torch.int32)
+        if column is not None:
+            return torch.where(torch.from_numpy(self.matched[:, column, None]), self.allowed, _ALL_ALLOWED)
+        return torch.where(torch.from_numpy(self.matched)[..., None], self.allowed[:, None], _ALL_ALLOWED)
 
     def _follow(self, i: int, token: int) -> None:
         grammar, column = self.grammars[i], self.filled[i] - 1
@@ -164,8 +180,17 @@ class ColumnMasks:
             self._fill_next(i)
 
     def _fill_next(self, i: int) -> None:
-        self.grammars[i].fill(self.host[i], self.filled[i])
+        self.grammars[i].fill(self._cells, i * self.host.shape[1] + self.filled[i], narrow=False)
+        self.matched[i, self.filled[i]] = True
         self.filled[i] += 1
+
+
+def _row_narrowing(grammars: list, words: int) -> torch.Tensor | None:
+    narrowing = [getattr(g, "allowed", None) for g in grammars]
+    if all(a is None for a in narrowing):
+        return None
+    every = torch.full((words,), _ALL_ALLOWED, dtype=torch.int32)
+    return torch.stack([every if a is None else a for a in narrowing])
 
 
 def merge_bitmasks(masks: list[torch.Tensor | None], rows: list[int], columns: int) -> torch.Tensor | None:

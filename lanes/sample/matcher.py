@@ -33,10 +33,11 @@ class RequestGrammar:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def fill(self, out: torch.Tensor, index: int) -> None:
-        """The next token's bitmask into row `index` of the host int32 tensor `out` [K, W]."""
+    def fill(self, out: torch.Tensor, index: int, narrow: bool = True) -> None:
+        """The next token's bitmask into row `index` of the host int32 tensor `out` [K, W]; `narrow`:
+        and by `allowed` (a caller that fills many rows narrows them all in one operation instead)."""
         self.matcher.fill_next_token_bitmask(out, index)
-        if self.allowed is not None:
+        if narrow and self.allowed is not None:
             out[index] &= self.allowed
 
     def advance(self, token: int) -> bool:
@@ -70,5 +71,5 @@ class FirstTokenMask:
         self.bitmask = bitmask  # [W] int32
         self.words = bitmask.shape[0]
 
-    def fill(self, out: torch.Tensor, index: int) -> None:
-        out[index] = self.bitmask
+    def fill(self, out: torch.Tensor, index: int, narrow: bool = True) -> None:
+        out[index] = self.bitmask  # narrowed already, where the matcher filled it

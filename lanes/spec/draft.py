@@ -2,16 +2,18 @@
 forward per drafted position.
 
 Host work per step is one pass over the sequences and one host-to-device copy of their inputs;
-between the L forwards the rows advance on the device, and nothing is read back.
+between the L forwards the rows advance on the device, and nothing is read back (with a grammar, each
+drawn token is, while the next forward runs: the next position's mask depends on it).
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from lanes.device.batching import pad_rows, pad_tokens, to_device
+from lanes.device.batching import pad_rows, pad_tokens, to_device, to_host_async
 from lanes.engine.sequence import Sequence
 from lanes.model.runner import ModelRunner, Rows
 from lanes.sample.grammar import ColumnMasks
@@ -67,16 +69,18 @@ class DraftLane:
         if max_len == 0:
             return DraftProposal.empty(batch, device)
         drafting = [i for i, n in enumerate(draft_lens) if n > 0]
-        asked = draft_lens  # the model drafts every token asked for
-        masks = ColumnMasks.of(seqs, asked, max_len + 1)  # None unless a row has a grammar
+        all_seqs, asked = seqs, draft_lens  # the model drafts every token asked for
         if len(drafting) < batch:
             seqs, draft_lens = [seqs[i] for i in drafting], [draft_lens[i] for i in drafting]
         slots = [s.draft_slot for s in seqs]
         num_tokens = [len(s.token_ids) for s in seqs]
         self._catch_up(seqs, slots, num_tokens)
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
-        tokens, probs = self._draft(seqs, slots, num_tokens, draft_lens, max_len, st,
-                                    masks, drafting)  # [B', L], [B', L, V] | None
+        # The grammar's column masks (None unless a row has one), made once the first forward is queued,
+        # so that their host work overlaps it.
+        masks = partial(ColumnMasks.of, all_seqs, asked, max_len + 1)
+        tokens, probs, masks = self._draft(seqs, slots, num_tokens, draft_lens, max_len, st, masks,
+                                           drafting)  # [B', L], [B', L, V] | None
         if len(drafting) == batch:
             return DraftProposal(tokens, probs, asked, masks)
         index = to_device(drafting, torch.long, device)
@@ -85,10 +89,12 @@ class DraftLane:
         return DraftProposal(full_tokens, full_probs, asked, masks)
 
     def _draft(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int], draft_lens: list[int],
-               max_len: int, st: SamplingTensors, masks: ColumnMasks | None = None,
-               batch_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`masks`: the grammar's, by `batch_rows` (the batch rows of `seqs`); each position is drawn under
-        its mask, and the drawn token is read back to the host to give the next position's."""
+               max_len: int, st: SamplingTensors, make_masks=lambda: None, batch_rows: list[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, ColumnMasks | None]:
+        """`make_masks`: the grammar's column masks, by `batch_rows` (the batch rows of `seqs`); each
+        position is drawn under its mask. The mask of position j + 1 needs the token drawn at j: that
+        token is copied to the host while the forward of j + 1 runs, and the host fills the mask
+        meanwhile, so the GPU waits only for the copy, not for the host's work."""
         pool = self.runner.pool
         kv_lens = pool.lengths[slots].tolist()
         pool.reserve(slots, np.add(num_tokens, draft_lens) - 1)  # up to draft n - 1 (later drafts are junk)
@@ -98,6 +104,7 @@ class DraftLane:
         host = to_device([slots, kv_lens, last, num_tokens, *zip(*pending)], torch.long, self.runner.device)
         slot_ids, starts, keep, base = host[:4]  # base: absolute position of draft 0, len(token_ids)
         logits = self.runner.forward(Rows(slot_ids, starts, max(kv_lens)), host[4:].T, keep=keep)  # [B, V]
+        masks = make_masks()
         rows = Rows(slot_ids, base, max(num_tokens))  # every row now holds its committed tokens
         # The target's penalties on the draft's own proposals, for acceptance (correctness never needs them).
         penalties = Penalties.build([s.params for s in seqs], PenaltyHistory.of(seqs), logits.shape[-1], logits.device)
@@ -107,17 +114,18 @@ class DraftLane:
                 logits = masks.apply(logits, j, batch_rows)
             scores = logits[:, None] if penalties is None else penalties.apply(logits[:, None], _cat(tokens), first=j)
             token, q = draw(scores, st, base[:, None] + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
-            if masks is not None:
-                masks.advance(j, token[:, 0].tolist(), batch_rows)
+            drawn = to_host_async(token[:, 0]) if masks is not None else None
             tokens.append(token)
             if q is not None:
                 probs.append(q)
             if j + 1 < max_len:
                 logits = self.runner.forward(rows, token)[:, 0]
                 rows = rows.advanced(1)
+            if drawn is not None:
+                masks.advance(j, drawn.wait().tolist(), batch_rows)
         # Fed everything up to draft n - 1; draft n was sampled but not fed.
         pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
-        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None  # [B, L], [B, L, V]
+        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None, masks  # [B, L], [B, L, V]
 
     def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> None:
         """Feed tokens the draft has not seen (after a stretch with L = 0) until at most two remain,
