@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lib.cluster import STARTED_S, git_commit, log, machine  # noqa: E402
+from benchmarks.lib.cluster import STARTED_S, free_device_memory, git_commit, log, machine  # noqa: E402
 from benchmarks.lib.results import ratio, rows_table, script_parser, verdict, write_document  # noqa: E402
 
 GOALS = {"capacity": 8.0, "throughput": 2.0}
@@ -248,13 +248,25 @@ def main(argv: list[str] | None = None) -> None:
     deadline_s = STARTED_S + args.budget_s - 10
     doc = {"command": "python3 benchmarks/paged_capacity.py " + " ".join(argv), "commit": git_commit(),
            "machine": machine(), "goals": GOALS}
-    low = min(64, args.max_prompt_len // 4)
-    median = min(512, args.max_prompt_len / 4)
+    measure_capacity(args, doc, deadline_s)
+    free_device_memory()  # (a)'s engine is gone with its function's frame; (b) needs the memory
+    measure_throughput(args, doc, deadline_s)
+    write(doc, args.out)
+    log(f"done: {json.dumps(doc['checks'])}")
+
+
+def workload_lengths(args: argparse.Namespace, count: int, seed: int) -> list[int]:
+    return lognormal_lengths(count, seed=seed, high=args.max_prompt_len, low=min(64, args.max_prompt_len // 4),
+                             median=min(512, args.max_prompt_len / 4))
+
+
+def measure_capacity(args: argparse.Namespace, doc: dict, deadline_s: float) -> None:
+    """(a): the most requests decoding at once at max_model_len 32,768, on pools sized by the profile."""
     with build_engine(args, args.capacity_len, args.capacity_requests, None) as core:
         pools = target_pools(core)
         doc["pools"] = {"num_kv_blocks": pools.num_kv_blocks, "block_size": pools.block_size, "tokens": pools.tokens}
         log(f"(a) pools: {doc['pools']}")
-        lengths = lognormal_lengths(args.capacity_requests, seed=1, high=args.max_prompt_len, low=low, median=median)
+        lengths = workload_lengths(args, args.capacity_requests, seed=1)
         cap = peak_running(core, prompts_of(lengths, vocab_of(core), seed=2), args.capacity_output_len,
                            deadline_s - args.budget_s / 2)
         cap["contiguous_slots"] = contiguous_slots(pools.tokens, slot_capacity(args.capacity_len, core.config.max_draft_len))
@@ -266,10 +278,14 @@ def main(argv: list[str] | None = None) -> None:
         doc["capacity"] = cap
         write(doc, args.out)
         log(f"(a) capacity: {json.dumps(cap)}")
+
+
+def measure_throughput(args: argparse.Namespace, doc: dict, deadline_s: float) -> None:
+    """(b): output tok/s, paged against contiguous, on pools of --throughput-kv-tokens."""
     max_model_len = args.max_prompt_len + args.output_len  # the shortest that serves (b)'s workload
     with build_engine(args, max_model_len, args.throughput_requests, args.throughput_kv_tokens) as core:
         pools = target_pools(core)
-        lengths = lognormal_lengths(args.throughput_requests, seed=3, high=args.max_prompt_len, low=low, median=median)
+        lengths = workload_lengths(args, args.throughput_requests, seed=3)
         slots = contiguous_slots(pools.tokens, slot_capacity(max_model_len, core.config.max_draft_len))
         doc["throughput"] = {"pools": {"num_kv_blocks": pools.num_kv_blocks, "block_size": pools.block_size,
                                        "tokens": pools.tokens},
@@ -286,8 +302,6 @@ def main(argv: list[str] | None = None) -> None:
                                                  args.output_len, concurrency, vocab_of(core))
             write(doc, args.out)
             log(f"(b) {name}: {json.dumps(doc['throughput'][name])}")
-    write(doc, args.out)
-    log(f"done: {json.dumps(doc['checks'])}")
 
 
 if __name__ == "__main__":
