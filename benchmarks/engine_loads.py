@@ -1,6 +1,6 @@
 """The engine's own speed over loads and prefill budgets: one in-process engine per mode, no Ray.
 
-    python3 benchmarks/engine_loads.py --device cuda --modes nospec,spec,unified \
+    python3 benchmarks/engine_loads.py --device cuda --modes nospec,spec,unified[,ngram] \
         --concurrencies 1,16,64,128 --prefill-chunk-tokens 128,512 --out OUT
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine_loads.py --device cpu --concurrencies 1,8 --out /tmp/el
 
@@ -149,13 +149,22 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mode_config(mode: str, target, draft, args: argparse.Namespace) -> dict:
+    """The mode's app config; `ngram`: unified drafting by prompt lookup (`draft: {method: ngram}`), no draft model."""
+    if mode != "ngram":
+        return app_config(mode, target, draft, args)
+    config = app_config("unified", target, draft, args)
+    config["draft"] = {"method": "ngram"}
+    return config
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shape", default="tinyllama-7b", help="cuda: the constructed pair's shape")
     parser.add_argument("--agreement", type=float, default=0.8, help="cuda: the constructed pair's agreement")
     parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"))
-    parser.add_argument("--modes", default="nospec,spec,unified")
+    parser.add_argument("--modes", default="nospec,spec,unified", help="any of nospec, spec, unified, ngram")
     parser.add_argument("--concurrencies", default=None, help="default 1,16,64,128 on cuda, 1,8 on cpu")
     parser.add_argument("--prefill-chunk-tokens", default=None,
                         help="comma list of engine.prefill_chunk_tokens (default: the app config's)")
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     watchdog = Watchdog(args.point_timeout_s, args.out / "stuck_stacks.txt")
     for mode in args.modes:
         log(f"{mode}: building")
-        mode_points(mode, AppConfig.model_validate(app_config(mode, target, draft, args)), works, chunks,
+        mode_points(mode, AppConfig.model_validate(mode_config(mode, target, draft, args)), works, chunks,
                     args.device, warmup, watchdog, on_point, capture=not args.no_capture)
     log("done")
 
