@@ -97,6 +97,21 @@ def test_matches_the_definition_on_random_batches():
         assert drafts == [_reference(r, n, min_n, max_n) if n else [] for r, n in zip(rows, lens)]
 
 
+def test_the_index_kept_between_steps_follows_growing_sequences():
+    """Each sequence keeps the index that lets rows which cannot match skip the search; on sequences that
+    grow by a few tokens a step (some steps not drafted at all), every proposal equals the definition."""
+    rng = random.Random(1)
+    proposer = NgramProposer(2, 4)
+    seqs = [_seq([rng.randrange(5) for _ in range(rng.randint(1, 6))]) for _ in range(6)]
+    for _ in range(30):
+        lens = [rng.randint(0, 4) for _ in seqs]
+        out = proposer.propose(seqs, lens)
+        drafts = [row[:n] for row, n in zip(out.tokens.tolist(), out.num_draft)]
+        assert drafts == [_reference(s.token_ids, n, 2, 4) if n else [] for s, n in zip(seqs, lens)]
+        for seq in seqs:
+            seq.token_ids += [rng.randrange(5) for _ in range(rng.randint(1, 4))]
+
+
 # ---- the engine ------------------------------------------------------------------------------------
 
 MAX_NEW = 40

@@ -53,6 +53,8 @@ class Sequence:
     # began waiting; None while a replica holds it. One lost for EngineConfig.recover_within_s fails.
     lost_s: float | None = None
     num_ooms: int = 0  # out-of-memory errors it met at the smallest step size or in a remote lane (EngineCore)
+    # Prompt lookup's index of where its n-grams first end (lanes/spec/ngram.py NgramIndex), built on first use.
+    lookup_index: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.token_ids:
