@@ -42,7 +42,7 @@ class NgramProposer:
         rows = np.asarray([i for i in np.flatnonzero(lens).tolist() if self._may_match(seqs[i])], dtype=np.int64)
         if rows.size == 0:  # nothing can match: the verify step is the one-token forward of no speculation
             return DraftProposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), None, [0] * batch)
-        tokens = right_aligned([seqs[i].token_ids for i in rows])  # [B', W]
+        tokens = right_aligned([seqs[i].lookup_index.array() for i in rows])  # [B', W]
         drafted, counts = lookup(tokens, lens[rows], self.min_n, self.max_n, max_len)  # [B', L], [B']
         # The batch is verified over as many columns as its longest proposal, not as were asked for: where
         # nothing matched, the verify step is the one-token forward of no speculation. On an H200 the padded
@@ -62,14 +62,16 @@ class NgramProposer:
 
 
 class NgramIndex:
-    """Where each n-gram of a sequence's tokens first ends, for one n. A sequence's tokens only grow
-    (rejected drafts never reach them, a preemption keeps them), so each call indexes only the tokens
-    appended since the last."""
+    """A sequence's tokens as a numpy array, and where each of their n-grams first ends, for one n. A
+    sequence's tokens only grow (rejected drafts never reach them, a preemption keeps them), so each
+    call takes in only the tokens appended since the last: converting the whole list each step cost
+    0.47 ms at 16 rows of 1,700 tokens (2-core CPU), twice the search itself."""
 
     def __init__(self, n: int):
         self.n = n
         self.first_end: dict[tuple[int, ...], int] = {}
-        self.indexed = 0  # n-grams ending before this position are in first_end
+        self.buffer = np.empty(256, dtype=np.int64)
+        self.indexed = 0  # tokens taken in: in `buffer`, and n-grams ending before this position in first_end
 
     def may_match(self, tokens: list[int]) -> bool:
         """Whether the last n tokens occurred earlier, ending before the last position (so that a token
@@ -79,11 +81,23 @@ class NgramIndex:
             self.first_end, self.indexed = {}, 0
         for end in range(max(self.indexed, n - 1), len(tokens)):
             self.first_end.setdefault(tuple(tokens[end - n + 1 : end + 1]), end)
-        self.indexed = len(tokens)
+        self._take(tokens)
         return len(tokens) > n and self.first_end[tuple(tokens[-n:])] < len(tokens) - 1
 
+    def array(self) -> np.ndarray:
+        """The tokens taken in so far, [len] int64 (a view: valid until the next `may_match`)."""
+        return self.buffer[: self.indexed]
 
-def right_aligned(rows: list[list[int]]) -> np.ndarray:
+    def _take(self, tokens: list[int]) -> None:
+        if len(tokens) > len(self.buffer):
+            grown = np.empty(max(len(tokens), 2 * len(self.buffer)), dtype=np.int64)
+            grown[: self.indexed] = self.buffer[: self.indexed]
+            self.buffer = grown
+        self.buffer[self.indexed : len(tokens)] = tokens[self.indexed :]
+        self.indexed = len(tokens)
+
+
+def right_aligned(rows: list[np.ndarray | list[int]]) -> np.ndarray:
     """[B, W] int64: each row's tokens at its right end, PAD before them (W = the longest row)."""
     width = max(map(len, rows))
     out = np.full((len(rows), width), PAD, dtype=np.int64)
