@@ -20,7 +20,7 @@ Dividing (b)'s ratio by that step ratio gives the ratio against the slot code it
     the log-normal workload of (b) are added at once; the most requests decoding in one step (before the
     first finishes) against `contiguous_slots` at 32,768. Goal >= 8x.
 (b) throughput. Log-normal prompt lengths (median 512, sigma 1, clipped to 64-4,096: lengths vary over
-    10x), --throughput-output-len output tokens (512), greedy, ignore_eos, L = 3, on an engine of its own
+    10x), --output-len output tokens (512 on cuda), greedy, ignore_eos, L = 3, on an engine of its own
     whose pools hold --throughput-kv-tokens (16,384 on cuda: 8 GiB of the 7B target's KV, what a 24 GB
     card has left beside its weights). Paged: every request in flight at once (the engine admits by free
     blocks). Contiguous: at most `contiguous_slots` at max_model_len 4,096 + output, the shortest that
