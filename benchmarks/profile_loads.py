@@ -7,7 +7,8 @@ py-spy (a sampling profiler that reads another process's memory; it never stops 
 `--nonblocking`) records every replica of the named apps, Serve's proxy, and the benchmark's own process
 (its HTTP client) in segments. A segment starts when an app is deployed or a load ends, and is named after
 the load that ends it: the benchmark logs `[t s] APP LOAD: ...` as each load finishes and starts the next
-at once. On exit it writes, per segment and process, py-spy's collapsed stacks (`raw/`) and `summary.md`:
+at once. It writes py-spy's collapsed stacks per segment and process (`<app>.<load>/<process>.txt`), and on
+exit `summary.md`:
 each process's busiest frames by share of samples, inclusive (the frame anywhere on the stack) and self
 (the frame on top), which is where a slow load spends its host time.
 
@@ -51,10 +52,11 @@ class Segment:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.started = time.monotonic()
+        self.errors = {role: open(folder / f"{role}.err", "w") for role in pids}
         self.recorders = {
             role: subprocess.Popen([py_spy, "record", "--pid", str(pid), "--nonblocking", "--subprocesses",
                                     "--rate", str(rate_hz), "--format", "raw", "--output", str(folder / f"{role}.txt")],
-                                   stdout=subprocess.DEVNULL, stderr=open(folder / f"{role}.err", "w"))
+                                   stdout=subprocess.DEVNULL, stderr=self.errors[role])
             for role, pid in pids.items()}
 
     def stop(self, name: str) -> Path:
@@ -65,6 +67,8 @@ class Segment:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for f in self.errors.values():
+            f.close()
         (self.folder / "seconds").write_text(f"{time.monotonic() - self.started:.2f}\n")
         target = self.folder.with_name(name)
         self.folder.rename(target)
@@ -116,7 +120,7 @@ def short(frame: str) -> str:
 
 def summarize(out: Path, limit: int = 25) -> None:
     lines = ["# Host time by load and process (py-spy, --nonblocking, idle threads left out)", ""]
-    for seg in sorted(p for p in out.iterdir() if p.is_dir() and p.name != "raw"):
+    for seg in sorted(p for p in out.iterdir() if p.is_dir()):
         seconds = (seg / "seconds").read_text().strip() if (seg / "seconds").exists() else "?"
         lines += [f"## {seg.name} ({seconds} s)", ""]
         for raw in sorted(seg.glob("*.txt")):

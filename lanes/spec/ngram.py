@@ -41,7 +41,7 @@ class NgramProposer:
         lens = np.asarray(draft_lens, dtype=np.int64)
         rows = np.asarray([i for i in np.flatnonzero(lens).tolist() if self._may_match(seqs[i])], dtype=np.int64)
         if rows.size == 0:  # nothing can match: the verify step is the one-token forward of no speculation
-            return DraftProposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), None, [0] * batch)
+            return DraftProposal.empty(batch, self.device)
         tokens = right_aligned([seqs[i].lookup_index.array() for i in rows])  # [B', W]
         drafted, counts = lookup(tokens, lens[rows], self.min_n, self.max_n, max_len)  # [B', L], [B']
         # The batch is verified over as many columns as its longest proposal, not as were asked for: where
