@@ -33,7 +33,8 @@ def _kernel(query, k_dense, v_dense, slots, kv_lens, scale, splits, block_size, 
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "q_len"), [(4, 2, 1), (4, 2, 5), (2, 2, 3), (8, 1, 2)])
-@pytest.mark.parametrize(("splits", "block_size"), [(1, 16), (3, 16), (3, 3), (2, 1)])
+# Block sizes: several to a key step of 64 (16, 1), a key step or more to a block (64, 128), neither (3).
+@pytest.mark.parametrize(("splits", "block_size"), [(1, 16), (3, 16), (3, 3), (2, 1), (3, 64), (2, 128)])
 def test_kernel_and_gather_path_match_dense_attention(heads, kv_heads, q_len, splits, block_size):
     gen = torch.Generator().manual_seed(heads * 10 + q_len)
     slots, capacity, dim = 6, 200, 16

@@ -73,8 +73,7 @@ def _split_kernel(
     for block_start in range(lo, stop, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
         key_ok = (keys < stop) & (keys >= first_key)  # keys before every row's window are not loaded
-        page = tl.load(table_row + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
-        key_at = page * stride_kb + (keys % PAGE) * stride_kn  # [BLOCK_N] element offsets
+        key_at = _key_offsets(table_row, block_start, stop, stride_kb, stride_kn, PAGE, BLOCK_N)
         k = tl.load(k_base + key_at[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
         # The cast comes after the scale: under torch.compile a Python-float scale arrives as fp64.
         s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
@@ -97,6 +96,26 @@ def _split_kernel(
     tl.store(max_ptr + base + rows, m_i)
     tl.store(sum_ptr + base + rows, l_i)
     tl.store(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _key_offsets(table_row, block_start, stop, stride_kb, stride_kn, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets [BLOCK_N] of keys block_start .. block_start + BLOCK_N - 1 of one row (block_start is
+    a multiple of BLOCK_N). A block table entry is read once per block, not once per key: the per-key
+    reads made the paged verify forward of a 7B model 6 % slower than contiguous slots on an H200
+    (benchmarks/results/issue31_h200/step_paged)."""
+    if PAGE % BLOCK_N == 0:  # the key step lies inside one block
+        page = tl.load(table_row + block_start // PAGE).to(tl.int64)
+        return page * stride_kb + (block_start % PAGE + tl.arange(0, BLOCK_N)) * stride_kn
+    elif BLOCK_N % PAGE == 0:  # the key step spans whole blocks
+        first = block_start // PAGE + tl.arange(0, BLOCK_N // PAGE)
+        pages = tl.load(table_row + first, mask=first * PAGE < stop, other=0).to(tl.int64)
+        at = pages[:, None] * stride_kb + tl.arange(0, PAGE)[None, :] * stride_kn
+        return tl.reshape(at, [BLOCK_N])
+    else:  # block sizes that do not divide the key step (or that it does not divide): one read per key
+        keys = block_start + tl.arange(0, BLOCK_N)
+        page = tl.load(table_row + keys // PAGE, mask=keys < stop, other=0).to(tl.int64)
+        return page * stride_kb + (keys % PAGE) * stride_kn
 
 
 @triton.jit
@@ -150,10 +169,12 @@ def split_count(capacity_tokens: int, batch: int, kv_heads: int, num_sms: int) -
 
 def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                    slot_ids: torch.Tensor, kv_lens: torch.Tensor, scale: float, splits: int,
-                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                   window: int | None = None, softcap: float | None = None, num_warps: int = 4,
+                   num_stages: int = 3) -> torch.Tensor:
     """query [B, H, Q, D]; pools [blocks, kv_heads, block_size, D]; block_table [slots, blocks_per_slot]
     int32; returns [B, Q, H, D]. `window`: keys each query sees, itself included (None: all before
-    it); `softcap`: tanh cap on scores."""
+    it); `softcap`: tanh cap on scores. num_warps / num_stages: the split kernel's launch (Triton's
+    defaults; benchmarks/attention_kernel.py sweeps them)."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, page = k_pool.shape[1], k_pool.shape[2]
     capacity = block_table.shape[1] * page
@@ -174,6 +195,7 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _merge_kernel[(batch, kv_heads)](
         acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len, splits,
