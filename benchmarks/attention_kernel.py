@@ -41,8 +41,9 @@ BATCHES = (1, 8, 32, 64)
 CONTEXT = 512
 CAPACITY = 576  # tokens a row's pool holds (gpu_check's max_model_len 520, rounded up to whole key steps)
 BLOCK_SIZES = (16, 32, 64, 192)  # each divides CAPACITY
-LAUNCHES = [(w, s) for w, s in itertools.product((4, 8), (2, 3, 4))]  # (num_warps, num_stages)
-DEFAULT_LAUNCH = (4, 3)
+# (keys a step, num_warps, num_stages)
+LAUNCHES = [(n, w, s) for n, (w, s) in itertools.product((16, 32, 64), ((4, 2), (4, 3), (4, 4), (8, 3)))]
+DEFAULT_LAUNCH = (64, 4, 3)
 
 
 def paged(dense: torch.Tensor, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,37 +84,38 @@ def point_rows(shape: str, q_len: int, batch: int, bandwidth_gbs: float, slot_re
     keys_read = batch * kv_heads * (int(kv_lens[0]) + q_len) * dim * 2 * 2  # K and V, bf16
     floor_us = keys_read / (bandwidth_gbs * 1e9) * 1e6
     layouts = {"contiguous (one block a row)": CAPACITY, **{f"paged, blocks of {b}": b for b in BLOCK_SIZES}}
-    launches = LAUNCHES if shape == "Llama-2-7B" else [DEFAULT_LAUNCH]
+    launches = LAUNCHES if shape == "Llama-2-7B" else [(n, 4, 3) for n in (16, 32, 64)]
     base = dict(shape=shape, q=q_len, batch=batch, splits=splits, floor_us=round(floor_us, 1))
     out, reference = [], None
     for layout, block_size in layouts.items():
         k_blocks, table = paged(k, block_size, seed=1)
         v_blocks, _ = paged(v, block_size, seed=1)
-        for warps, stages in launches:
-            def run(w=warps, s=stages):
+        for block_n, warps, stages in launches:
+            def run(n=block_n, w=warps, s=stages):
                 return pool_attention(query, k_blocks, v_blocks, table, rows_, kv_lens, scale, splits,
-                                      num_warps=w, num_stages=s)
+                                      num_warps=w, num_stages=s, block_n=n)
 
             result = run()
             reference = result if reference is None else reference
             torch.testing.assert_close(result, reference, rtol=2e-2, atol=2e-2)
             us = time_us(run)
-            out.append({**base, "layout": layout, "block_size": block_size, "num_warps": warps, "num_stages": stages,
-                        "us": round(us, 1), "over_floor": round(us / floor_us, 2)})
+            out.append({**base, "layout": layout, "block_size": block_size, "block_n": block_n, "num_warps": warps,
+                        "num_stages": stages, "us": round(us, 1), "over_floor": round(us / floor_us, 2)})
         del k_blocks, v_blocks
     if slot_ref is not None:
         torch.testing.assert_close(slot_ref(query, k, v, rows_, kv_lens, scale, splits), reference, rtol=2e-2, atol=2e-2)
         us = time_us(lambda: slot_ref(query, k, v, rows_, kv_lens, scale, splits))
-        out.append({**base, "layout": "slot pool (bb76a15's kernel)", "block_size": None, "num_warps": 4,
-                    "num_stages": 3, "us": round(us, 1), "over_floor": round(us / floor_us, 2)})
+        out.append({**base, "layout": "slot pool (bb76a15's kernel)", "block_size": None, "block_n": 64,
+                    "num_warps": 4, "num_stages": 3, "us": round(us, 1), "over_floor": round(us / floor_us, 2)})
     return out
 
 
 def markdown(rows: list[dict], bandwidth_gbs: float, device: str, command: str) -> str:
     lines = [f"# Pool attention kernel alone ({device})", "", f"`{command}`; copy bandwidth {bandwidth_gbs:.0f} GB/s.",
              "Microseconds a call (split and merge kernels, CUDA-graph replays, median), context "
-             f"{CONTEXT}, pools of {CAPACITY} tokens a row. 'default' is num_warps 4, num_stages 3; 'best' the "
-             "fastest launch of the sweep, with (warps, stages). Ratios against the slot-pool kernel where it ran.", ""]
+             f"{CONTEXT}, pools of {CAPACITY} tokens a row. The first figure is the default launch (64 keys a step, "
+             "num_warps 4, num_stages 3); 'best' the fastest of the sweep, with (keys a step, warps, stages). "
+             "Ratios against the slot-pool kernel where it ran.", ""]
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     lines += ["| shape | Q | batch | floor us | " + " | ".join(layouts) + " |",
               "|---|---|---|---|" + "---|" * len(layouts)]
@@ -123,13 +125,13 @@ def markdown(rows: list[dict], bandwidth_gbs: float, device: str, command: str) 
         cells = []
         for layout in layouts:
             mine = [r for r in group if r["layout"] == layout]
-            default = next(r for r in mine if (r["num_warps"], r["num_stages"]) == DEFAULT_LAUNCH)
+            default = next(r for r in mine if (r["block_n"], r["num_warps"], r["num_stages"]) == DEFAULT_LAUNCH)
             best = min(mine, key=lambda r: r["us"])
             cell = f"{default['us']}"
             if slot and default["block_size"] is not None:
                 cell += f" ({default['us'] / slot:.2f}x)"
             if best is not default:
-                cell += f"; best {best['us']} ({best['num_warps']}, {best['num_stages']})"
+                cell += f"; best {best['us']} ({best['block_n']}, {best['num_warps']}, {best['num_stages']})"
                 if slot:
                     cell += f" ({best['us'] / slot:.2f}x)"
             cells.append(cell)

@@ -101,18 +101,11 @@ def _split_kernel(
 @triton.jit
 def _key_offsets(table_row, block_start, stop, stride_kb, stride_kn, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Element offsets [BLOCK_N] of keys block_start .. block_start + BLOCK_N - 1 of one row (block_start is
-    a multiple of BLOCK_N). A block table entry is read once per block, not once per key: the per-key
-    reads made the paged verify forward of a 7B model 6 % slower than contiguous slots on an H200
-    (benchmarks/results/issue31_h200/step_paged)."""
-    if PAGE % BLOCK_N == 0:  # the key step lies inside one block
+    a multiple of BLOCK_N)."""
+    if PAGE % BLOCK_N == 0:  # the key step lies inside one block: one table read a step
         page = tl.load(table_row + block_start // PAGE).to(tl.int64)
         return page * stride_kb + (block_start % PAGE + tl.arange(0, BLOCK_N)) * stride_kn
-    elif BLOCK_N % PAGE == 0:  # the key step spans whole blocks
-        first = block_start // PAGE + tl.arange(0, BLOCK_N // PAGE)
-        pages = tl.load(table_row + first, mask=first * PAGE < stop, other=0).to(tl.int64)
-        at = pages[:, None] * stride_kb + tl.arange(0, PAGE)[None, :] * stride_kn
-        return tl.reshape(at, [BLOCK_N])
-    else:  # block sizes that do not divide the key step (or that it does not divide): one read per key
+    else:  # a step spans blocks: one table read a key
         keys = block_start + tl.arange(0, BLOCK_N)
         page = tl.load(table_row + keys // PAGE, mask=keys < stop, other=0).to(tl.int64)
         return page * stride_kb + (keys % PAGE) * stride_kn
@@ -170,11 +163,11 @@ def split_count(capacity_tokens: int, batch: int, kv_heads: int, num_sms: int) -
 def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                    slot_ids: torch.Tensor, kv_lens: torch.Tensor, scale: float, splits: int,
                    window: int | None = None, softcap: float | None = None, num_warps: int = 4,
-                   num_stages: int = 3) -> torch.Tensor:
+                   num_stages: int = 3, block_n: int = BLOCK_N) -> torch.Tensor:
     """query [B, H, Q, D]; pools [blocks, kv_heads, block_size, D]; block_table [slots, blocks_per_slot]
     int32; returns [B, Q, H, D]. `window`: keys each query sees, itself included (None: all before
-    it); `softcap`: tanh cap on scores. num_warps / num_stages: the split kernel's launch (Triton's
-    defaults; benchmarks/attention_kernel.py sweeps them)."""
+    it); `softcap`: tanh cap on scores. num_warps / num_stages / block_n (keys a step): the split
+    kernel's launch (benchmarks/attention_kernel.py sweeps them)."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, page = k_pool.shape[1], k_pool.shape[2]
     capacity = block_table.shape[1] * page
@@ -192,7 +185,7 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         query.stride(0), query.stride(1), query.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         scale, q_len, window if window is not None else capacity + q_len, softcap or 1.0,
-        PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
