@@ -43,7 +43,7 @@ CAPACITY = 576  # tokens a row's pool holds (gpu_check's max_model_len 520, roun
 BLOCK_SIZES = (16, 32, 64, 192)  # each divides CAPACITY
 # (keys a step, num_warps, num_stages)
 LAUNCHES = [(n, w, s) for n, (w, s) in itertools.product((16, 32, 64), ((4, 2), (4, 3), (4, 4), (8, 3)))]
-DEFAULT_LAUNCH = (64, 4, 3)
+DEFAULT_LAUNCH = (64, 4, 2)
 
 
 def paged(dense: torch.Tensor, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +84,7 @@ def point_rows(shape: str, q_len: int, batch: int, bandwidth_gbs: float, slot_re
     keys_read = batch * kv_heads * (int(kv_lens[0]) + q_len) * dim * 2 * 2  # K and V, bf16
     floor_us = keys_read / (bandwidth_gbs * 1e9) * 1e6
     layouts = {"contiguous (one block a row)": CAPACITY, **{f"paged, blocks of {b}": b for b in BLOCK_SIZES}}
-    launches = LAUNCHES if shape == "Llama-2-7B" else [(n, 4, 3) for n in (16, 32, 64)]
+    launches = LAUNCHES if shape == "Llama-2-7B" else [(n, 4, s) for n in (16, 32, 64) for s in (2, 3)]
     base = dict(shape=shape, q=q_len, batch=batch, splits=splits, floor_us=round(floor_us, 1))
     out, reference = [], None
     for layout, block_size in layouts.items():
@@ -114,7 +114,7 @@ def markdown(rows: list[dict], bandwidth_gbs: float, device: str, command: str) 
     lines = [f"# Pool attention kernel alone ({device})", "", f"`{command}`; copy bandwidth {bandwidth_gbs:.0f} GB/s.",
              "Microseconds a call (split and merge kernels, CUDA-graph replays, median), context "
              f"{CONTEXT}, pools of {CAPACITY} tokens a row. The first figure is the default launch (64 keys a step, "
-             "num_warps 4, num_stages 3); 'best' the fastest of the sweep, with (keys a step, warps, stages). "
+             "num_warps 4, num_stages 2); 'best' the fastest of the sweep, with (keys a step, warps, stages). "
              "Ratios against the slot-pool kernel where it ran.", ""]
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     lines += ["| shape | Q | batch | floor us | " + " | ".join(layouts) + " |",
