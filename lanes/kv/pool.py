@@ -170,14 +170,6 @@ class KVPool:
         self.num_held[slot] = held + len(blocks)
         self._dirty.add(slot)
 
-    def release_past_lengths(self, slots: list[int]) -> None:
-        """Give back every block of `slots` past the one holding the slot's last token (only
-        lanes/spec/rollback.py shrinks lengths, and calls this after)."""
-        keep = -(-self.lengths[slots] // self.block_size)
-        over = np.flatnonzero(self.num_held[slots] > keep)  # few rows a step: only those visit Python
-        for i in over.tolist():
-            self._release_from(slots[i], int(keep[i]))
-
     def _release_from(self, slot: int, first: int) -> None:
         with self._lock:
             held = int(self.num_held[slot])

@@ -8,10 +8,13 @@ model's cache stays valid up to T + k tokens and no further:
   draft:  fed up to draft n - 1              -> wrote T + n - 1, keeps T + min(k, n - 1);
   a model fed nothing this step keeps what it had.
 Positions past the new length are left as they are; the next write overwrites them and the mask
-hides them until then. Whole blocks past the new length hold only rejected tokens: they go back to
-the pool now, so that a long draft never holds memory a step longer than it is useful. (HF's
-DynamicCache is mutated in place by forward passes, so rolling back by copying caches would not be
-safe; lengths over a fixed pool are.)
+hides them until then. Whole blocks past the new length hold only rejected tokens, and they stay
+with the slot: the next step writes the same positions again (vLLM keeps its lookahead slots the same
+way), so a row holds at most the blocks of its length plus one draft. Giving them back at every
+rejection and taking them again the next step cost the 7B verify step at 64 rows 0.9 ms of host time
+on an H200 (benchmarks/results/issue31_h200/verify_step_profile). They go back with the slot, when
+the sequence ends or is preempted. (HF's DynamicCache is mutated in place by forward passes, so
+rolling back by copying caches would not be safe; lengths over a fixed pool are.)
 """
 
 import numpy as np
@@ -22,4 +25,3 @@ from lanes.kv.pool import KVPool
 def rollback_after_verify(pool: KVPool, slots: list[int], num_tokens_before, num_accepted) -> None:
     """Every row of a verified batch at once: `slots` [B], T [B] and k [B] (lists or arrays)."""
     pool.lengths[slots] = np.minimum(pool.lengths[slots], np.add(num_tokens_before, num_accepted))
-    pool.release_past_lengths(slots)
