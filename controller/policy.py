@@ -3,8 +3,7 @@ controller actor calls once every `config.interval_s`.
 
 What it decides
     - a default draft length L (used for every request a replica has no per-request L for, and the cap of
-      all per-request L): driven to `min_draft_len` (0 = speculation off) while the lanes saturate (a
-      queue alone, once the step cost has a fit, drives it only down to the step cost's fastest L), raised
+      all per-request L): driven to `min_draft_len` (0 = speculation off) while the lanes saturate, raised
       while there is headroom and the fleet's acceptance pays for it, up to the longest L that any
       request's acceptance rate justifies, and never above a load cap: the longest L whose verify batches,
       with the requests now in flight, stay within `verify_token_budget` tokens; nor above the cost cap:
@@ -223,20 +222,12 @@ def default_target(
     raise_cap: int,
     cost_cap: int,
     config: ControllerConfig,
-    queue_bound_by_cost: bool = False,
 ) -> tuple[int, str]:
     """Where the default L should head this decision, and why. `fleet_accept` is None when nothing was
     drafted (e.g. at L = 0): no evidence, so it neither blocks a raise nor forces a cut. `raise_cap` is
     the load cap with headroom: the highest L a raise may head for. `cost_cap` is the fastest L under the
-    step cost: L above it falls to it, a raise stops at it. `queue_bound_by_cost`: the load is saturated
-    by its queue alone (the decode p95 within its target) and the step cost has a fit."""
+    step cost: L above it falls to it, a raise stops at it."""
     if load is Load.SATURATED:
-        if queue_bound_by_cost:
-            # A queue says the lanes do not keep up with arrivals: the L with the most tokens per second
-            # drains it fastest, so the drafts past the step cost's fastest L are shed, not all of them.
-            # Unified's queue also counts prompts waiting for prefill: on an H200 at 256 in flight it
-            # turned speculation off (0.96x nospec) where the cost model had L 1 fastest (spec: 1.15x).
-            return min(current, cost_cap), f"saturated queue: no longer than the step cost's fastest L {cost_cap}"
         return config.min_draft_len, "saturated: shed draft tokens"
     if cost_cap < current:
         return cost_cap, f"lower: the step cost makes L {cost_cap} the fastest"
@@ -315,11 +306,7 @@ def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -
                                   config.draft_cost_ratio, config.step_cost_spread_frac, draft)
     rows = batch_rows(signals)
     cost_cap = cost_cap_draft_len(step_cost.fit, rows, fleet_accept_ewma, current, config, draft)
-    cost_known = config.step_cost_enabled and step_cost.fit is not None and rows is not None \
-        and fleet_accept_ewma is not None
-    queue_bound_by_cost = cost_known and signals.decode_step_p95_ms <= config.target_decode_p95_ms
-    target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, cost_cap, config,
-                                        queue_bound_by_cost)
+    target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, cost_cap, config)
     default = next_default(state.default, target, load_cap, shed, config)
     requests = _next_requests(state, signals, accept_rates, default.draft_len, index, config)
     arrival_ewma_rps = ewma(state.arrival_rate_ewma_rps, signals.arrival_rate_rps, config.ewma_alpha)

@@ -416,28 +416,6 @@ def test_the_replicas_measured_drafter_reaches_the_step_cost_fit():
         assert c_model[-1].step_cost != fit
 
 
-def test_a_queue_with_a_step_cost_fit_sheds_drafts_only_down_to_the_fastest_l():
-    """A queue over `verify_queue_high` with the decode p95 within its target: once the step cost has a
-    fit, L falls no lower than the fastest L under it. On the flat cost (L 3-4 fastest at a = 0.7) L stays
-    at 4; on the compute-bound line (L 0 fastest) it goes to 0; with the p95 over its target as well
-    (latency, not throughput) it goes to min_draft_len whatever the fit says."""
-    config = _config()
-    saturated = lambda i: _lane(queue=40, occupancy=0.95)  # noqa: E731
-    _, flat = _run(config, saturated, {"a": 0.7, "b": 0.7}, 12, steps_at=_steps(lambda i: FLAT, _batch_of(56, 64, 72), 9))
-    assert all(d.load is Load.SATURATED for d in flat)
-    assert set(_defaults(flat)[2:]) <= {3, 4}
-    assert "saturated queue: no longer than the step cost's fastest L" in flat[-1].reason
-
-    _, bound = _run(config, saturated, {"a": 0.7, "b": 0.7}, 12,
-                    steps_at=_steps(lambda i: COMPUTE_BOUND, _batch_of(56, 64, 72), 9))
-    assert _defaults(bound)[-4:] == [0] * 4
-
-    slow = lambda i: _lane(queue=40, occupancy=0.95, p95_ms=60.0)  # noqa: E731
-    _, latency = _run(config, slow, {"a": 0.7, "b": 0.7}, 12, steps_at=_steps(lambda i: FLAT, _batch_of(56, 64, 72), 9))
-    assert _defaults(latency)[-4:] == [0] * 4
-    assert "saturated: shed draft tokens" in latency[-1].reason
-
-
 def test_steady_batch_at_l0_keeps_speculation_off():
     """From L = 0 on the compute-bound line, exactly 64 requests per batch for 60 decisions: every step
     verifies the same 64 tokens, so the window, once the steps that drafted have left it, shows no slope.
