@@ -3,8 +3,9 @@ unified and pdv, CPU): the `openai` SDK through its typed arguments, lm-eval's `
 log-likelihoods equal those of the target loaded by transformers, within 1e-4; its generations equal the
 target's greedy output), langchain-openai's streaming `ChatOpenAI`, and aiperf's streamed chat and
 completions profiles with 0 errors. The clients are pinned in requirements-test.txt; aiperf, whose pins
-conflict with requirements.txt, lives in .venv-aiperf (requirements-aiperf.txt); `bash scripts/setup.sh
---test` installs both."""
+conflict with requirements.txt, lives in .venv-aiperf (requirements-aiperf.txt), and lm-eval, whose
+dependencies (scikit-learn among them) transformers would import in every replica, in .venv-lmeval
+(requirements-lmeval.txt): both run as their CLIs. `bash scripts/setup.sh --test` installs all three."""
 
 import inspect
 import json
@@ -31,6 +32,7 @@ TARGET_DIR = REPO / "models" / "vpd-target"
 DRAFT_DIR = REPO / "models" / "vpd-draft"
 TASKS_DIR = REPO / "tests" / "lm_eval_tasks"
 AIPERF = Path(os.environ.get("VPD_AIPERF", REPO / ".venv-aiperf" / "bin" / "aiperf"))
+LM_EVAL = Path(os.environ.get("VPD_LM_EVAL", REPO / ".venv-lmeval" / "bin" / "lm-eval"))
 APP = "unified"
 PDV = "pdv"  # the three lanes (one replica each)
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "num_speculative_tokens": 4, "prefill_chunk_tokens": 64}
@@ -219,25 +221,32 @@ def test_sdk_chat_takes_every_typed_argument():
 
 
 @pytest.fixture(scope="module", params=[APP, PDV])
-def lm_eval_run(request):
+def lm_eval_run(request, tmp_path_factory):
     """lm-eval's two tasks over tests/lm_eval_tasks/python_snippets.jsonl, through `local-completions`
-    with the shipped tokenizer, 4 prompts a request, against each app; returns each task's samples."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    with the shipped tokenizer, 4 prompts a request, against each app, run as its users run it (the CLI,
+    `--log_samples`); returns each task's samples as lm-eval wrote them."""
+    assert LM_EVAL.exists(), f"{LM_EVAL} missing: bash scripts/setup.sh --test installs it"
+    out = tmp_path_factory.mktemp(f"lm_eval_{request.param}")
+    model_args = {"model": MODEL, "base_url": f"{base_url(request.param)}/completions",
+                  "tokenizer_backend": "huggingface", "tokenizer": str(TARGET_DIR), "max_retries": 1}
+    cmd = [str(LM_EVAL), "run", "--model", "local-completions",
+           "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()), "--batch_size", "4",
+           "--tasks", "vpd_python_loglik,vpd_python_generate", "--include_path", str(TASKS_DIR),
+           "--log_samples", "--output_path", str(out)]
+    # The task YAMLs name their JSONL from the repository root, as `lm_eval --include_path` does.
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    samples = {}
+    for task in ("vpd_python_loglik", "vpd_python_generate"):
+        (path,) = out.rglob(f"samples_{task}_*.jsonl")
+        samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
+    return samples
 
-    cwd = os.getcwd()
-    os.chdir(REPO)  # the task YAMLs name their JSONL from the repository root, as `lm_eval --include_path` does
-    try:
-        results = lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args={"model": MODEL, "base_url": f"{base_url(request.param)}/completions",
-                        "tokenizer_backend": "huggingface", "tokenizer": str(TARGET_DIR), "batch_size": 4,
-                        "max_retries": 1},
-            tasks=["vpd_python_loglik", "vpd_python_generate"], task_manager=TaskManager(include_path=str(TASKS_DIR)),
-            log_samples=True)
-    finally:
-        os.chdir(cwd)
-    return results["samples"]
+
+def _arguments(sample: dict) -> list:
+    """A logged sample's request arguments, in order (lm-eval logs them as gen_args_0: {arg_0, arg_1})."""
+    args = sample["arguments"]["gen_args_0"]
+    return [args[f"arg_{i}"] for i in range(len(args))]
 
 
 def lm_eval_split(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -258,8 +267,9 @@ def test_lm_eval_loglikelihoods_equal_the_targets_in_transformers(lm_eval_run, t
     assert len(samples) == 8
     deltas = []
     for sample in samples:
-        loglik, is_greedy = sample["resps"][0][0]
-        context_ids, continuation_ids = lm_eval_split(tokenizer, *sample["arguments"][0])
+        # Logged as strings (lm-eval's sanitize_list): str() of a float round-trips exactly.
+        loglik, is_greedy = float(sample["resps"][0][0][0]), sample["resps"][0][0][1] == "True"
+        context_ids, continuation_ids = lm_eval_split(tokenizer, *_arguments(sample))
         ids = torch.tensor([context_ids + continuation_ids])
         with torch.no_grad():
             logprobs = torch.log_softmax(target.model(ids).logits[0].double(), dim=-1)[len(context_ids) - 1:-1]
@@ -274,7 +284,7 @@ def test_lm_eval_generate_until_equals_the_targets_greedy_text(lm_eval_run, toke
     samples = lm_eval_run["vpd_python_generate"]
     assert len(samples) == 8
     for sample in samples:
-        context, gen_kwargs = sample["arguments"][0]
+        context, gen_kwargs = _arguments(sample)
         ids = hf_greedy(target, tokenizer.encode(context, add_special_tokens=False), gen_kwargs["max_gen_toks"])
         if tokenizer.eos_token_id in ids:  # the served request ends there (no ignore_eos)
             ids = ids[:ids.index(tokenizer.eos_token_id)]
