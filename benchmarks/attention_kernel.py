@@ -1,8 +1,9 @@
 """The pool attention kernel alone, on a GPU: paged blocks of several sizes against one block per slot
 (the contiguous layout, same kernel) and, with --slot-ref, against the slot-pool kernel that paging
 replaced (bb76a15, a checkout made as docs/gpu_runs.md says); each with the split kernel's launch
-settings swept. This is where issue 31's 2 (d) (paged verify step <= 1.05x contiguous) is decided:
-the verify forward differs from the slot code's only in this kernel.
+settings swept: issue 31's 2 (d) (paged verify step <= 1.05x contiguous) on the GPU's side, where a
+paged forward differs from the slot code's only in this kernel (the host's side of a step:
+verify_step_profile.py).
 
     python3 benchmarks/attention_kernel.py --out OUT [--slot-ref results/tmp/slot_ref]
 

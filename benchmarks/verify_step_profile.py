@@ -8,7 +8,9 @@ checkout of the slot-pool code to see which kernels paging made slower (issue 31
 For each of CUDA graphs on (as served) and off (every kernel launched on its own): wall time a step, the
 GPU's busy time a step (the union of kernel intervals), and each kernel's device time a step. With graphs
 on, the profiler may see a graph's kernels or only its launch, depending on the CUDA version; graphs off
-always shows them. Writes verify_step_profile.json.
+always shows them. The window holds gpu_check's whole `verify_step_ms`, so its set-up (one `normal_` over
+the pool, torch's `distribution_elementwise` kernel) is spread over the 11 steps too, the same in both
+trees. Writes verify_step_profile.json.
 """
 
 from __future__ import annotations
