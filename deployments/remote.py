@@ -187,6 +187,7 @@ class RemotePrefiller:
     """Sends each admitted request to the prefill lane once and collects finished prefills."""
 
     reuses_cached_blocks = False  # it prefills and hands over whole prompts
+    draft_may_lag = False  # both caches arrive whole
 
     def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool | None, target_pool: KVPool | None,
                  placement: Placement, owner: str):

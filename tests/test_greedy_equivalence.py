@@ -57,7 +57,8 @@ def test_prefill_replayed_in_width_buckets_keeps_greedy_output(pair, prompts_and
     requests = {str(i): (p, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for i, p in enumerate(prompts)}
     outputs = run_to_completion(engine, requests)
     assert [outputs[str(i)] for i in range(len(prompts))] == refs
-    for runner in runners:
+    # At L = 0 the engine writes no draft KV at prefill (PrefillLane's lazy_draft): only the target prefills.
+    for runner in runners if draft_len else runners[:1]:
         assert runner.prefill_graphs.graphs, "no prefill took the graphed path"
     if captured_at_start:
         assert [(set(r.graphs.graphs), set(r.prefill_graphs.graphs)) for r in runners] == captured, \

@@ -216,6 +216,49 @@ def test_prefix_hits_while_the_owner_still_runs_and_under_preemption(llama_pair)
     _assert_no_leaks(tight)
 
 
+def test_speculation_off_writes_no_draft_kv_and_a_later_request_catches_up_on_a_cached_prefix(llama_pair):
+    """With L = 0 the engine's prefill writes no draft KV (a request costs what it would without a
+    draft model), and its target blocks still serve the prefix cache. With L back on, a request on that
+    prefix finds it in the target pool, not in the draft's; the draft's catch-up writes the rest, and
+    every output equals HF's greedy."""
+    target, draft = llama_pair
+    system = random_prompts(1, VOCAB, 40, 40, seed=45)[0]
+    tails = random_prompts(2, VOCAB, 3, 9, seed=46)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = small_engine(target, draft, block_size=4, num_speculative_tokens=0)
+    engine.add_request("off", system + tails[0], params)
+    off = []
+    while engine.has_work:
+        for out in engine.step():
+            off += out.token_ids
+        assert all(engine.draft.pool.lengths[s.draft_slot] == 0 for s in engine.scheduler.running)
+    engine.set_draft_lengths(3)
+    on, hit = _finish_one(engine, "on", system + tails[1], params)
+    assert off == hf_greedy(target, system + tails[0], 16) and on == hf_greedy(target, system + tails[1], 16)
+    assert hit == len(system)  # every block of the shared prefix, from the target pool alone
+    assert engine.total_stats.num_draft_tokens > 0
+    _assert_no_leaks(engine)
+
+
+def test_one_prefill_forward_writes_draft_kv_only_for_the_rows_that_draft(llama_pair):
+    target, draft = llama_pair
+    prompts = random_prompts(3, VOCAB, 9, 20, seed=47)
+    engine = small_engine(target, draft, num_speculative_tokens=3, prefill_chunk_tokens=64)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.set_draft_lengths(3, {"1": 0})  # before their prefill, which takes the three in one forward
+    by_id, drafted = {}, {}
+    while engine.has_work:
+        for out in engine.step():
+            by_id.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                drafted[out.request_id] = out.stats.num_drafts
+        for seq in engine.scheduler.running:
+            assert (engine.draft.pool.lengths[seq.draft_slot] == 0) == (seq.request_id == "1")
+    assert all(by_id[str(i)] == hf_greedy(target, p, 20) for i, p in enumerate(prompts))
+    assert drafted["1"] == 0 and drafted["0"] > 0 and drafted["2"] > 0
+
+
 def test_eviction_takes_plain_blocks_first_then_the_least_recently_used_and_never_a_held_one():
     from lanes.kv.block_allocator import BlockAllocator
 

@@ -62,6 +62,10 @@ class Prefiller(Protocol):
     # Whether prefill starts where a request's cached prefix ends (lanes/kv/prefix_cache.py); a remote
     # prefill lane computes and hands over whole prompts.
     reuses_cached_blocks: bool
+    # Whether a request's draft KV may lag its target KV after prefill (written only for requests that
+    # draft; the draft's catch-up writes the rest when they do): a prefill lane of its own hands both
+    # caches over whole.
+    draft_may_lag: bool
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
@@ -118,6 +122,10 @@ class LocalPrefiller:
         self.lane = lane
         self.stream = stream
         self._launched: _Launched | None = None
+
+    @property
+    def draft_may_lag(self) -> bool:
+        return self.lane.lazy_draft
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int, TokenLogprobs | None]]:

@@ -134,7 +134,7 @@ class EngineCore:
         self.streams = streams or LaneStreams(torch.device("cpu"))
         self.scheduler = Scheduler(verifier, draft.pool if draft is not None else None, getattr(verifier, "pool", None),
                                    config.max_num_seqs, config.enable_prefix_caching and prefiller.reuses_cached_blocks,
-                                   config.max_draft_len + 1)
+                                   config.max_draft_len + 1, draft_may_lag=prefiller.draft_may_lag)
         self.scheduler.holds_blocks, self.scheduler.forget = prefiller.holds_blocks, prefiller.forget
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
@@ -181,7 +181,7 @@ class EngineCore:
         config = replace(config, max_model_len=min(config.max_model_len,
                                                    target_runner.pool.shape.capacity_tokens - slack))
         streams = LaneStreams(target_runner.device, separate=tp is None)
-        prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner), streams.prefill)
+        prefiller = LocalPrefiller(PrefillLane(target_runner, draft_runner, lazy_draft=True), streams.prefill)
         eos_ids = eos_token_ids(getattr(target.model, "generation_config", None), tokenizer)
         return cls(config, target_runner.vocab_size, tokenizer, eos_ids, draft_runner,
                    LocalVerifier(VerifyLane(target_runner)), prefiller, streams, proposer)

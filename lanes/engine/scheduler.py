@@ -35,7 +35,8 @@ class TargetSlots(Protocol):
 
 class Scheduler:
     def __init__(self, verifier: TargetSlots, draft_pool: KVPool | None, target_pool: KVPool | None = None,
-                 max_num_seqs: int | None = None, prefix_caching: bool = False, step_tokens: int = 1):
+                 max_num_seqs: int | None = None, prefix_caching: bool = False, step_tokens: int = 1,
+                 draft_may_lag: bool = False):
         self.verifier = verifier  # hands out and takes back target slots
         self.draft_pool = draft_pool
         # The pools whose blocks this engine allocates (a remote verify lane's are its own business).
@@ -43,7 +44,9 @@ class Scheduler:
                       if pool is not None]
         self.max_num_seqs = max_num_seqs
         self.step_tokens = step_tokens  # the most tokens one decode step adds to a sequence (L + 1)
-        self.prefix_cache = PrefixCache(self.pools) if prefix_caching and self.pools else None
+        # draft_may_lag: the prefiller writes draft KV only for requests that draft (Prefiller.draft_may_lag).
+        lagging = ("draft_slot",) if draft_may_lag else ()
+        self.prefix_cache = PrefixCache(self.pools, lagging) if prefix_caching and self.pools else None
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []

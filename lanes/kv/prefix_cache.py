@@ -6,7 +6,9 @@ request another prompt's KV, so the hash must resist constructed inputs as well 
 
 Each pool keeps its own cached blocks (lanes/kv/block_allocator.py); a request's cached prefix is the
 longest run of leading full blocks that every pool of the engine holds (target and draft are
-prefilled together, so they must restart from the same position). The last prompt token is always
+prefilled together, so they must restart from the same position). A pool whose KV may lag (the
+draft's, where an engine writes it only for requests that draft) does not bound that run: it takes
+what it holds of it, and the draft's catch-up writes the rest. The last prompt token is always
 recomputed: its logits give the first output token. Requests that ask for prompt logprobs look up
 nothing: those need the logits of every prompt position.
 """
@@ -30,8 +32,9 @@ def block_keys(token_ids: list[int], block_size: int, num_blocks: int) -> list[b
 
 
 class PrefixCache:
-    def __init__(self, pools: list[tuple[KVPool, str]]):
+    def __init__(self, pools: list[tuple[KVPool, str]], lagging: tuple[str, ...] = ()):
         self.pools = pools  # (pool, the Sequence attribute naming its slot there)
+        self.lagging = lagging  # slot attributes of the pools that may hold less of a prompt than the others
         self.block_size = pools[0][0].block_size
         assert all(pool.block_size == self.block_size for pool, _ in pools), "pools of one engine share a block size"
         # vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up, and of those found.
@@ -47,10 +50,10 @@ class PrefixCache:
         if seq.params.prompt_logprobs is not None:
             return 0
         usable = seq.block_keys[: (len(tokens) - 1) // self.block_size]  # the last token is recomputed
-        found = min(self._cached_run(pool, usable) for pool, _ in self.pools)
+        found = min(self._cached_run(pool, usable) for pool, slot in self.pools if slot not in self.lagging)
         for pool, slot in self.pools:
-            blocks = [pool.blocks.lookup(key) for key in usable[:found]]
-            pool.share_blocks(getattr(seq, slot), blocks)
+            run = self._cached_run(pool, usable[:found]) if slot in self.lagging else found
+            pool.share_blocks(getattr(seq, slot), [pool.blocks.lookup(key) for key in usable[:run]])
         hit = found * self.block_size
         self.num_hits += hit
         return hit
@@ -63,9 +66,12 @@ class PrefixCache:
         return len(keys)
 
     def register(self, seq: Sequence) -> None:
-        """Cache the sequence's full blocks whose KV is written (positions below num_prefilled)."""
-        full = min(seq.num_prefilled // self.block_size, len(seq.block_keys))
+        """Cache the sequence's full blocks whose KV is written in each pool (positions below
+        num_prefilled, and below the pool's length for the slot: a lagging pool's may be shorter)."""
         for pool, slot in self.pools:
-            blocks = pool.slot_blocks(getattr(seq, slot))
+            slot_id = getattr(seq, slot)
+            written = min(seq.num_prefilled, int(pool.lengths[slot_id]))
+            full = min(written // self.block_size, len(seq.block_keys))
+            blocks = pool.slot_blocks(slot_id)
             for block, key in zip(blocks[:full], seq.block_keys[:full]):
                 pool.blocks.register(block, key)

@@ -67,9 +67,15 @@ def plan_whole_prompts(seqs: list[Sequence], budget_tokens: int) -> list[Prefill
 
 
 class PrefillLane:
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None):
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, lazy_draft: bool = False):
+        """`lazy_draft`: write the draft's KV only for rows that draft (L > 0). A request admitted
+        while the controller has speculation off then costs what it costs without a draft model, and
+        if L comes back the draft's catch-up (lanes/spec/draft.py) writes what it skipped. The
+        engine's own prefill is lazy; a prefill lane of its own (lanes/spec/prompt_prefiller.py) hands
+        both caches over whole, so it is not."""
         self.target = target
         self.draft = draft
+        self.lazy_draft = lazy_draft
 
     def run(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """Prefill `chunks`; return per row the target's first output token (meaningful only for rows
@@ -100,8 +106,7 @@ class PrefillLane:
         rows = [c.token_ids for c in chunks]
         starts = [c.start for c in chunks]
         ids, last = pad_tokens(rows, self.target.device)
-        if self.draft is not None:
-            self._write(self.draft, [c.seq.draft_slot for c in chunks], ids, starts, chunks, last)
+        self._write_draft(chunks, ids, last)
         # Prompt logprobs need the logits of every position; otherwise only each row's last.
         keep = None if layout.every_position else last
         logits = self._write(self.target, [c.seq.target_slot for c in chunks], ids, starts, chunks, keep)
@@ -123,6 +128,25 @@ class PrefillLane:
         following = to_device(pad_rows([_following(c) for c in chunks])[0], torch.long, logits.device)  # [B, Q]
         following = torch.where(following < 0, first, following)
         return torch.cat([first, pack(logits, following, layout.k)], dim=1)
+
+    def _write_draft(self, chunks: list[PrefillChunk], ids: torch.Tensor, last: torch.Tensor) -> None:
+        """The draft's KV of the chunks whose rows draft, from the batch's padded `ids` where that is all of them."""
+        if self.draft is None:
+            return
+        drafting = [c for c in chunks if self._drafts(c)]
+        if len(drafting) < len(chunks) and drafting:
+            ids, last = pad_tokens([c.token_ids for c in drafting], self.draft.device)
+        if drafting:
+            self._write(self.draft, [c.seq.draft_slot for c in drafting], ids, [c.start for c in drafting],
+                        drafting, last)
+
+    def _drafts(self, chunk: PrefillChunk) -> bool:
+        """Whether the draft's KV of this chunk is written now: always, unless lazy; when lazy, where
+        the row drafts and its draft KV reaches the chunk's start (a row whose draft KV lags, after a
+        stretch at L = 0 or a shorter cached prefix, is left to the catch-up)."""
+        if not self.lazy_draft:
+            return True
+        return chunk.seq.draft_len > 0 and int(self.draft.pool.lengths[chunk.seq.draft_slot]) == chunk.start
 
     @staticmethod
     def _write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, keep) -> torch.Tensor:
