@@ -88,12 +88,14 @@ GOALS = {  # issue 31's goals, by part and check: (comparison, value)
 # Sizes by device; cpu: the small pair on a 2-core machine, enough to walk every path.
 PRESETS = {
     "cuda": dict(shape="tinyllama-7b", dtype="bfloat16", prompt_len=128, output_len=128, concurrencies="1,16,64,128,256",
-                 requests_per_slot=2, settle_requests_per_slot=4, single_requests=4, lane_num_cpus=1.0, extras_concurrency=64, extras_requests=128,
+                 requests_per_slot=2, min_measured_requests=64, settle_requests_per_slot=4, single_requests=4,
+                 lane_num_cpus=1.0, extras_concurrency=64, extras_requests=128,
                  prefix_tokens=2000, suffix_tokens=32, prefix_output_len=16, prefix_concurrency=4,
                  prefix_requests=32, ngram_doc_tokens=1500, ngram_output_len=256, ngram_concurrencies="1,16",
                  request_timeout_s=180.0, deploy_timeout_s=300.0),
     "cpu": dict(shape="small", dtype="float32", prompt_len=32, output_len=16, concurrencies="1,4,8",
-                requests_per_slot=1, settle_requests_per_slot=1, single_requests=2, lane_num_cpus=0.25, extras_concurrency=4, extras_requests=4,
+                requests_per_slot=1, min_measured_requests=0, settle_requests_per_slot=1, single_requests=2,
+                lane_num_cpus=0.25, extras_concurrency=4, extras_requests=4,
                 prefix_tokens=200, suffix_tokens=8, prefix_output_len=4, prefix_concurrency=2, prefix_requests=4,
                 ngram_doc_tokens=120, ngram_output_len=24, ngram_concurrencies="1,4", request_timeout_s=300.0,
                 deploy_timeout_s=600.0),
@@ -336,7 +338,9 @@ def controller_loads(requests: list[WorkloadRequest], concurrencies: list[int], 
     for c in concurrencies:
         if args.settle_requests_per_slot:
             loads.append(Load(f"settle c{c}", requests[-settle_requests(args, c):], ClosedLoop(c), measured=False))
-        count = args.single_requests if c == 1 else args.requests_per_slot * c
+        # At least `min_measured_requests` a point: 2 x 16 requests are ~2 s on an H200, and in one run the
+        # same app gave 1.42x nospec over its 64 settling requests and 1.25x over the 32 measured after.
+        count = args.single_requests if c == 1 else max(args.requests_per_slot * c, args.min_measured_requests)
         loads.append(Load(f"c{c}", requests[:count], ClosedLoop(c)))
     return loads + [Load("poisson", requests[: args.requests_per_slot * max(concurrencies)], **poisson)]
 
@@ -419,8 +423,8 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
         f"{args.output_len} output tokens, greedy, ignore_eos; max_num_seqs {args.max_num_seqs}, L starts at "
         f"{DRAFT_LEN}; controller {json.dumps(controller)} (spec and unified; nospec has nothing to control).",
         f"poisson: {args.rate_factor} x nospec's completed requests/s at c{max(concurrencies)}, the same "
-        "arrival times for every mode. Each closed loop sends 2 x C requests (4 at C = 1), after an unmeasured "
-        f"one of {args.settle_requests_per_slot} x C (at least {3 * args.single_requests}) at the same C."]
+        "arrival times for every mode. Each closed loop sends 2 x C requests (4 at C = 1; at least "
+        f"{args.min_measured_requests} at C > 1), after an unmeasured one of {args.settle_requests_per_slot} x C (at least {3 * args.single_requests}) at the same C."]
     trace: list[dict] = []
     report.doc["controller_trace"] = trace
     top = f"c{max(concurrencies)}"

@@ -159,12 +159,16 @@ def test_each_controller_point_follows_an_unmeasured_one_at_its_concurrency():
     """The L a point shows is the one the controller settles on at that load: an unmeasured closed loop of
     the same concurrency runs first, on requests of its own (the measured ones' prompts stay out of the
     prefix cache)."""
-    args = SimpleNamespace(max_num_seqs=8, single_requests=2, requests_per_slot=2, settle_requests_per_slot=3)
+    args = SimpleNamespace(max_num_seqs=8, single_requests=2, requests_per_slot=2, min_measured_requests=12,
+                           settle_requests_per_slot=3)
     requests = list(range(2 * 8 + 8 + 3 * 8))  # as part_controller draws them: measured, warm-up, settling
-    loads = controller_loads(requests, [1, 8], args, {"rate_of": "c8", "factor": 0.9})
+    loads = controller_loads(requests, [1, 4, 8], args, {"rate_of": "c8", "factor": 0.9})
     assert [(load.name, load.measured) for load in loads] == [
-        ("warmup", False), ("settle c1", False), ("c1", True), ("settle c8", False), ("c8", True), ("poisson", True)]
+        ("warmup", False), ("settle c1", False), ("c1", True), ("settle c4", False), ("c4", True),
+        ("settle c8", False), ("c8", True), ("poisson", True)]
     by_name = {load.name: load for load in loads}
+    # 2 x C a point, at least min_measured_requests past C = 1
+    assert [len(by_name[name].requests) for name in ("c1", "c4", "c8")] == [2, 12, 16]
     assert by_name["settle c1"].arrivals.concurrency == 1 and by_name["settle c8"].arrivals.concurrency == 8
     assert len(by_name["settle c1"].requests) == 6 and len(by_name["settle c8"].requests) == 24
     measured = {r for load in loads if load.measured for r in load.requests}
