@@ -62,10 +62,17 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # pd512, pdv512: the prefill lane's forwards hold at most 512 tokens (unified's chunk while decoding)
 # instead of idle_prefill_tokens' 1,024, so that under MPS a decode step shares the GPU with no more
 # prefill than unified puts beside its own decode steps.
+# *_samepri: the prefill lane's kernels at MPS's normal priority, as the other lanes' (by default it runs below
+# them, deployments/config.py DEFAULT_MPS_PRIORITY): what the priority buys under --mps.
 VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {"num_gpus": 0.54},
                              "decode_lane": {"num_gpus": 0.08, "num_replicas": 2}}),
             "pd512": ("pd", {"engine": {"idle_prefill_tokens": 512}}),
-            "pdv512": ("pdv", {"engine": {"idle_prefill_tokens": 512}})}
+            "pdv512": ("pdv", {"engine": {"idle_prefill_tokens": 512}}),
+            "pd_samepri": ("pd", {"prefill_lane": {"mps_priority": "normal"}}),
+            "pdv_samepri": ("pdv", {"prefill_lane": {"mps_priority": "normal"}}),
+            "pd512_samepri": ("pd", {"engine": {"idle_prefill_tokens": 512}, "prefill_lane": {"mps_priority": "normal"}}),
+            "pdv512_samepri": ("pdv", {"engine": {"idle_prefill_tokens": 512},
+                                       "prefill_lane": {"mps_priority": "normal"}})}
 MPS_DIR = Path("/tmp/vpd-mps")  # short: the daemon's pipes are Unix sockets (108-byte paths)
 SIZES = {  # by device: mixed traffic's lengths (MIXED), the max-len prompt, in flight, requests, mixed requests
     "cuda": dict(MIXED["cuda"], max_len_prompt=7000, in_flight=64, requests=256, mixed=240),

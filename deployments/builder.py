@@ -10,7 +10,7 @@ from lanes.model.families import UnsupportedModelError
 from lanes.parallel.tensor_parallel import check_shardable
 
 from controller.actor import ControllerDeployment
-from deployments.config import AppConfig
+from deployments.config import DEFAULT_MPS_PRIORITY, AppConfig
 from deployments.engine_replica import EngineDeployment
 from deployments.factories import (build_engine, build_prompt_prefiller, build_verify_lane, load_prefill_shards,
                                    load_shards, load_verify_shards)
@@ -50,7 +50,8 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
 
 
 def _options(cfg: AppConfig, lane: str) -> dict:
-    return getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane))
+    return getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane),
+                                                 DEFAULT_MPS_PRIORITY.get(lane, "normal"))
 
 
 def _workers(cfg: AppConfig, lane: str, load):

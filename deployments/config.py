@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from controller.config import ControllerConfig
-from deployments.gpu_binding import lane_device, peer_access_env
+from deployments.gpu_binding import lane_device, mps_priority_env, peer_access_env
 from lanes.engine.core import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +37,9 @@ MODE_LANES: dict[str, tuple[str, ...]] = {
     "unified": ("decode_lane",),  # the co-located lane engine: decode first, chunked prefill
     "nospec": ("decode_lane",),  # target only
 }
+# The lanes' order on a GPU they share under MPS where their config leaves it unset (LaneConfig.mps_priority):
+# prefill lowest, as the design has it; MPS has two levels, so decode and verify share the normal one.
+DEFAULT_MPS_PRIORITY = {"prefill_lane": "below_normal"}
 
 
 class _Strict(BaseModel):
@@ -113,17 +116,24 @@ class LaneConfig(_Strict):
     health_check_period_s: float = Field(default=10.0, gt=0, description="How often Serve runs a replica's "
                                          "health check (a dead or wedged engine fails it, and Serve replaces "
                                          "the replica).")
+    mps_priority: Literal["normal", "below_normal"] | None = Field(
+        default=None, description="Where lanes share a GPU as clients of NVIDIA MPS, the priority of this lane's "
+        "kernels against the others' (CUDA_MPS_CLIENT_PRIORITY). Unset: below_normal for the prefill lane, "
+        "normal for the others, as unified orders its streams. No effect without MPS.")
 
     def bind_device(self) -> str:
         """Inside this lane's replica, before CUDA starts: the device to run on (and which GPUs it sees)."""
         return lane_device(self.num_gpus)
 
-    def deployment_options(self, peer_access: bool = False, tensor_parallel_size: int = 1) -> dict:
+    def deployment_options(self, peer_access: bool = False, tensor_parallel_size: int = 1,
+                           default_mps_priority: str = "normal") -> dict:
         """Serve options of the lane's deployment. With `tensor_parallel_size` N > 1 each replica owns a
         placement group of N bundles on one node: its own (bundle 0) and one per worker rank, each
-        with the replica's GPUs and CPUs (deployments/tp_workers.py places the workers in them)."""
+        with the replica's GPUs and CPUs (deployments/tp_workers.py places the workers in them).
+        `default_mps_priority`: the lane's MPS priority where `mps_priority` is unset."""
         actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if env_vars := peer_access_env(self.num_gpus, peer_access):
+        priority = self.mps_priority or default_mps_priority
+        if env_vars := {**peer_access_env(self.num_gpus, peer_access), **mps_priority_env(priority, self.num_gpus)}:
             actor["runtime_env"] = {"env_vars": env_vars}  # Ray merges these with the app's own env_vars
         opts = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor,
                 "health_check_period_s": self.health_check_period_s}

@@ -12,11 +12,20 @@ PCIe. Indices then differ between processes; pools are matched by GPU UUID (depl
 import os
 
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+# NVIDIA MPS: a client process's kernel priority against the other clients on its GPU (0 normal, 1 below
+# normal). Lanes on one GPU under MPS run their kernels side by side; this is what keeps prefill behind
+# decode and verify there, as unified's stream priorities do inside its one process. Ignored without MPS.
+MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 
 
 def peer_access_env(num_gpus: float, enabled: bool) -> dict[str, str]:
     """Environment variables of a lane replica: Ray keeps out of CUDA_VISIBLE_DEVICES, where that applies."""
     return {NOSET_ENV: "1"} if enabled and num_gpus > 0 else {}
+
+
+def mps_priority_env(priority: str, num_gpus: float) -> dict[str, str]:
+    """Environment variables of a lane replica for its MPS priority: set only where it lowers one on a GPU."""
+    return {MPS_PRIORITY_ENV: "1"} if priority == "below_normal" and num_gpus > 0 else {}
 
 
 def own_gpu_first(own_id: str, node_gpus: list[str]) -> str:

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from deployments.config import AppConfig, LaneConfig
-from deployments.gpu_binding import NOSET_ENV, lane_device, own_gpu_first, peer_access_env
+from deployments.gpu_binding import MPS_PRIORITY_ENV, NOSET_ENV, lane_device, own_gpu_first, peer_access_env
 from deployments.kv_transfer import Placement
 
 
@@ -29,6 +29,23 @@ def test_only_gpu_lanes_of_apps_with_peer_access_keep_ray_out_of_cuda_visible_de
     assert "runtime_env" not in lane.deployment_options(peer_access=False)["ray_actor_options"]
     assert "runtime_env" not in LaneConfig().deployment_options(peer_access=True)["ray_actor_options"]  # CPU lane
     assert AppConfig().kv_peer_access and not AppConfig(kv_peer_access=False).kv_peer_access
+
+
+def test_under_mps_the_prefill_lane_runs_below_the_others_unless_its_config_says_otherwise():
+    from deployments.builder import _options
+
+    env = lambda opts: opts["ray_actor_options"].get("runtime_env", {}).get("env_vars", {})  # noqa: E731
+    cfg = AppConfig(mode="pdv", kv_peer_access=False, prefill_lane={"num_gpus": 0.3}, decode_lane={"num_gpus": 0.1},
+                    verify_lane={"num_gpus": 0.5})
+    assert env(_options(cfg, "prefill_lane")) == {MPS_PRIORITY_ENV: "1"}
+    assert env(_options(cfg, "decode_lane")) == {} and env(_options(cfg, "verify_lane")) == {}
+    assert env(_options(cfg.model_copy(update={"prefill_lane": LaneConfig(num_gpus=0.3, mps_priority="normal")}),
+                        "prefill_lane")) == {}
+    assert env(_options(cfg.model_copy(update={"verify_lane": LaneConfig(num_gpus=0.5, mps_priority="below_normal")}),
+                        "verify_lane")) == {MPS_PRIORITY_ENV: "1"}
+    assert env(_options(AppConfig(mode="pd", kv_peer_access=False), "prefill_lane")) == {}  # a CPU lane: no GPU to share
+    with_peers = AppConfig(mode="pd", prefill_lane={"num_gpus": 0.3})
+    assert env(_options(with_peers, "prefill_lane")) == {NOSET_ENV: "1", MPS_PRIORITY_ENV: "1"}
 
 
 def test_outside_ray_a_lane_device_is_plain(monkeypatch):
