@@ -7,6 +7,7 @@ import torch
 
 from lanes.kv.pool import KVPool, PoolFullError, PoolShape
 from lanes.sample.params import SamplingParams
+from lanes.spec.draft import CATCH_UP_FORWARDS
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 
@@ -257,6 +258,32 @@ def test_one_prefill_forward_writes_draft_kv_only_for_the_rows_that_draft(llama_
             assert (engine.draft.pool.lengths[seq.draft_slot] == 0) == (seq.request_id == "1")
     assert all(by_id[str(i)] == hf_greedy(target, p, 20) for i, p in enumerate(prompts))
     assert drafted["1"] == 0 and drafted["0"] > 0 and drafted["2"] > 0
+
+
+def test_a_draft_cache_a_whole_prompt_behind_catches_up_over_several_steps(llama_pair, monkeypatch):
+    """A prompt prefilled at L = 0 leaves the draft cache a whole prompt behind: once L is back, each step
+    runs at most CATCH_UP_FORWARDS catch-up forwards (the row drafts nothing until it is within two
+    tokens), so no one step is held for the whole prompt; the output is HF's greedy."""
+    target, draft = llama_pair
+    prompt = random_prompts(1, VOCAB, 250, 250, seed=48)[0]
+    engine = small_engine(target, draft, num_speculative_tokens=0, idle_prefill_tokens=256)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    out = []
+    while not engine.scheduler.running:
+        out += [t for o in engine.step() for t in o.token_ids]
+    engine.set_draft_lengths(3)
+    forward, catch_ups = engine.draft.forward, []
+
+    def counted(*args, **kwargs):
+        catch_ups[-1] += bool(kwargs.get("prefill"))  # catch-up forwards; drafting's are not prefill
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.draft, "forward", counted)
+    while engine.has_work:
+        catch_ups.append(0)
+        out += [t for o in engine.step() for t in o.token_ids]
+    assert max(catch_ups) == CATCH_UP_FORWARDS and sum(catch_ups) == 4  # 248 tokens, 64 a forward
+    assert out == hf_greedy(target, prompt, 30) and engine.total_stats.num_draft_tokens > 0
 
 
 def test_eviction_takes_plain_blocks_first_then_the_least_recently_used_and_never_a_held_one():

@@ -21,6 +21,9 @@ from lanes.sample.penalties import Penalties, PenaltyHistory
 from lanes.sample.sampling import STREAM_DRAFT, SamplingTensors, draw
 
 CATCH_UP_CHUNK = 64  # tokens per catch-up forward for a sequence whose draft cache fell behind
+# Catch-up forwards one step runs at most. A row's draft cache may lag by a whole prompt (prefilled at L = 0,
+# lanes/spec/prefill.py): caught up at once, a 7,000-token prompt would hold one step for ~110 forwards.
+CATCH_UP_FORWARDS = 2
 
 
 @dataclass
@@ -63,18 +66,19 @@ class DraftLane:
         self.runner = runner
 
     def propose(self, seqs: list[Sequence], draft_lens: list[int]) -> DraftProposal:
-        """Draft `draft_lens[i]` tokens for `seqs[i]` (0 allowed), sampling as each request asks."""
-        batch, max_len = len(seqs), max(draft_lens, default=0)
-        device = self.runner.device
+        """Draft `draft_lens[i]` tokens for `seqs[i]` (0 allowed), sampling as each request asks. A row
+        whose draft cache is still catching up drafts nothing this step (`num_draft` 0)."""
+        batch, device = len(seqs), self.runner.device
+        asked = self._caught_up(seqs, draft_lens)  # the model drafts every token asked for
+        max_len = max(asked, default=0)
         if max_len == 0:
             return DraftProposal.empty(batch, device)
-        drafting = [i for i, n in enumerate(draft_lens) if n > 0]
-        all_seqs, asked = seqs, draft_lens  # the model drafts every token asked for
+        drafting = [i for i, n in enumerate(asked) if n > 0]
+        all_seqs, draft_lens = seqs, asked
         if len(drafting) < batch:
-            seqs, draft_lens = [seqs[i] for i in drafting], [draft_lens[i] for i in drafting]
+            seqs, draft_lens = [seqs[i] for i in drafting], [asked[i] for i in drafting]
         slots = [s.draft_slot for s in seqs]
         num_tokens = [len(s.token_ids) for s in seqs]
-        self._catch_up(seqs, slots, num_tokens)
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
         # The grammar's column masks (None unless a row has one), made once the first forward is queued,
         # so that their host work overlaps it.
@@ -127,11 +131,27 @@ class DraftLane:
         pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
         return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None, masks  # [B, L], [B, L, V]
 
+    def _caught_up(self, seqs: list[Sequence], draft_lens: list[int]) -> list[int]:
+        """`draft_lens`, with 0 for the rows whose draft cache is still more than two tokens behind after
+        this step's catch-up (drafting starts from a short, bounded input)."""
+        rows = [i for i, n in enumerate(draft_lens) if n > 0]
+        if not rows:
+            return list(draft_lens)
+        slots = [seqs[i].draft_slot for i in rows]
+        num_tokens = [len(seqs[i].token_ids) for i in rows]
+        self._catch_up([seqs[i] for i in rows], slots, num_tokens)
+        lagging = np.subtract(num_tokens, self.runner.pool.lengths[slots]) > 2
+        asked = list(draft_lens)
+        for i in np.asarray(rows)[lagging].tolist():
+            asked[i] = 0
+        return asked
+
     def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> None:
-        """Feed tokens the draft has not seen (after a stretch with L = 0) until at most two remain,
-        so that drafting itself starts from a short, bounded input."""
+        """Feed tokens the draft has not seen (after a stretch with L = 0, or a prompt prefilled at
+        L = 0), CATCH_UP_CHUNK a row per forward, in at most CATCH_UP_FORWARDS forwards: a row further
+        behind goes on at the next step."""
         pool = self.runner.pool
-        while True:
+        for _ in range(CATCH_UP_FORWARDS):
             behind = np.flatnonzero(np.subtract(num_tokens, pool.lengths[slots]) > 2).tolist()
             if not behind:
                 return
