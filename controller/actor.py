@@ -51,7 +51,7 @@ log = logging.getLogger("ray.serve")
 # A stats() call waits for the engine's current step; under CPU load a step can take seconds.
 STATS_TIMEOUT_S = 10.0
 _COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-_STEP_TOTALS = ("num_steps", "step_ms", "rows", "draft_tokens", "draft_forwards")
+_STEP_TOTALS = ("num_steps", "step_ms", "rows", "draft_tokens", "draft_forwards", "prefill_tokens")
 # A measured ratio outside these is a measurement gone wrong (or a drafter as large as its target).
 MIN_DRAFT_COST_RATIO, MAX_DRAFT_COST_RATIO = 0.01, 0.95
 RATIO_ROWS = 16  # the batch size at which c, the drafter's cost relative to the target's, is read
@@ -101,7 +101,7 @@ class SignalReader:
         for replica, now in current.items():
             # A replica seen for the first time (or restarted, with a new id) counts from 0.
             before = self._step_totals.get(replica, {})
-            delta = StepTotals(*(now[k] - before.get(k, 0) for k in _STEP_TOTALS))
+            delta = StepTotals(*(now.get(k, 0) - before.get(k, 0) for k in _STEP_TOTALS))
             if delta.num_steps > 0:
                 deltas.append(delta)
         self._step_totals = current

@@ -26,6 +26,15 @@ grows with the target's forward: on an H200 (TinyLlama for a 7B target) that ove
 The fit then subtracts the drafter's measured time, d0 F + d1 D, from each sample and fits the target's
 line to the rest: y = t0 + b z with y = (step_ms - d0 F - d1 D) / steps and z = T / steps.
 
+Prefill beside decode. Unified launches a prefill chunk (up to `prefill_chunk_tokens` prompt tokens) in
+most decode steps, and a step's wall time includes it. Charged to the verified tokens alone, that chunk
+steepened unified's fitted slope to 0.06-0.08 ms a token against spec's 0.03-0.05 on the same H200 (spec
+prefills in steps of its own, which verify nothing and are not counted), and the model turned speculation
+off at 256 in flight where spec's kept L = 1 and gained (benchmarks/results/issue31_h200, fifth set). A
+prompt token goes through the same weights as a verified one, so each sample's forward counts P prompt
+tokens as well: z = (T + P) / steps. The decision leaves P out: the prompts to prefill are the same
+whatever L is, so only the decode part of a step depends on L.
+
 A window whose z hardly varies cannot tell the slope: at L = 0 under a steady load every step verifies the
 same n tokens. There the slope of the previous fit carries over (b = 0 before the first fit: a step's cost
 independent of L, what the policy assumed before this model): b = (S_zy + lam b_prev) / (S_zz + lam) with
@@ -88,11 +97,12 @@ class StepCostModel:
 def _line_point(totals: StepTotals, draft_cost_ratio: float, draft: DraftCost | None = None) -> tuple[float, float, float]:
     """(z, y / x, weight) of one sample: the step totals as one point of the line y / x = t0 + b z."""
     steps, c = totals.num_steps, draft_cost_ratio
+    target_tokens = totals.rows + totals.draft_tokens + totals.prefill_tokens  # verified, and prompt tokens beside
     if draft is not None:  # the drafter's measured time out, the target's line from the rest (x = 1)
         drafter_ms = draft.t0_ms * totals.draft_forwards + draft.slope_ms_per_row * totals.draft_tokens
-        return (totals.rows + totals.draft_tokens) / steps, (totals.step_ms - drafter_ms) / steps, float(steps)
+        return target_tokens / steps, (totals.step_ms - drafter_ms) / steps, float(steps)
     x = 1.0 + c * totals.draft_forwards / steps
-    verify_tokens = (totals.rows + totals.draft_tokens) / steps
+    verify_tokens = target_tokens / steps
     z = (verify_tokens + c * totals.draft_tokens / steps) / x
     return z, totals.step_ms / steps / x, steps * x * x
 

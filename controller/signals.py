@@ -42,9 +42,12 @@ class StepTotals:
     # Drafter forwards, summed: per step the mean L of its rows that drafted (the drafter runs max L
     # forwards; the two agree when those rows share one L, as they do under one default L).
     draft_forwards: float
+    # Prompt tokens of the prefill chunks launched in those steps (unified runs one beside most decode
+    # steps; their time is in step_ms), summed.
+    prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.num_steps, self.step_ms, self.rows, self.draft_tokens, self.draft_forwards) < 0:
+        if min(self.num_steps, self.step_ms, self.rows, self.draft_tokens, self.draft_forwards, self.prefill_tokens) < 0:
             raise ValueError(f"negative step total: {self}")
         if self.rows < self.num_steps:
             raise ValueError(f"every counted step verifies at least one row: {self}")

@@ -32,13 +32,15 @@ class EngineMetrics:
         # Running totals; the controller takes deltas. The id tells it a restarted replica (whose totals
         # start again from 0) from this one.
         self._verify_steps = {"replica": uuid.uuid4().hex, "num_steps": 0, "step_ms": 0.0, "rows": 0,
-                              "draft_tokens": 0, "draft_forwards": 0.0}
+                              "draft_tokens": 0, "draft_forwards": 0.0, "prefill_tokens": 0}
+        self._prefill_tokens_seen = 0  # the engine's prompt tokens launched in prefill chunks, at the last step
 
     def on_step(self, snap: EngineSnapshot, step_ms: float, batch_size: int) -> None:
         """After every engine step (on the engine thread, or on the thread that reads an engine process)."""
         self._steps.append((time.monotonic(), step_ms))
+        prefill_tokens, self._prefill_tokens_seen = snap.num_prefill_tokens - self._prefill_tokens_seen, snap.num_prefill_tokens
         if batch_size:  # a step that only prefilled says nothing about what verification costs
-            self._count_verify_step(snap.total_stats, step_ms, batch_size)
+            self._count_verify_step(snap.total_stats, step_ms, batch_size, prefill_tokens)
         self.metrics.observe_step(step_ms, batch_size)  # also samples the GPU now and then
         for draft_len in snap.draft_lens:
             self.metrics.observe_request_draft_length(draft_len)
@@ -65,7 +67,7 @@ class EngineMetrics:
                 self.metrics.set_kv_blocks(*blocks, model)
         self.metrics.set_draft_length(snap.default_draft_len)
 
-    def _count_verify_step(self, total: SpecDecodeStats, step_ms: float, rows: int) -> None:
+    def _count_verify_step(self, total: SpecDecodeStats, step_ms: float, rows: int, prefill_tokens: int) -> None:
         # Before _export_spec: the spec counters' change since the last export is this step's.
         drafts = total.num_drafts - self._exported.num_drafts
         draft_tokens = total.num_draft_tokens - self._exported.num_draft_tokens
@@ -74,13 +76,14 @@ class EngineMetrics:
         t["step_ms"] += step_ms
         t["rows"] += rows
         t["draft_tokens"] += draft_tokens
+        t["prefill_tokens"] += prefill_tokens  # launched beside the decode step, in its wall time
         # The drafter ran max L forwards over the rows that drafted; the counters give their mean L,
         # the same number when those rows share one L.
         t["draft_forwards"] += draft_tokens / drafts if drafts else 0.0
 
     def verify_step_totals(self) -> dict:
         """Running totals of the steps that verified a batch: their number, wall time (ms), rows, draft
-        tokens and drafter forwards, with this replica's id."""
+        tokens, drafter forwards and the prompt tokens prefilled beside them, with this replica's id."""
         return dict(self._verify_steps)
 
     def _export_spec(self, total: SpecDecodeStats) -> None:

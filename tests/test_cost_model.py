@@ -157,15 +157,19 @@ def test_current_l_is_kept_unless_the_best_beats_it_by_min_gain():
 
 def test_engine_metrics_count_the_steps_that_verify(llama_pair):
     """A real (tiny, CPU) engine stepped as AsyncEngine steps it, its metrics told after every step: the
-    totals count the steps that verified a batch, their rows, and exactly the engine's draft tokens; all
-    rows draft at one L here, so the drafter forwards are that L per step."""
+    totals count the steps that verified a batch, their rows, exactly the engine's draft tokens, and the
+    prompt tokens prefilled beside them; all rows draft at one L here, so the drafter forwards are that L
+    per step."""
     target, draft = llama_pair
     engine = small_engine(target, draft, num_speculative_tokens=3)
     metrics = EngineMetrics("engine", "unified")
-    for i, prompt in enumerate(random_prompts(3, VOCAB, 5, 12, seed=4)):
+    *prompts, late = random_prompts(4, VOCAB, 5, 12, seed=4)
+    for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     verify_steps, rows, total_ms = 0, 0, 0.0
     while engine.has_work:
+        if verify_steps == 2 and "late" not in engine.scheduler.by_id:  # its prompt is prefilled beside decoding
+            engine.add_request("late", late, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         batch_size = len(engine.scheduler.running)
         start = time.perf_counter()
         engine.step()
@@ -180,6 +184,8 @@ def test_engine_metrics_count_the_steps_that_verify(llama_pair):
     # Steps near a request's max_tokens draft fewer tokens; the rest draft 3.
     assert 1.0 * verify_steps <= totals["draft_forwards"] <= 3.0 * verify_steps
     assert totals["draft_forwards"] == pytest.approx(3.0 * verify_steps, rel=0.35)
+    # Prompt tokens launched beside decode steps: the late prompt's; the first prompts ran in a step of their own.
+    assert totals["prefill_tokens"] == len(late)
 
 
 def test_the_engine_times_a_one_token_forward_of_each_model_and_reports_it(llama_pair):
@@ -251,6 +257,26 @@ def test_with_the_measured_drafter_speculation_stays_on_where_the_c_model_turned
     assert fastest_draft_len(fit, rows, accept, 0, 0, 8, c, 0.02, 0.03, measured) == 1
     gain = tokens_per_s(fit, rows, accept, 1, c, measured) / tokens_per_s(fit, rows, accept, 0, c, measured)
     assert gain > 1.05
+
+
+def test_prefill_beside_decode_counts_in_the_fit_and_stays_out_of_the_choice_of_l():
+    """Unified launches a prefill chunk beside most decode steps, whose time is in the step's. Charged to the
+    verified tokens alone, a chunk that grows with the batch steepens the fitted slope (on an H200, unified's
+    0.06-0.08 ms a token against spec's 0.03-0.05) and turns speculation off; counted as tokens of the same
+    forward, the line is the target's own, and L = 1 stays on where it pays (issue31_h200, fifth set)."""
+    true, drafter = StepCost(4.5, 0.03), DraftCost(1.3, 0.0016)
+
+    def at(rows: int, prefill_tokens: int) -> StepTotals:  # 50 steps at L = 0
+        return StepTotals(50, 50 * true.forward_ms(rows + prefill_tokens), rows * 50, 0, 0.0, prefill_tokens * 50)
+
+    samples = [at(rows, 2 * rows) for rows in (64, 128, 192)]
+    fit = fit_step_cost(samples, None, C, SPREAD, drafter)
+    assert fit.t0_ms == pytest.approx(true.t0_ms, rel=0.01)
+    assert fit.slope_ms_per_token == pytest.approx(true.slope_ms_per_token, rel=0.01)
+    assert fastest_draft_len(fit, 128.0, 0.8, 0, 0, 8, C, 0.02, 0.03, drafter) == 1
+    blind = fit_step_cost([StepTotals(t.num_steps, t.step_ms, t.rows, 0, 0.0) for t in samples], None, C, SPREAD, drafter)
+    assert blind.slope_ms_per_token > 2.5 * true.slope_ms_per_token
+    assert fastest_draft_len(blind, 128.0, 0.8, 0, 0, 8, C, 0.02, 0.03, drafter) == 0
 
 
 def test_the_decode_p95_forgets_a_burst_once_the_load_is_light(llama_pair):

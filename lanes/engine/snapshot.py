@@ -23,6 +23,7 @@ class EngineSnapshot:
     target_blocks: tuple[int, int] | None = None  # the same for a local target pool
     prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache since start, and found
     num_oom_recoveries: int = 0  # out-of-memory errors in a step recovered from since start (lanes/engine/step_cap.py)
+    num_prefill_tokens: int = 0  # prompt tokens launched in this engine's own prefill chunks since start
 
 
 def snapshot(core: EngineCore) -> EngineSnapshot:
@@ -41,6 +42,7 @@ def snapshot(core: EngineCore) -> EngineSnapshot:
         target_blocks=_blocks(target_pool),
         prefix_cache=(cache.num_queries, cache.num_hits) if (cache := sched.prefix_cache) is not None else (0, 0),
         num_oom_recoveries=core.step_cap.num_oom_recoveries,
+        num_prefill_tokens=sched.num_prefill_tokens,
     )
 
 
