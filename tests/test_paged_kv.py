@@ -282,7 +282,7 @@ def test_a_draft_cache_a_whole_prompt_behind_catches_up_over_several_steps(llama
     while engine.has_work:
         catch_ups.append(0)
         out += [t for o in engine.step() for t in o.token_ids]
-    assert max(catch_ups) == CATCH_UP_FORWARDS and sum(catch_ups) == 4  # 248 tokens, 64 a forward
+    assert max(catch_ups) == CATCH_UP_FORWARDS and sum(catch_ups) == 4  # ~250 tokens, 64 a forward
     assert out == hf_greedy(target, prompt, 30) and engine.total_stats.num_draft_tokens > 0
 
 
