@@ -6,6 +6,7 @@ between the L forwards the rows advance on the device, and nothing is read back 
 drawn token is, while the next forward runs: the next position's mask depends on it).
 """
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -69,16 +70,20 @@ class DraftLane:
         """Draft `draft_lens[i]` tokens for `seqs[i]` (0 allowed), sampling as each request asks. A row
         whose draft cache is still catching up drafts nothing this step (`num_draft` 0)."""
         batch, device = len(seqs), self.runner.device
-        asked = self._caught_up(seqs, draft_lens)  # the model drafts every token asked for
-        max_len = max(asked, default=0)
-        if max_len == 0:
+        drafting = [i for i, n in enumerate(draft_lens) if n > 0]
+        slots = [seqs[i].draft_slot for i in drafting]
+        num_tokens = [len(seqs[i].token_ids) for i in drafting]
+        lagging = self._catch_up([seqs[i] for i in drafting], slots, num_tokens)
+        if lagging.any():  # rows still catching up draft nothing this step
+            keep = np.flatnonzero(~lagging).tolist()
+            drafting, slots, num_tokens = [drafting[k] for k in keep], [slots[k] for k in keep], [num_tokens[k] for k in keep]
+        if not drafting:
             return DraftProposal.empty(batch, device)
-        drafting = [i for i, n in enumerate(asked) if n > 0]
-        all_seqs, draft_lens = seqs, asked
-        if len(drafting) < batch:
-            seqs, draft_lens = [seqs[i] for i in drafting], [asked[i] for i in drafting]
-        slots = [s.draft_slot for s in seqs]
-        num_tokens = [len(s.token_ids) for s in seqs]
+        asked = [0] * batch  # the model drafts every token asked for
+        for i in drafting:
+            asked[i] = draft_lens[i]
+        max_len = max(asked)
+        all_seqs, seqs, draft_lens = seqs, [seqs[i] for i in drafting], [asked[i] for i in drafting]
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
         # The grammar's column masks (None unless a row has one), made once the first forward is queued,
         # so that their host work overlaps it.
@@ -131,30 +136,17 @@ class DraftLane:
         pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
         return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None, masks  # [B, L], [B, L, V]
 
-    def _caught_up(self, seqs: list[Sequence], draft_lens: list[int]) -> list[int]:
-        """`draft_lens`, with 0 for the rows whose draft cache is still more than two tokens behind after
-        this step's catch-up (drafting starts from a short, bounded input)."""
-        rows = [i for i, n in enumerate(draft_lens) if n > 0]
-        if not rows:
-            return list(draft_lens)
-        slots = [seqs[i].draft_slot for i in rows]
-        num_tokens = [len(seqs[i].token_ids) for i in rows]
-        self._catch_up([seqs[i] for i in rows], slots, num_tokens)
-        lagging = np.subtract(num_tokens, self.runner.pool.lengths[slots]) > 2
-        asked = list(draft_lens)
-        for i in np.asarray(rows)[lagging].tolist():
-            asked[i] = 0
-        return asked
-
-    def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> None:
+    def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> np.ndarray:
         """Feed tokens the draft has not seen (after a stretch with L = 0, or a prompt prefilled at
         L = 0), CATCH_UP_CHUNK a row per forward, in at most CATCH_UP_FORWARDS forwards: a row further
-        behind goes on at the next step."""
+        behind goes on at the next step. Returns per row whether it is still more than two tokens behind
+        (drafting starts from a short, bounded input)."""
         pool = self.runner.pool
-        for _ in range(CATCH_UP_FORWARDS):
-            behind = np.flatnonzero(np.subtract(num_tokens, pool.lengths[slots]) > 2).tolist()
-            if not behind:
-                return
+        for forwards in itertools.count():
+            lagging = np.subtract(num_tokens, pool.lengths[slots]) > 2
+            if forwards == CATCH_UP_FORWARDS or not lagging.any():
+                return lagging
+            behind = np.flatnonzero(lagging).tolist()
             behind_slots = [slots[i] for i in behind]
             starts = pool.lengths[behind_slots].tolist()
             chunks = [seqs[i].token_ids[n : min(n + CATCH_UP_CHUNK, num_tokens[i] - 2)] for i, n in zip(behind, starts)]
