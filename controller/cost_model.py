@@ -92,6 +92,9 @@ class StepCostModel:
 
     samples: tuple[tuple[int, StepTotals], ...] = ()  # (decision index, one replica's interval totals)
     fit: StepCost | None = None
+    # Whether some window so far had the spread to tell the slope itself (`window_tells_slope`); until then
+    # the fit's slope is the prior's 0, a guess that may cap L but should not overrule the load signals.
+    informed: bool = False
 
 
 def _line_point(totals: StepTotals, draft_cost_ratio: float, draft: DraftCost | None = None) -> tuple[float, float, float]:
@@ -132,6 +135,19 @@ def fit_step_cost(
     return StepCost(t0, slope)
 
 
+def window_tells_slope(samples: list[StepTotals], draft_cost_ratio: float, spread_frac: float,
+                       draft: DraftCost | None = None) -> bool:
+    """Whether the samples' own spread in z weighs at least as much as the previous slope in the fit
+    (S_zz >= lam): a standard deviation of at least `spread_frac` of their mean."""
+    points = [_line_point(s, draft_cost_ratio, draft) for s in samples if s.num_steps > 0]
+    if len(points) < 2:
+        return False
+    weight = sum(w for _, _, w in points)
+    z_mean = sum(w * z for z, _, w in points) / weight
+    s_zz = sum(w * (z - z_mean) ** 2 for z, _, w in points)
+    return s_zz >= weight * (spread_frac * z_mean) ** 2
+
+
 def observe_steps(
     model: StepCostModel,
     totals: list[StepTotals],
@@ -147,8 +163,10 @@ def observe_steps(
     if not new:
         return model
     samples = tuple(s for s in model.samples if decision_index - s[0] < window_decisions) + new
-    fit = fit_step_cost([t for _, t in samples], model.fit, draft_cost_ratio, spread_frac, draft)
-    return StepCostModel(samples, fit)
+    window = [t for _, t in samples]
+    fit = fit_step_cost(window, model.fit, draft_cost_ratio, spread_frac, draft)
+    informed = model.informed or window_tells_slope(window, draft_cost_ratio, spread_frac, draft)
+    return StepCostModel(samples, fit, informed)
 
 
 def tokens_per_s(cost: StepCost, rows: float, accept_rate: float, draft_len: int, draft_cost_ratio: float,

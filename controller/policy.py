@@ -3,8 +3,10 @@ controller actor calls once every `config.interval_s`.
 
 What it decides
     - a default draft length L (used for every request a replica has no per-request L for, and the cap of
-      all per-request L): driven to `min_draft_len` (0 = speculation off) while the lanes saturate, raised
-      while there is headroom and the fleet's acceptance pays for it, up to the longest L that any
+      all per-request L): driven to `min_draft_len` (0 = speculation off) while the lanes saturate (where
+      the step-cost model below has learnt its slope and the saturation is a verify queue, only down to
+      the L it makes fastest), raised while there is headroom (or, with that model, room in the decode
+      p95) and the fleet's acceptance pays for it, up to the longest L that any
       request's acceptance rate justifies, and never above a load cap: the longest L whose verify batches,
       with the requests now in flight, stay within `verify_token_budget` tokens; nor above the cost cap:
       the L with the most expected tokens per second under a step-cost model fitted online to the
@@ -170,15 +172,20 @@ def measured_draft(signals: LaneSignals, config: ControllerConfig) -> DraftCost 
     return DraftCost.through(signals.draft_forward_ms)
 
 
+def cost_applies(cost: StepCost | None, rows: float | None, accept_rate: float | None, config: ControllerConfig) -> bool:
+    """Whether the step-cost model can rank draft lengths now: it is on and has a fit, a batch (idle lanes
+    are not compute-bound) and an acceptance rate."""
+    return config.step_cost_enabled and cost is not None and rows is not None and accept_rate is not None
+
+
 def cost_cap_draft_len(
     cost: StepCost | None, rows: float | None, accept_rate: float | None, current: int, config: ControllerConfig,
     draft: DraftCost | None = None,
 ) -> int:
     """The L with the most expected tokens per second at `rows` requests per verify batch under the step
     cost (controller/cost_model.py), 0 where no L > 0 beats speculation off by `spec_min_gain_frac`. No cap
-    (max_draft_len) while the model is off or lacks a fit, a batch (idle lanes are not compute-bound) or
-    an acceptance rate."""
-    if not config.step_cost_enabled or cost is None or rows is None or accept_rate is None:
+    (max_draft_len) where the model does not apply (`cost_applies`)."""
+    if not cost_applies(cost, rows, accept_rate, config):
         return config.max_draft_len
     return fastest_draft_len(cost, rows, accept_rate, current, config.min_draft_len, config.max_draft_len,
                              config.draft_cost_ratio, config.min_gain_frac, config.spec_min_gain_frac, draft)
@@ -213,6 +220,18 @@ def wanted_draft_len(accept_rates: dict[str, float | None], config: ControllerCo
     return optimal_draft_len(max(measured), config.draft_cost_ratio, lo, config.max_draft_len)
 
 
+@dataclass(frozen=True)
+class CostView:
+    """What the step-cost model says this decision: `cap`, the fastest L (max_draft_len where the model
+    does not apply); `applies`, whether it ranked the lengths on a slope the steps themselves showed
+    (`StepCostModel.informed`), so that it may overrule the load signals; `latency_room`, whether the
+    decode p95 is within `decode_headroom_frac` of its target."""
+
+    cap: int
+    applies: bool
+    latency_room: bool
+
+
 def default_target(
     current: int,
     load: Load,
@@ -220,19 +239,29 @@ def default_target(
     fleet_accept: float | None,
     surge: bool,
     raise_cap: int,
-    cost_cap: int,
+    cost: CostView,
+    queue_saturated: bool,
     config: ControllerConfig,
 ) -> tuple[int, str]:
     """Where the default L should head this decision, and why. `fleet_accept` is None when nothing was
     drafted (e.g. at L = 0): no evidence, so it neither blocks a raise nor forces a cut. `raise_cap` is
-    the load cap with headroom: the highest L a raise may head for. `cost_cap` is the fastest L under the
-    step cost: L above it falls to it, a raise stops at it."""
+    the load cap with headroom: the highest L a raise may head for. `cost.cap` is the fastest L under the
+    step cost: L above it falls to it, a raise stops at it.
+
+    Where the step cost applies, it also rules what queue and occupancy only hint at: requests queue
+    because the lanes deliver too few tokens per second, and the cost cap is the L that delivers the most,
+    so a saturated queue sheds L down to the cap, not to `min_draft_len`, and a raise toward the cap needs
+    only room in the decode p95, not an empty queue (an L that delivers more tokens per second at this
+    batch also gives each request its tokens sooner). A decode p95 over its target still sheds to
+    `min_draft_len`: that is latency, which shorter steps buy."""
     if load is Load.SATURATED:
+        if queue_saturated and cost.applies:
+            return min(current, cost.cap), f"saturated: shed draft tokens down to the step cost's fastest L {cost.cap}"
         return config.min_draft_len, "saturated: shed draft tokens"
-    if cost_cap < current:
-        return cost_cap, f"lower: the step cost makes L {cost_cap} the fastest"
+    if cost.cap < current:
+        return cost.cap, f"lower: the step cost makes L {cost.cap} the fastest"
     if wanted > current:
-        if load is not Load.HEADROOM:
+        if load is not Load.HEADROOM and not (cost.applies and cost.latency_room and cost.cap > current):
             return current, f"hold: requests want {wanted} but no headroom"
         if surge:
             return current, f"hold: requests want {wanted} but arrivals are surging"
@@ -240,9 +269,10 @@ def default_target(
             return current, f"hold: requests want {wanted} but fleet acceptance < {config.accept_raise_min}"
         if raise_cap <= current:
             return current, f"hold: requests want {wanted} but the load cap with headroom is {raise_cap}"
-        if cost_cap <= current:
-            return current, f"hold: requests want {wanted} but the step cost makes L {cost_cap} the fastest"
-        return min(wanted, raise_cap, cost_cap), f"raise: headroom and requests want {wanted}"
+        if cost.cap <= current:
+            return current, f"hold: requests want {wanted} but the step cost makes L {cost.cap} the fastest"
+        why = "headroom" if load is Load.HEADROOM else f"the step cost makes L {cost.cap} faster"
+        return min(wanted, raise_cap, cost.cap), f"raise: {why} and requests want {wanted}"
     if wanted < current and fleet_accept is not None and fleet_accept < config.accept_lower_below:
         return wanted, f"lower: fleet acceptance < {config.accept_lower_below}, requests want {wanted}"
     return current, "hold"
@@ -306,7 +336,12 @@ def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -
                                   config.draft_cost_ratio, config.step_cost_spread_frac, draft)
     rows = batch_rows(signals)
     cost_cap = cost_cap_draft_len(step_cost.fit, rows, fleet_accept_ewma, current, config, draft)
-    target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, cost_cap, config)
+    latency_room = signals.decode_step_p95_ms <= config.decode_headroom_frac * config.target_decode_p95_ms
+    ranks = step_cost.informed and cost_applies(step_cost.fit, rows, fleet_accept_ewma, config)
+    cost = CostView(cost_cap, ranks, latency_room)
+    queue_saturated = signals.verify_queue_depth >= config.verify_queue_high
+    target, target_why = default_target(current, load, wanted, fleet_accept, surge, raise_cap, cost,
+                                        queue_saturated, config)
     default = next_default(state.default, target, load_cap, shed, config)
     requests = _next_requests(state, signals, accept_rates, default.draft_len, index, config)
     arrival_ewma_rps = ewma(state.arrival_rate_ewma_rps, signals.arrival_rate_rps, config.ewma_alpha)
@@ -390,7 +425,7 @@ def _cost_why(
     cost_cap: int, cost: StepCost | None, rows: float | None, accept_rate: float | None, config: ControllerConfig,
     draft: DraftCost | None = None,
 ) -> str:
-    if not config.step_cost_enabled or cost is None or rows is None or accept_rate is None:
+    if not cost_applies(cost, rows, accept_rate, config):
         return ""
     drafter = (f"drafter {draft.t0_ms:.2f} + {draft.slope_ms_per_row:.4f} ms/row measured" if draft is not None
                else f"drafter c = {config.draft_cost_ratio:.3f}")
