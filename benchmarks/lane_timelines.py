@@ -88,6 +88,9 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
     for r in by_lane.get("engine", []):  # co-located: draft and verify take turns inside each step
         out.setdefault("engine_busy_share", []).append(
             round(total_s(clip(union(spans(r, "step")), start_s, end_s)) / window_s, 3))
+    for lane in ("engine", "decode"):
+        if lane in by_lane:
+            out[f"{lane}_steps"] = step_stats(by_lane[lane], start_s, end_s)
     if "prefill" in by_lane:
         out["prefill_path"] = prefill_path(by_lane, start_s, end_s)
     if "verify" not in by_lane:
@@ -110,6 +113,36 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
         "decode_calls_per_verify": round(statistics.mean(e["calls"] for e in forwards), 2) if forwards else None,
     }
     return out
+
+
+def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
+    """The engine steps of one lane's replicas that started in the window: how many, how long, over how
+    many rows, and the gap from one step's end to the replica's next step's start (the engine thread's
+    time outside steps: host work between them, waits for work, its hops through the replica). A step's
+    time over its rows sets a request's time per token; a lane that steps as long as another but leaves
+    longer gaps loses its time between steps, not in them. (An engine in a process of its own is stamped
+    by its replica when the step's report arrives: its gaps include the report's delay, and are 0 where
+    reports come in bunches.)"""
+    steps = [e for r in reports for e in r["events"].get("step", []) if start_s <= e["start_s"] < end_s]
+    gaps = []
+    for r in reports:
+        own = sorted((e["start_s"], e["end_s"]) for e in r["events"].get("step", []) if start_s <= e["start_s"] < end_s)
+        gaps += [max(0.0, nxt[0] - prev[1]) for prev, nxt in zip(own, own[1:])]
+
+    def ms(values) -> dict:
+        stats = LatencyStats.of([v * 1e3 for v in values])
+        return {q: None if getattr(stats, q) is None else round(getattr(stats, q), 2) for q in ("p50", "p95")}
+
+    window_s = max(end_s - start_s, 1e-9)
+    return {
+        "steps": len(steps),
+        "steps_per_s": round(len(steps) / window_s, 1),
+        "step_ms": ms(e["end_s"] - e["start_s"] for e in steps),
+        "step_ms_mean": round(1e3 * statistics.mean(e["end_s"] - e["start_s"] for e in steps), 2) if steps else None,
+        "rows_per_step": round(statistics.mean(e["rows"] for e in steps), 2) if steps else None,
+        "gap_ms": ms(gaps),
+        "gap_ms_mean": round(1e3 * statistics.mean(gaps), 2) if gaps else None,
+    }
 
 
 def verify_cycle(by_lane: dict[str, list[dict]], verify: list[Interval], drafting: list[Interval], forwards: int,

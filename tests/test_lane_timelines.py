@@ -62,3 +62,16 @@ def test_prefill_path_splits_the_wait_before_decoding():
     assert ("| c | 4/s | 2 | 250 / 475 | 3125 / 3462.5 | 375 / 487.5 | 1125 / 1687.5 | 375 / 487.5 | 1 | 4 | "
             "1000 / 1000 | 250 / 250 | 0.25 |") in table
     assert prefill_path_table([]) == []
+
+
+def test_step_stats_split_a_lanes_time_into_steps_and_the_gaps_between_them():
+    # One decode replica steps 0-1, 1.5-2.5 and 4-5 (gaps 0.5 and 1.5 s), a fourth step starts after the
+    # window; a second replica steps 0-2 (no gap: one step). Rows are 4 a step (lane_report).
+    reports = [lane_report("decode", "A", step=[(0, 1), (1.5, 2.5), (4, 5), (9, 10)]),
+               lane_report("decode", "B", step=[(0, 2)])]
+    steps = lane_activity(reports, 0.0, 8.0)["decode_steps"]
+    assert steps["steps"] == 4 and steps["steps_per_s"] == 0.5 and steps["rows_per_step"] == 4
+    assert steps["step_ms_mean"] == 1250.0 and steps["step_ms"]["p50"] == 1000.0
+    assert steps["gap_ms_mean"] == 1000.0 and steps["gap_ms"]["p50"] == 1000.0
+    engine = lane_activity([lane_report("engine", "E", step=[(0, 1), (1, 2)])], 0.0, 2.0)
+    assert engine["engine_steps"]["gap_ms_mean"] == 0.0 and "decode_steps" not in engine

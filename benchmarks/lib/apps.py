@@ -188,6 +188,9 @@ def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: 
         log(f"  before decoding: {json.dumps(path)}")
     if cycle := lanes.get("per_verify_ms"):
         log(f"  per verify forward, ms: {json.dumps(cycle)}")
+    for lane in ("engine", "decode"):
+        if steps := lanes.get(f"{lane}_steps"):
+            log(f"  {lane} lane's steps: {json.dumps(steps)}")
     return lanes
 
 
