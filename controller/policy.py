@@ -252,8 +252,9 @@ def default_target(
     because the lanes deliver too few tokens per second, and the cost cap is the L that delivers the most,
     so a saturated queue sheds L down to the cap, not to `min_draft_len`, and a raise toward the cap needs
     only room in the decode p95, not an empty queue (an L that delivers more tokens per second at this
-    batch also gives each request its tokens sooner). A decode p95 over its target still sheds to
-    `min_draft_len`: that is latency, which shorter steps buy."""
+    batch also gives each request its tokens sooner). A decode p95 over its target, the queue under its
+    high mark, still sheds to `min_draft_len`: that is latency, which shorter steps buy; and one far over
+    it (`shed_margin_frac`) cuts L at once whatever the queue (`shed_draft_len`)."""
     if load is Load.SATURATED:
         if queue_saturated and cost.applies:
             return min(current, cost.cap), f"saturated: shed draft tokens down to the step cost's fastest L {cost.cap}"
