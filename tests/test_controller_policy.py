@@ -381,18 +381,25 @@ H200_TARGET = StepCost(4.91, 0.0492)
 H200_DRAFTER = {16: 1.6, 64: 1.8}
 
 
-def _measured_drafter_steps(seed: int) -> Callable[[int, int], list[StepTotals]]:
-    """92 requests a batch, every step costing the target's forward plus L forwards of the flat drafter."""
-    rng, drafter = random.Random(seed), DraftCost.through(H200_DRAFTER)
+def _line_steps(target: StepCost, drafter_ms: dict[int, float], rows: tuple[int, ...], seed: int
+                ) -> Callable[[int, int], list[StepTotals]]:
+    """One decode replica whose batch cycles through `rows`, every step costing the target's forward plus
+    L forwards of the drafter measured at `drafter_ms`, with 1 % Gaussian noise."""
+    rng, drafter = random.Random(seed), DraftCost.through(drafter_ms)
 
     def steps_at(i: int, draft_len: int) -> list[StepTotals]:
-        rows = _batch_of(84, 92, 100)(i)
-        step_ms = H200_TARGET.forward_ms(rows * (draft_len + 1)) + draft_len * drafter.forward_ms(rows)
+        n_rows = _batch_of(*rows)(i)
+        step_ms = target.forward_ms(n_rows * (draft_len + 1)) + draft_len * drafter.forward_ms(n_rows)
         total_ms = sum(step_ms * (1.0 + rng.gauss(0.0, 0.01)) for _ in range(STEPS_PER_DECISION))
         n = STEPS_PER_DECISION
-        return [StepTotals(n, total_ms, rows * n, rows * draft_len * n, draft_len * n)]
+        return [StepTotals(n, total_ms, n_rows * n, n_rows * draft_len * n, draft_len * n)]
 
     return steps_at
+
+
+def _measured_drafter_steps(seed: int) -> Callable[[int, int], list[StepTotals]]:
+    """92 requests a batch, every step costing the target's forward plus L forwards of the flat drafter."""
+    return _line_steps(H200_TARGET, H200_DRAFTER, (84, 92, 100), seed)
 
 
 def test_the_replicas_measured_drafter_reaches_the_step_cost_fit():
@@ -425,19 +432,6 @@ H200_UNIFIED = StepCost(5.5, 0.033)
 H200_UNIFIED_DRAFTER = {16: 1.36, 240: 1.71}
 
 
-def _unified_256_steps(seed: int) -> Callable[[int, int], list[StepTotals]]:
-    rng, drafter = random.Random(seed), DraftCost.through(H200_UNIFIED_DRAFTER)
-
-    def steps_at(i: int, draft_len: int) -> list[StepTotals]:
-        rows = _batch_of(224, 240, 256)(i)
-        step_ms = H200_UNIFIED.forward_ms(rows * (draft_len + 1)) + draft_len * drafter.forward_ms(rows)
-        total_ms = sum(step_ms * (1.0 + rng.gauss(0.0, 0.01)) for _ in range(STEPS_PER_DECISION))
-        n = STEPS_PER_DECISION
-        return [StepTotals(n, total_ms, rows * n, rows * draft_len * n, draft_len * n)]
-
-    return steps_at
-
-
 def _unified_256_run(config: ControllerConfig, queue_at: Callable[[int], int], p95_at: Callable[[int], float],
                      num_decisions: int, state: PolicyState | None = None) -> tuple[PolicyState, list[Decision]]:
     """256 in flight: the batch is full (occupancy 0.93, never headroom), the drafter measured."""
@@ -446,7 +440,7 @@ def _unified_256_run(config: ControllerConfig, queue_at: Callable[[int], int], p
         return replace(signals, draft_forward_ms=H200_UNIFIED_DRAFTER)
 
     return _run(config, lane, {"a": 0.88, "b": 0.88}, num_decisions, seed=4, state=state,
-                steps_at=_unified_256_steps(9))
+                steps_at=_line_steps(H200_UNIFIED, H200_UNIFIED_DRAFTER, (224, 240, 256), 9))
 
 
 def test_a_saturated_queue_sheds_to_the_step_costs_fastest_l_not_to_zero():
