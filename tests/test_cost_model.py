@@ -108,7 +108,6 @@ def test_observe_steps_forgets_samples_older_than_the_window():
     assert observe_steps(model, [], 16, 10, C, SPREAD) is model
 
 
-
 def test_the_model_is_informed_once_a_window_spread_enough_to_tell_the_slope():
     """A steady batch (64 rows at L = 0 every decision) leaves the slope at the prior's 0: the model is
     not informed, and the policy lets it cap L but not overrule the load signals. Batches of 56-72 rows
@@ -124,6 +123,7 @@ def test_the_model_is_informed_once_a_window_spread_enough_to_tell_the_slope():
     for i in range(8, 30):
         model = observe_steps(model, [_totals(COMPUTE_BOUND, 64, 0)], i, 10, C, SPREAD)
     assert model.informed
+
 
 # --- the fastest draft length ---------------------------------------------------------------------------
 
