@@ -97,7 +97,10 @@ class StepCostModel:
     informed: bool = False
 
 
-def _line_point(totals: StepTotals, draft_cost_ratio: float, draft: DraftCost | None = None) -> tuple[float, float, float]:
+Point = tuple[float, float, float]  # (z, y / x, weight): one sample as a point of the line
+
+
+def _line_point(totals: StepTotals, draft_cost_ratio: float, draft: DraftCost | None = None) -> Point:
     """(z, y / x, weight) of one sample: the step totals as one point of the line y / x = t0 + b z."""
     steps, c = totals.num_steps, draft_cost_ratio
     target_tokens = totals.rows + totals.draft_tokens + totals.prefill_tokens  # verified, and prompt tokens beside
@@ -110,21 +113,25 @@ def _line_point(totals: StepTotals, draft_cost_ratio: float, draft: DraftCost | 
     return z, totals.step_ms / steps / x, steps * x * x
 
 
-def fit_step_cost(
-    samples: list[StepTotals], prev: StepCost | None, draft_cost_ratio: float, spread_frac: float,
-    draft: DraftCost | None = None,
-) -> StepCost | None:
-    """Weighted least-squares line through the samples, its slope pulled toward `prev`'s (0 without one)
-    as far as the samples lack spread; t0 and the slope are kept non-negative. None without samples."""
-    points = [_line_point(s, draft_cost_ratio, draft) for s in samples if s.num_steps > 0]
-    if not points:
-        return None
+def _points(samples: list[StepTotals], draft_cost_ratio: float, draft: DraftCost | None) -> list[Point]:
+    return [_line_point(s, draft_cost_ratio, draft) for s in samples if s.num_steps > 0]
+
+
+def _spread(points: list[Point], spread_frac: float) -> tuple[float, float, float, float]:
+    """(total weight, weighted mean of z, S_zz, lam): the points' own spread in z, S_zz, and what the
+    previous slope weighs against it in the fit, lam = W (spread_frac z_mean)^2."""
     weight = sum(w for _, _, w in points)
     z_mean = sum(w * z for z, _, w in points) / weight
-    y_mean = sum(w * y for _, y, w in points) / weight
     s_zz = sum(w * (z - z_mean) ** 2 for z, _, w in points)
+    return weight, z_mean, s_zz, weight * (spread_frac * z_mean) ** 2
+
+
+def _fit(points: list[Point], prev: StepCost | None, spread_frac: float) -> StepCost | None:
+    if not points:
+        return None
+    weight, z_mean, s_zz, lam = _spread(points, spread_frac)
+    y_mean = sum(w * y for _, y, w in points) / weight
     s_zy = sum(w * (z - z_mean) * (y - y_mean) for z, y, w in points)
-    lam = weight * (spread_frac * z_mean) ** 2
     prev_slope = prev.slope_ms_per_token if prev is not None else 0.0
     # lam = 0 only when every z is 0, which no step (>= 1 verified token) produces; guarded anyway.
     slope = max(0.0, (s_zy + lam * prev_slope) / (s_zz + lam)) if s_zz + lam > 0 else prev_slope
@@ -135,17 +142,22 @@ def fit_step_cost(
     return StepCost(t0, slope)
 
 
-def window_tells_slope(samples: list[StepTotals], draft_cost_ratio: float, spread_frac: float,
-                       draft: DraftCost | None = None) -> bool:
-    """Whether the samples' own spread in z weighs at least as much as the previous slope in the fit
+def fit_step_cost(
+    samples: list[StepTotals], prev: StepCost | None, draft_cost_ratio: float, spread_frac: float,
+    draft: DraftCost | None = None,
+) -> StepCost | None:
+    """Weighted least-squares line through the samples, its slope pulled toward `prev`'s (0 without one)
+    as far as the samples lack spread; t0 and the slope are kept non-negative. None without samples."""
+    return _fit(_points(samples, draft_cost_ratio, draft), prev, spread_frac)
+
+
+def window_tells_slope(points: list[Point], spread_frac: float) -> bool:
+    """Whether the points' own spread in z weighs at least as much as the previous slope in the fit
     (S_zz >= lam): a standard deviation of at least `spread_frac` of their mean."""
-    points = [_line_point(s, draft_cost_ratio, draft) for s in samples if s.num_steps > 0]
     if len(points) < 2:
         return False
-    weight = sum(w for _, _, w in points)
-    z_mean = sum(w * z for z, _, w in points) / weight
-    s_zz = sum(w * (z - z_mean) ** 2 for z, _, w in points)
-    return s_zz >= weight * (spread_frac * z_mean) ** 2
+    _, _, s_zz, lam = _spread(points, spread_frac)
+    return s_zz >= lam
 
 
 def observe_steps(
@@ -163,10 +175,9 @@ def observe_steps(
     if not new:
         return model
     samples = tuple(s for s in model.samples if decision_index - s[0] < window_decisions) + new
-    window = [t for _, t in samples]
-    fit = fit_step_cost(window, model.fit, draft_cost_ratio, spread_frac, draft)
-    informed = model.informed or window_tells_slope(window, draft_cost_ratio, spread_frac, draft)
-    return StepCostModel(samples, fit, informed)
+    points = _points([t for _, t in samples], draft_cost_ratio, draft)
+    informed = model.informed or window_tells_slope(points, spread_frac)
+    return StepCostModel(samples, _fit(points, model.fit, spread_frac), informed)
 
 
 def tokens_per_s(cost: StepCost, rows: float, accept_rate: float, draft_len: int, draft_cost_ratio: float,
