@@ -72,6 +72,12 @@ def spans(report: dict, kind: str) -> list[Interval]:
     return [(e["start_s"], e["end_s"]) for e in report["events"].get(kind, [])]
 
 
+def ms_quantiles(values_s, digits: int = 1) -> dict:
+    """p50 and p95 of durations in seconds, as ms rounded to `digits` (None without values)."""
+    stats = LatencyStats.of([v * 1e3 for v in values_s])
+    return {q: None if getattr(stats, q) is None else round(getattr(stats, q), digits) for q in ("p50", "p95")}
+
+
 def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
     """How busy each lane was in [start_s, end_s], and whether verify and drafting overlapped.
 
@@ -123,24 +129,20 @@ def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
     longer gaps loses its time between steps, not in them. (An engine in a process of its own is stamped
     by its replica when the step's report arrives: its gaps include the report's delay, and are 0 where
     reports come in bunches.)"""
-    steps = [e for r in reports for e in r["events"].get("step", []) if start_s <= e["start_s"] < end_s]
-    gaps = []
+    steps, gaps = [], []
     for r in reports:
-        own = sorted((e["start_s"], e["end_s"]) for e in r["events"].get("step", []) if start_s <= e["start_s"] < end_s)
-        gaps += [max(0.0, nxt[0] - prev[1]) for prev, nxt in zip(own, own[1:])]
-
-    def ms(values) -> dict:
-        stats = LatencyStats.of([v * 1e3 for v in values])
-        return {q: None if getattr(stats, q) is None else round(getattr(stats, q), 2) for q in ("p50", "p95")}
-
+        own = sorted((e for e in r["events"].get("step", []) if start_s <= e["start_s"] < end_s),
+                     key=lambda e: e["start_s"])
+        steps += own
+        gaps += [max(0.0, nxt["start_s"] - prev["end_s"]) for prev, nxt in zip(own, own[1:])]
     window_s = max(end_s - start_s, 1e-9)
     return {
         "steps": len(steps),
         "steps_per_s": round(len(steps) / window_s, 1),
-        "step_ms": ms(e["end_s"] - e["start_s"] for e in steps),
+        "step_ms": ms_quantiles((e["end_s"] - e["start_s"] for e in steps), digits=2),
         "step_ms_mean": round(1e3 * statistics.mean(e["end_s"] - e["start_s"] for e in steps), 2) if steps else None,
         "rows_per_step": round(statistics.mean(e["rows"] for e in steps), 2) if steps else None,
-        "gap_ms": ms(gaps),
+        "gap_ms": ms_quantiles(gaps, digits=2),
         "gap_ms_mean": round(1e3 * statistics.mean(gaps), 2) if gaps else None,
     }
 
@@ -183,23 +185,18 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
     forwards = window_events(by_lane, "prefill", "prefill", start_s, end_s)
     handovers = window_events(by_lane, "prefill", "handover", start_s, end_s)
     busy = clip(union((e["start_s"], e["end_s"]) for e in forwards), start_s, end_s)
-
-    def ms(values) -> dict:
-        stats = LatencyStats.of([v * 1e3 for v in values])
-        return {q: None if getattr(stats, q) is None else round(getattr(stats, q), 1) for q in ("p50", "p95")}
-
     return {
         "requests": len(waits),
-        "wait_ms": ms(e["end_s"] - e["start_s"] for e in waits),
-        "pickup_ms": ms(e["end_s"] - e["reply_s"] for e in waits),
-        "admit_ms": ms(e["start_s"] - e["arrival_s"] for e in waits if "arrival_s" in e),
+        "wait_ms": ms_quantiles(e["end_s"] - e["start_s"] for e in waits),
+        "pickup_ms": ms_quantiles(e["end_s"] - e["reply_s"] for e in waits),
+        "admit_ms": ms_quantiles(e["start_s"] - e["arrival_s"] for e in waits if "arrival_s" in e),
         "forwards": len(forwards),
         "rows_per_forward": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
-        "forward_ms": ms(e["end_s"] - e["start_s"] for e in forwards),
-        "handover_ms": ms(e["end_s"] - e["start_s"] for e in handovers),
-        "to_batch_ms": ms(e["batch_s"] - e["sent_s"] for e in handovers if e.get("sent_s") is not None),
-        "transit_ms": ms(e["received_s"] - e["sent_s"] for e in handovers if e.get("received_s") is not None),
-        "queue_ms": ms(e["batch_s"] - e["received_s"] for e in handovers if e.get("received_s") is not None),
+        "forward_ms": ms_quantiles(e["end_s"] - e["start_s"] for e in forwards),
+        "handover_ms": ms_quantiles(e["end_s"] - e["start_s"] for e in handovers),
+        "to_batch_ms": ms_quantiles(e["batch_s"] - e["sent_s"] for e in handovers if e.get("sent_s") is not None),
+        "transit_ms": ms_quantiles(e["received_s"] - e["sent_s"] for e in handovers if e.get("received_s") is not None),
+        "queue_ms": ms_quantiles(e["batch_s"] - e["received_s"] for e in handovers if e.get("received_s") is not None),
         "forward_busy_share": round(total_s(busy) / max(end_s - start_s, 1e-9), 3),
     }
 
