@@ -15,6 +15,7 @@ from ray import serve
 from deployments.engine_metrics import EngineMetrics
 from deployments.kv_transfer import Placement
 from deployments.metrics import read_gpu_stats
+from deployments.prefill_calls import PrefillLaneClient, answer_engine
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.engine.async_engine import AsyncEngine
@@ -68,13 +69,14 @@ class EngineServer:
         # The workers are held, so that they live as long as this replica.
         engine_factory, self.shard_workers = bind_workers(engine_factory, start_workers)
         streams = dict(stream_interval_s=stream_interval_s, max_stream_messages_per_s=max_stream_messages_per_s)
-        if engine_process and prefill is None and verify is None:
+        if engine_process and verify is None:
+            # pd's engine reaches the prefill lane through this replica (deployments/prefill_calls.py).
             self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)
-            self.engine = self._start_process(engine_factory, streams)
+            self.engine = self._start_process(engine_factory, streams, prefill)
             self.placement_ = self.engine.info
         else:
-            # A pd or pdv engine reaches its other lanes through Ray handles, on this replica's event
-            # loop: it steps on a thread here.
+            # A pdv engine calls the verify lane every step, through Ray handles on this replica's
+            # event loop: it steps on a thread here.
             self.metrics = EngineMetrics(self.lane, mode)
             self.engine, self.placement_ = self._start_thread(engine_factory, prefill, verify, streams)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
@@ -88,12 +90,17 @@ class EngineServer:
         if not self._stopping:
             self.engine.lose(reason)
 
-    def _start_process(self, engine_factory, streams: dict) -> ProcessEngine:
+    def _start_process(self, engine_factory, streams: dict, prefill) -> ProcessEngine:
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        peers = {}
+        if prefill is not None:
+            # Serve starts the constructor on the replica's event loop, which answers the engine's calls.
+            peers = dict(serve_peer=partial(answer_engine, PrefillLaneClient(prefill)), node_id=node_id,
+                         on_record=TIMELINE.record)
         return ProcessEngine(partial(engine_factory, loop=None, prefill=None, verify=None),
                              describe=partial(Placement.of_engine, node_id), on_step=self._on_step,
                              on_idle=self.metrics.on_idle, sampler=read_gpu_stats,
-                             on_sample=self.metrics.metrics.export_gpu, **streams)
+                             on_sample=self.metrics.metrics.export_gpu, **peers, **streams)
 
     def _start_thread(self, engine_factory, prefill, verify, streams: dict) -> tuple[AsyncEngine, Placement]:
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.

@@ -10,6 +10,7 @@ import torch
 
 from deployments.config import AppConfig, LaneConfig
 from deployments.kv_transfer import Placement
+from deployments.prefill_calls import PrefillLaneClient, ServeLink
 from deployments.remote import RemotePrefiller, RemoteVerifier
 from lanes.device.streams import LaneStreams
 from lanes.engine.backends import LocalVerifier
@@ -86,11 +87,13 @@ def _decode_lane_name(cfg: AppConfig) -> str:
     return "decode lane" if cfg.mode in ("pd", "pdv") else f"{cfg.mode} engine"
 
 
-def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, verify=None,
-                 tp_address: str | None = None) -> EngineCore:
+def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill=None, verify=None,
+                 tp_address: str | None = None, peer_link=None) -> EngineCore:
     """The engine of the decode-lane replica (or of the only replica, in one-deployment modes).
     `tp_address`: where the ranks of a tensor-parallel engine meet (deployments/tp_workers.py); the
-    engine is rank 0."""
+    engine is rank 0. pd's and pdv's engine reach the prefill lane through `prefill` (its Serve handle,
+    the engine stepping on a thread of the replica whose event loop is `loop`) or, built in an engine
+    process of its own, through `peer_link` (lanes/engine/process.py PeerLink)."""
     _lane_logs_to_replica_log()
     device = cfg.decode_lane.bind_device()
     config = _engine_config(cfg, cfg.decode_lane, _decode_lane_name(cfg))
@@ -107,6 +110,8 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
         return core
     draft = _draft(cfg, device)
     placement = Placement.here(device)
+    if peer_link is not None and peer_link.node_id is not None:  # an engine process is no Ray worker
+        placement = replace(placement, node_id=peer_link.node_id)
     owner = f"decode-{uuid.uuid4().hex[:8]}"
     if cfg.mode == "pd":
         # pd's decode lane holds the target: sharded over the replica's ranks where it is (the draft
@@ -127,8 +132,8 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop, prefill=None, 
                  if draft is not None else load_vocabulary(cfg.target.path))
         # pdv by prompt lookup holds no model here: its drafts go to the verify lane from the host.
         model_device = draft_runner.device if draft_runner is not None else torch.device("cpu")
-    prefiller = RemotePrefiller(prefill, loop, draft_runner.pool if draft_runner else None, target_pool, placement,
-                                owner)
+    link = peer_link if peer_link is not None else ServeLink(PrefillLaneClient(prefill), loop)
+    prefiller = RemotePrefiller(link, draft_runner.pool if draft_runner else None, target_pool, placement, owner)
     # The decode lane drafts (and in pd also verifies) on high-priority streams; one stream where the
     # target is sharded (NCCL collectives of one communicator must not run from two streams at once).
     streams = LaneStreams(model_device, separate=not isinstance(target_pool, ShardedKVPool))

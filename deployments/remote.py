@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from ray.exceptions import RayActorError, RayTaskError
@@ -23,7 +24,7 @@ from lanes.engine.backends import KVLost, LaneOOM
 from lanes.engine.scheduler import Scheduler
 from lanes.engine.sequence import SeqStatus, Sequence
 from lanes.kv.pool import KVPool, PoolFullError
-from lanes.sample.grammar import compiled, first_token_bitmask
+from lanes.sample.grammar import first_token_bitmask, pending_compile
 from lanes.sample.logprobs import TokenLogprobs
 from lanes.spec.prefill import PrefillChunk
 from lanes.spec.prompt_prefiller import PrefillRequest
@@ -54,6 +55,23 @@ class PrefillJob:
     sent_s: float | None = None  # wall clock when the decode replica sent it (timelines: transit and queue)
     owner: object | None = None  # pdv: the decode replica's actor handle; the verify lane frees its slots if it dies
     received_s: float | None = None  # wall clock when the prefill lane's replica received it
+
+
+@dataclass
+class PrefillOrder:
+    """One prompt to prefill, as the engine that will decode it describes it (no Ray in it)."""
+
+    request: PrefillRequest
+    placement: Placement  # where the engine's pools are
+    draft_slot: int | None
+    target_slot: int | None
+    # A pool's CUDA IPC handle where it is on a GPU (the prefill lane may write into it in place), and
+    # the blocks of the request's slot that its KV goes into, in order.
+    draft_pool: PoolHandle | None = None
+    target_pool: PoolHandle | None = None
+    draft_blocks: list[int] | None = None
+    target_blocks: list[int] | None = None
+    holds_target: bool = False  # pd: the engine owns the target pool (pdv: the verify lane does)
 
 
 @dataclass
@@ -184,25 +202,28 @@ def current_actor():
 
 
 class RemotePrefiller:
-    """Sends each admitted request to the prefill lane once and collects finished prefills."""
+    """Sends each admitted request to the prefill lane once and collects finished prefills.
+
+    `link` reaches the lane: `link.call(order, on_done)` sends a PrefillOrder and later calls
+    `on_done((result, reply_s))`, on another thread (deployments/prefill_calls.py `ServeLink`, an engine
+    on the replica's thread) or between this engine's steps (lanes/engine/process.py `PeerLink`, an
+    engine in a process of its own); `link.record` keeps a timeline event where the replica reports it."""
 
     reuses_cached_blocks = False  # it prefills and hands over whole prompts
     draft_may_lag = False  # both caches arrive whole
 
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop, draft_pool: KVPool | None, target_pool: KVPool | None,
-                 placement: Placement, owner: str):
-        self.handle = handle
-        self.loop = loop
+    def __init__(self, link, draft_pool: KVPool | None, target_pool: KVPool | None, placement: Placement,
+                 owner: str):
+        self.link = link
         self.draft_pool = draft_pool  # None when drafting by prompt lookup: no draft KV to receive
         self.target_pool = target_pool  # pd: local target pool; pdv: None (the verify lane owns it)
         self.placement = placement
         self.owner = owner
         self._submitted: set[str] = set()
+        self._compiling: set[str] = set()  # structured output: waiting for the grammar, to send its first mask
         # (sequence, result, submitted at, reply at): wall-clock times for the prefill_wait timeline
         self._done: list[tuple[Sequence, PrefillDone | BaseException, float, float]] = []
         self._lock = threading.Lock()
-        self._peer: Placement | None = None
-        self.owner_actor = current_actor()
         self.on_reply: Callable[[], None] | None = None  # set by the loop that steps the engine, to wake it
         self._exported: dict[str, PoolHandle] = {}
 
@@ -220,9 +241,9 @@ class RemotePrefiller:
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
         for seq in scheduler.prefilling:
-            if seq.request_id not in self._submitted:
+            if seq.request_id not in self._submitted and self._compiled(seq):
                 self._submitted.add(seq.request_id)
-                asyncio.run_coroutine_threadsafe(self._prefill(seq), self.loop)
+                self.link.call(self._order(seq), partial(self._reply, seq, time.time()))
         with self._lock:
             done, self._done = self._done, []
         landed = []
@@ -231,26 +252,26 @@ class RemotePrefiller:
                 landed.append(out)
                 if not isinstance(result, BaseException):
                     # Submitted -> decoding: the prefill lane's queue, forward and hand-over, then
-                    # the wait for this engine thread to take the reply in (reply_s -> end).
-                    TIMELINE.record("prefill_wait", submitted_s, time.time(), reply_s=reply_s,
-                                    arrival_s=seq.arrival_s, tokens=seq.num_prompt_tokens)
+                    # the wait for this engine to take the reply in (reply_s -> end).
+                    self.link.record("prefill_wait", submitted_s, time.time(), reply_s=reply_s,
+                                     arrival_s=seq.arrival_s, tokens=seq.num_prompt_tokens)
         return landed
 
-    async def _prefill(self, seq: Sequence) -> None:
-        submitted_s, since_s = time.time(), time.monotonic()
-        try:
-            if self._peer is None:
-                self._peer = await own_request(self.handle.placement)
-            await compiled(seq)  # structured output: its first token's mask goes with the prompt
-            result = await own_request(self.handle.prefill, self._job(seq))
-        except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
-            result = lane_error(exc, via_prefill=True)
-            if isinstance(result, KVLost):
-                # This call waited for a replica to take the request's KV from its submission on (its
-                # queue at the prefill lane included): the loss dates from then (EngineCore._migrate).
-                result.waited_s = time.monotonic() - since_s
+    def _compiled(self, seq: Sequence) -> bool:
+        """Whether the request's first-token mask can go with its prompt (structured output waits for its
+        grammar to compile; the compile wakes the engine when it ends)."""
+        if (waiting := pending_compile(seq)) is None:
+            self._compiling.discard(seq.request_id)
+            return True
+        if seq.request_id not in self._compiling:
+            self._compiling.add(seq.request_id)
+            waiting.add_done_callback(lambda _: self.on_reply() if self.on_reply is not None else None)
+        return False
+
+    def _reply(self, seq: Sequence, submitted_s: float, answer: tuple[PrefillDone | BaseException, float]) -> None:
+        result, reply_s = answer
         with self._lock:
-            self._done.append((seq, result, submitted_s, time.time()))
+            self._done.append((seq, result, submitted_s, reply_s))
         if self.on_reply is not None:
             self.on_reply()
 
@@ -260,32 +281,35 @@ class RemotePrefiller:
         return seq.request_id in self._submitted
 
     def forget(self, seq: Sequence) -> None:
-        pass  # nothing of it runs here; a reply still to come is dropped by `_land`
+        self._compiling.discard(seq.request_id)  # a reply still to come is dropped by `_land`
 
-    def _job(self, seq: Sequence) -> PrefillJob:
-        in_place = self._peer is not None and self._peer.can_write_into(self.placement)
-        draft_in_place = in_place and self.draft_pool is not None
-        # A sharded target pool takes its KV through Ray and scatters it to its ranks (lanes/parallel/kv_handover.py).
-        target_in_place = in_place and self.target_pool is not None and self.target_pool.in_place_writable
-        return PrefillJob(
+    def _order(self, seq: Sequence) -> PrefillOrder:
+        # The target pool goes by handle only where the prefill lane could write it in place: a sharded
+        # pool takes its KV through Ray and scatters it to its ranks (lanes/parallel/kv_handover.py).
+        target_by_handle = self.target_pool is not None and self.target_pool.in_place_writable
+        draft = self._export("draft", self.draft_pool)
+        target = self._export("target", self.target_pool) if target_by_handle else None
+        return PrefillOrder(
             # After a preemption: every token but the last (lanes/engine/sequence.py), whose KV is recomputed.
             request=PrefillRequest(seq.request_id, seq.token_ids[: seq.num_prefill_tokens], seq.params, seq.seed,
                                    first_token_bitmask(seq)),
+            placement=self.placement,
             draft_slot=seq.draft_slot,
-            draft_pool=self._export("draft", self.draft_pool) if draft_in_place else None,
             target_slot=seq.target_slot,
-            target_pool=self._export("target", self.target_pool) if target_in_place else None,
-            draft_blocks=self.draft_pool.slot_blocks(seq.draft_slot) if draft_in_place else None,
-            target_blocks=self.target_pool.slot_blocks(seq.target_slot) if target_in_place else None,
-            want_target_kv=self.target_pool is not None and not target_in_place,
-            sent_s=time.time(),
-            owner=self.owner_actor,
+            draft_pool=draft,
+            target_pool=target,
+            draft_blocks=self.draft_pool.slot_blocks(seq.draft_slot) if draft is not None else None,
+            target_blocks=self.target_pool.slot_blocks(seq.target_slot) if target is not None else None,
+            holds_target=self.target_pool is not None,
         )
 
-    def _export(self, name: str, pool: KVPool) -> PoolHandle:
-        # Exported once; the prefill lane opens it once and caches the view by owner.
+    def _export(self, name: str, pool: KVPool | None) -> PoolHandle | None:
+        """The pool's CUDA IPC handle (None off the GPU), exported once; the prefill lane opens it once
+        and caches the view by owner."""
+        if pool is None or not pool.kv.is_cuda:
+            return None
         if name not in self._exported:
-            self._exported[name] = PoolHandle.export(f"{self.owner}/{name}", pool, self.owner_actor)
+            self._exported[name] = PoolHandle.export(f"{self.owner}/{name}", pool)
         return self._exported[name]
 
     def _land(self, scheduler: Scheduler, seq: Sequence, result

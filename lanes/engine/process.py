@@ -7,10 +7,15 @@ and its GIL; the replica keeps only the streams (StreamingFront).
 
 The two processes talk over a socket pair with pickled tuples:
 - replica -> engine: ("add", id, prompt, params, arrival_s), ("abort", id),
-  ("draft", default_len, per_request), ("call", call_id, fn), ("stop",)
+  ("draft", default_len, per_request), ("call", call_id, fn), ("peer_answer", call_id, value), ("stop",)
 - engine -> replica: ("ready", info) or ("failed", traceback) once; then ("step", outputs, step_ms,
   batch_size, snapshot) after every step, ("idle", snapshot) now and then while idle,
-  ("sample", value) every `sample_interval_s`, ("refused", id, error), ("result", call_id, ok, value)
+  ("sample", value) every `sample_interval_s`, ("refused", id, error), ("result", call_id, ok, value),
+  ("peer", call_id, request), ("record", kind, start_s, end_s, info)
+
+An engine that reaches other lanes (pd's decode lane: its prompts go to the prefill lane) does so
+through its replica, the process with Ray: it sends ("peer", ...) and the replica answers it from its
+event loop (`serve_peer`); the answer is taken in between two steps (`PeerLink`).
 
 One message a step carries every request's new tokens, however many requests there are. The engine
 process exits when its replica closes the socket, or dies (it reads end-of-file).
@@ -27,8 +32,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from multiprocessing.connection import Connection
+from collections.abc import Awaitable, Callable
+from multiprocessing.connection import Connection, wait
 
 from lanes.engine.async_engine import IDLE_WAIT_S, StreamingFront, _Stream, guarded
 from lanes.engine.snapshot import EngineSnapshot, snapshot
@@ -56,16 +61,24 @@ class ProcessEngine(StreamingFront):
                  on_idle: Callable[[EngineSnapshot], None] | None = None,
                  sampler: Callable[[], object] | None = None, on_sample: Callable[[object], None] | None = None,
                  sample_interval_s: float = 2.0, stream_interval_s: float = 0.0,
-                 max_stream_messages_per_s: float | None = None, start_timeout_s: float = 900.0):
+                 max_stream_messages_per_s: float | None = None, start_timeout_s: float = 900.0,
+                 serve_peer: Callable[[object], Awaitable[object]] | None = None, node_id: str | None = None,
+                 on_record: Callable[..., None] | None = None):
         super().__init__(stream_interval_s, max_stream_messages_per_s)
         self.on_step, self.on_idle, self.on_sample = on_step, on_idle, on_sample
+        # `serve_peer(request)`: answers the engine's peer calls on this event loop (the factory is then
+        # called with `peer_link=`, a PeerLink in the engine process); it must not raise. `on_record`:
+        # the timeline events the engine reports (kind, start_s, end_s, **info).
+        self.serve_peer, self.on_record = serve_peer, on_record
+        self._loop = asyncio.get_event_loop() if serve_peer is not None else None
         self.alive = False
         self._stopped = False
         self._send_lock = threading.Lock()
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._proc, self._conn = _spawn()
-        self._send(("setup", factory, describe, sampler, sample_interval_s))
+        link = node_id if serve_peer is not None else None
+        self._send(("setup", factory, describe, sampler, sample_interval_s, serve_peer is not None, link))
         self.info = self._wait_ready(start_timeout_s)
         self.alive = True
         self._reader = threading.Thread(target=self._read, name="vpd-engine-reader", daemon=True)
@@ -121,7 +134,7 @@ class ProcessEngine(StreamingFront):
     def _send(self, message: tuple) -> None:
         try:
             with self._send_lock:
-                self._conn.send(message)
+                _put(self._conn, message)
         except (OSError, ValueError):  # closed: the reader thread fails what the engine held
             pass
 
@@ -133,7 +146,7 @@ class ProcessEngine(StreamingFront):
             if time.monotonic() > deadline_s:
                 self._proc.kill()
                 raise TimeoutError(f"the engine process did not start within {timeout_s:.0f} s")
-        kind, payload = self._conn.recv()
+        kind, payload = _take(self._conn)
         if kind != "ready":
             self._proc.wait()
             raise RuntimeError(f"the engine process failed to build its engine:\n{payload}")
@@ -142,7 +155,7 @@ class ProcessEngine(StreamingFront):
     def _read(self) -> None:
         try:
             while True:
-                self._dispatch(self._conn.recv())
+                self._dispatch(_take(self._conn))
         except (EOFError, OSError):
             pass
         finally:
@@ -170,6 +183,19 @@ class ProcessEngine(StreamingFront):
             _, call_id, ok, value = message
             loop, future = self._calls.pop(call_id)
             loop.call_soon_threadsafe(_settle, future, ok, value)
+        elif kind == "peer":
+            asyncio.run_coroutine_threadsafe(self._answer_peer(message[1], message[2]), self._loop)
+        elif kind == "record" and self.on_record is not None:
+            _, record_kind, start_s, end_s, info = message
+            guarded(lambda: self.on_record(record_kind, start_s, end_s, **info))
+
+    async def _answer_peer(self, call_id: int, request) -> None:
+        try:
+            value = await self.serve_peer(request)
+        except Exception as exc:  # serve_peer answers failures as values; this is a bug, not a lane's loss
+            log.exception("engine process: a peer call failed")
+            value = exc
+        self._send(("peer_answer", call_id, picklable(value) if isinstance(value, Exception) else value))
 
     def _gone(self) -> Exception:
         return self.refusal() or EngineProcessDied("the engine process is not running")
@@ -195,6 +221,17 @@ def _settle(future: asyncio.Future, ok: bool, value) -> None:
         future.set_exception(value)
 
 
+def _put(conn: Connection, message: tuple) -> None:
+    # Plain pickle, not Connection.send's: torch registers reductions with multiprocessing's pickler
+    # that share a CPU tensor through a file descriptor server which only a child made by
+    # multiprocessing may reach (a prefill order's first-token mask failed with AuthenticationError).
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _take(conn: Connection) -> tuple:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _spawn() -> tuple[subprocess.Popen, Connection]:
     """A fresh interpreter (not a fork: this process may hold CUDA, Ray and thread state that a fork
     would copy half-made) running this module, joined to us by a socket pair."""
@@ -210,19 +247,61 @@ def _spawn() -> tuple[subprocess.Popen, Connection]:
 # ---- the engine process ---------------------------------------------------------------------
 
 
+class PeerLink:
+    """The engine process's way to the lanes its replica reaches through Ray (given to the engine's
+    factory as `peer_link`). `call(request, on_done)` sends `request` to the replica, which answers it
+    from its event loop (ProcessEngine's `serve_peer`); `on_done(answer)` runs on the engine loop's
+    thread, between two steps, once the answer is read. `record` sends a timeline event to the replica,
+    whose timeline the benchmarks read. `wake` ends the engine loop's wait (from any thread)."""
+
+    def __init__(self, send: Callable[[tuple], None], node_id: str | None):
+        self.node_id = node_id  # the replica's Ray node: where this process's pools are, to its peers
+        self._send = send
+        self._pending: dict[int, Callable[[object], None]] = {}
+        self._ids = itertools.count()
+        self.wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_writer.setblocking(False)
+
+    def call(self, request, on_done: Callable[[object], None]) -> None:
+        call_id = next(self._ids)
+        self._pending[call_id] = on_done
+        self._send(("peer", call_id, request))
+
+    def answer(self, call_id: int, value) -> None:
+        guarded(self._pending.pop(call_id), value)
+
+    def record(self, kind: str, start_s: float, end_s: float, **info) -> None:
+        self._send(("record", kind, start_s, end_s, info))
+
+    def wake(self) -> None:
+        try:
+            self._wake_writer.send(b"\0")
+        except (BlockingIOError, OSError):  # already woken (the buffer is full), or closing
+            pass
+
+
 class _EngineLoop:
     """Steps the engine while it has work; between steps, takes every command that has arrived."""
 
-    def __init__(self, core, conn: Connection, sampler: Callable[[], object] | None, sample_interval_s: float):
-        self.core = core
+    def __init__(self, conn: Connection, sampler: Callable[[], object] | None, sample_interval_s: float):
+        self.core = None
+        self.link: PeerLink | None = None
         self.conn = conn
         self.sampler = sampler
         self.sample_interval_s = sample_interval_s
         self._sampled_at_s = -sample_interval_s
         self._idle_reported_at_s = -IDLE_REPORT_S
+        self._idle_step = False  # the last step made nothing and nothing decodes: every prompt is at a peer
+        self._send_lock = threading.Lock()  # PeerLink sends from whatever thread its engine calls it on
+
+    def attach(self, core, link: PeerLink | None) -> None:
+        """The engine to step (built after this loop, whose `_send` its PeerLink uses)."""
+        self.core, self.link = core, link
+        if link is not None and hasattr(core.prefiller, "on_reply"):
+            core.prefiller.on_reply = link.wake
 
     def run(self) -> None:
-        while self._take_commands(0.0 if self.core.has_work else IDLE_WAIT_S):
+        while self._take_commands(0.0 if self.core.has_work and not self._idle_step else IDLE_WAIT_S):
             now_s = time.monotonic()
             if self.sampler is not None and now_s - self._sampled_at_s >= self.sample_interval_s:
                 self._sampled_at_s = now_s
@@ -239,6 +318,9 @@ class _EngineLoop:
             except Exception:  # failed batches answer their requests inside EngineCore.step
                 log.exception("engine process: step failed")
                 continue
+            # Nothing decodes and every prompt is at the prefill lane: wait for its answer (it comes as
+            # a message, or wakes the loop) instead of stepping in a busy loop.
+            self._idle_step = self.link is not None and not outputs and not self.core.scheduler.running
             step_ms = (time.perf_counter() - start) * 1e3
             self._send(("step", outputs, step_ms, batch_size, snapshot(self.core)))
             if self.core.device_fault is not None:
@@ -250,11 +332,16 @@ class _EngineLoop:
                 return
 
     def _take_commands(self, timeout_s: float) -> bool:
-        """Apply every command waiting now (waiting up to `timeout_s` for the first); False to stop."""
+        """Apply every command waiting now (waiting up to `timeout_s` for the first, or for a wake);
+        False to stop."""
         try:
+            if timeout_s > 0 and self.link is not None:
+                if self.link.wake_reader in wait([self.conn, self.link.wake_reader], timeout_s):
+                    self.link.wake_reader.recv(4096)
+                timeout_s = 0.0
             while self.conn.poll(timeout_s):
                 timeout_s = 0.0
-                if not self._apply(self.conn.recv()):
+                if not self._apply(_take(self.conn)):
                     return False
         except (EOFError, OSError):  # the replica is gone
             return False
@@ -267,7 +354,7 @@ class _EngineLoop:
             try:
                 self.core.add_request(request_id, prompt, params, arrival_s)
             except Exception as exc:  # bad input fails this request only
-                self._send(("refused", request_id, _picklable(exc)))
+                self._send(("refused", request_id, picklable(exc)))
         elif kind == "abort":
             self.core.abort(message[1])
         elif kind == "draft":
@@ -277,16 +364,19 @@ class _EngineLoop:
             try:
                 self._send(("result", call_id, True, fn(self.core)))
             except Exception as exc:
-                self._send(("result", call_id, False, _picklable(exc)))
+                self._send(("result", call_id, False, picklable(exc)))
+        elif kind == "peer_answer":
+            self.link.answer(message[1], message[2])
         elif kind == "stop":
             return False
         return True
 
     def _send(self, message: tuple) -> None:
-        self.conn.send(message)
+        with self._send_lock:
+            _put(self.conn, message)
 
 
-def _picklable(exc: Exception) -> Exception:
+def picklable(exc: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
@@ -298,15 +388,18 @@ def main(fd: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
     conn = Connection(fd)
     try:
-        _, factory, describe, sampler, sample_interval_s = conn.recv()
-        core = factory()
+        _, factory, describe, sampler, sample_interval_s, has_peers, node_id = _take(conn)
+        loop = _EngineLoop(conn, sampler, sample_interval_s)
+        link = PeerLink(loop._send, node_id) if has_peers else None
+        core = factory(peer_link=link) if link is not None else factory()
         info = describe(core) if describe is not None else None
     except BaseException:
-        conn.send(("failed", traceback.format_exc()))
+        _put(conn, ("failed", traceback.format_exc()))
         return
-    conn.send(("ready", info))
+    _put(conn, ("ready", info))
     try:
-        _EngineLoop(core, conn, sampler, sample_interval_s).run()
+        loop.attach(core, link)
+        loop.run()
     except (BrokenPipeError, ConnectionResetError):  # the replica is gone
         pass
 

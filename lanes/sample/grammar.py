@@ -26,7 +26,6 @@ large vocabularies) and, on the GPU, one device-to-host read of the drafted toke
 position, because the next position's mask depends on the token just drawn.
 """
 
-import asyncio
 import json
 import re
 import sys
@@ -75,11 +74,12 @@ def _to(host: torch.Tensor, device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-async def compiled(seq: "Sequence") -> None:
-    """Wait, without holding up the event loop, until a request's grammar has compiled (a decode
-    replica does, before it sends the prompt and its first token's mask to a prefill lane)."""
-    if isinstance(seq.grammar, RequestGrammar):
-        await asyncio.wrap_future(seq.grammar.compiled)
+def pending_compile(seq: "Sequence") -> Future | None:
+    """The compile a request's grammar still waits for, or None (no grammar, or compiled): a decode
+    engine sends a prompt and its first token's mask to a prefill lane only once it has compiled."""
+    if isinstance(seq.grammar, RequestGrammar) and not seq.grammar.compiled.done():
+        return seq.grammar.compiled
+    return None
 
 
 def first_token_bitmask(seq: "Sequence") -> torch.Tensor | None:

@@ -1,0 +1,97 @@
+"""The decode replica's calls to the prefill lane, on the replica's event loop (the only place Ray is).
+
+The engine builds a `PrefillOrder` for each prompt: what it knows (its slots, its pools' blocks and
+CUDA IPC handles, where it runs). `PrefillLaneClient` turns an order into the `PrefillJob` the prefill
+lane takes, once it knows where that lane runs (its KV goes into our pools in place where it can write
+there), sends it, and reads a failure the way the engine recomputes or fails it.
+
+Two ways reach the client from the engine's `RemotePrefiller`:
+  - `ServeLink`: the engine steps on a thread of this replica (pdv); the call is scheduled on the
+    event loop.
+  - the engine steps in a process of its own (pd, lanes/engine/process.py): the order crosses the
+    socket to the replica, which calls `PrefillLaneClient.prefill` and sends the answer back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+
+from deployments.kv_transfer import Placement, PoolHandle
+from deployments.remote import PrefillDone, PrefillJob, PrefillOrder, current_actor, lane_error
+from deployments.serve_calls import own_request
+from deployments.timeline import TIMELINE
+from lanes.engine.backends import KVLost
+from lanes.engine.process import picklable
+
+
+class PrefillLaneClient:
+    """Sends orders to the prefill lane through its Serve handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self._peer: Placement | None = None  # where the prefill lane runs, asked once
+
+    async def prefill(self, order: PrefillOrder) -> tuple[PrefillDone | BaseException, float]:
+        """The lane's answer (or the error the engine acts on) and the wall-clock time it came."""
+        since_s = time.monotonic()
+        try:
+            if self._peer is None:
+                self._peer = await own_request(self.handle.placement)
+            result = await own_request(self.handle.prefill, self.job(order, self._peer))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
+            result = lane_error(exc, via_prefill=True)
+            if isinstance(result, KVLost):
+                # This call waited for a replica to take the request's KV from its submission on (its
+                # queue at the prefill lane included): the loss dates from then (EngineCore._migrate).
+                result.waited_s = time.monotonic() - since_s
+        return result, time.time()
+
+    @staticmethod
+    def job(order: PrefillOrder, peer: Placement) -> PrefillJob:
+        in_place = peer.can_write_into(order.placement)
+        draft_in_place = in_place and order.draft_pool is not None
+        target_in_place = in_place and order.target_pool is not None
+        # This replica's actor: the prefill lane drops its views of our pools once it dies (and, in
+        # pdv, the verify lane frees the slots it handed us). The engine process is no actor.
+        actor = current_actor()
+        return PrefillJob(
+            request=order.request,
+            draft_slot=order.draft_slot,
+            draft_pool=dataclasses.replace(order.draft_pool, actor=actor) if draft_in_place else None,
+            target_slot=order.target_slot,
+            target_pool=dataclasses.replace(order.target_pool, actor=actor) if target_in_place else None,
+            draft_blocks=order.draft_blocks if draft_in_place else None,
+            target_blocks=order.target_blocks if target_in_place else None,
+            want_target_kv=order.holds_target and not target_in_place,
+            sent_s=time.time(),
+            owner=actor,
+        )
+
+
+class ServeLink:
+    """How an engine stepping on a thread of this replica reaches the prefill lane: each order is sent
+    from the replica's event loop, and `on_done((result, reply_s))` runs there when it is answered."""
+
+    def __init__(self, client: PrefillLaneClient, loop: asyncio.AbstractEventLoop):
+        self.client = client
+        self.loop = loop
+
+    def call(self, order: PrefillOrder, on_done: Callable[[tuple], None]) -> None:
+        asyncio.run_coroutine_threadsafe(self._call(order, on_done), self.loop)
+
+    async def _call(self, order: PrefillOrder, on_done: Callable[[tuple], None]) -> None:
+        on_done(await self.client.prefill(order))
+
+    @staticmethod
+    def record(kind: str, start_s: float, end_s: float, **info) -> None:
+        TIMELINE.record(kind, start_s, end_s, **info)
+
+
+async def answer_engine(client: PrefillLaneClient, order: PrefillOrder) -> tuple[PrefillDone | BaseException, float]:
+    """A prefill order from an engine in a process of its own (ProcessEngine's `serve_peer`): the answer
+    crosses a socket to it, so an error goes as one that unpickles there."""
+    result, reply_s = await client.prefill(order)
+    return (picklable(result) if isinstance(result, BaseException) else result), reply_s
