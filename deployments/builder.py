@@ -41,7 +41,8 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     engine = EngineDeployment.options(**_options(cfg, "decode_lane")).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify,
         stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s,
-        engine_process=cfg.engine_process, start_workers=_workers(cfg, "decode_lane", load_shards))
+        engine_process=cfg.engine_process, start_workers=_workers(cfg, "decode_lane", load_shards),
+        peer_timeout_s=cfg.request_timeout_s)
     controller = None
     if cfg.controller.enabled:
         controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)

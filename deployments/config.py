@@ -228,12 +228,10 @@ class AppConfig(_Strict):
                                       "is never held): a message carries every token made since the previous "
                                       "one, so a decode replica sends far fewer messages than tokens. 0 sends "
                                       "one per engine step.")
-    engine_process: bool = Field(default=True, description="In unified, spec, nospec and pd, step the engine "
-                                 "in a process of its own (as vLLM V1 does) rather than on a thread of the "
-                                 "replica: the step loop then shares no GIL with the replica's event loop "
-                                 "and Ray's threads (pd's decode replica relays its calls to the prefill "
-                                 "lane). pdv always steps on a thread of the decode replica, whose engine "
-                                 "calls the verify lane through Ray every step.")
+    engine_process: bool = Field(default=True, description="Step the engine in a process of its own (as "
+                                 "vLLM V1 does) rather than on a thread of the replica: the step loop then "
+                                 "shares no GIL with the replica's event loop and Ray's threads. In pd and "
+                                 "pdv the decode replica relays its engine's calls to the other lanes.")
     max_stream_messages_per_s: float | None = Field(default=MAX_STREAM_MESSAGES_PER_S, gt=0, description=
                                                     "Bound on the streamed messages a decode replica sends per "
                                                     "second over all its requests: with n requests in flight "

@@ -15,7 +15,8 @@ from ray import serve
 from deployments.engine_metrics import EngineMetrics
 from deployments.kv_transfer import Placement
 from deployments.metrics import read_gpu_stats
-from deployments.prefill_calls import PrefillLaneClient, answer_engine
+from deployments.peer_calls import EnginePeers
+from deployments.remote import PEER_CALL_TIMEOUT_S
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.engine.async_engine import AsyncEngine
@@ -60,7 +61,7 @@ def _lane_state(replies: list[str]) -> str:
 class EngineServer:
     def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0,
                  max_stream_messages_per_s: float | None = None, engine_process: bool = False,
-                 start_workers=None):
+                 start_workers=None, peer_timeout_s: float = PEER_CALL_TIMEOUT_S):
         """`start_workers()`: starts the worker ranks of a tensor-parallel engine in this replica's
         placement group (deployments/tp_workers.py `ShardWorkers`); the engine, rank 0, is built with
         `tp_address=` the address they meet at."""
@@ -69,14 +70,15 @@ class EngineServer:
         # The workers are held, so that they live as long as this replica.
         engine_factory, self.shard_workers = bind_workers(engine_factory, start_workers)
         streams = dict(stream_interval_s=stream_interval_s, max_stream_messages_per_s=max_stream_messages_per_s)
-        if engine_process and verify is None:
-            # pd's engine reaches the prefill lane through this replica (deployments/prefill_calls.py).
+        if engine_process:
+            # pd's and pdv's engine reach their other lanes through this replica (deployments/peer_calls.py).
             self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)
-            self.engine = self._start_process(engine_factory, streams, prefill)
+            peers = EnginePeers(prefill, verify, peer_timeout_s) if prefill is not None or verify is not None else None
+            self.engine = self._start_process(engine_factory, streams, peers)
             self.placement_ = self.engine.info
         else:
-            # A pdv engine calls the verify lane every step, through Ray handles on this replica's
-            # event loop: it steps on a thread here.
+            # The engine steps on a thread here; pd's and pdv's reach their other lanes through Ray
+            # handles on this replica's event loop.
             self.metrics = EngineMetrics(self.lane, mode)
             self.engine, self.placement_ = self._start_thread(engine_factory, prefill, verify, streams)
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
@@ -90,17 +92,14 @@ class EngineServer:
         if not self._stopping:
             self.engine.lose(reason)
 
-    def _start_process(self, engine_factory, streams: dict, prefill) -> ProcessEngine:
+    def _start_process(self, engine_factory, streams: dict, peers: EnginePeers | None) -> ProcessEngine:
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-        peers = {}
-        if prefill is not None:
-            # Serve starts the constructor on the replica's event loop, which answers the engine's calls.
-            peers = dict(serve_peer=partial(answer_engine, PrefillLaneClient(prefill)), node_id=node_id,
-                         on_record=TIMELINE.record)
+        # Serve starts the constructor on the replica's event loop, which answers the engine's orders.
+        links = dict(serve_peer=peers.answer, node_id=node_id, on_record=TIMELINE.record) if peers else {}
         return ProcessEngine(partial(engine_factory, loop=None, prefill=None, verify=None),
                              describe=partial(Placement.of_engine, node_id), on_step=self._on_step,
                              on_idle=self.metrics.on_idle, sampler=read_gpu_stats,
-                             on_sample=self.metrics.metrics.export_gpu, **peers, **streams)
+                             on_sample=self.metrics.metrics.export_gpu, **links, **streams)
 
     def _start_thread(self, engine_factory, prefill, verify, streams: dict) -> tuple[AsyncEngine, Placement]:
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.

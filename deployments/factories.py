@@ -10,8 +10,8 @@ import torch
 
 from deployments.config import AppConfig, LaneConfig
 from deployments.kv_transfer import Placement
-from deployments.prefill_calls import PrefillLaneClient, ServeLink
-from deployments.remote import RemotePrefiller, RemoteVerifier
+from deployments.peer_calls import PrefillLaneClient, ServeLink
+from deployments.remote import LinkedVerifier, RemotePrefiller, RemoteVerifier
 from lanes.device.streams import LaneStreams
 from lanes.engine.backends import LocalVerifier
 from lanes.engine.core import EngineConfig, EngineCore, build_runner, build_runners, eos_token_ids
@@ -91,9 +91,9 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill
                  tp_address: str | None = None, peer_link=None) -> EngineCore:
     """The engine of the decode-lane replica (or of the only replica, in one-deployment modes).
     `tp_address`: where the ranks of a tensor-parallel engine meet (deployments/tp_workers.py); the
-    engine is rank 0. pd's and pdv's engine reach the prefill lane through `prefill` (its Serve handle,
-    the engine stepping on a thread of the replica whose event loop is `loop`) or, built in an engine
-    process of its own, through `peer_link` (lanes/engine/process.py PeerLink)."""
+    engine is rank 0. pd's and pdv's engine reach their other lanes through `prefill` and `verify` (their
+    Serve handles, the engine stepping on a thread of the replica whose event loop is `loop`) or, built
+    in an engine process of its own, through `peer_link` (lanes/engine/process.py PeerLink)."""
     _lane_logs_to_replica_log()
     device = cfg.decode_lane.bind_device()
     config = _engine_config(cfg, cfg.decode_lane, _decode_lane_name(cfg))
@@ -127,7 +127,9 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill
         model_device = target_runner.device
     else:  # pdv: the target lives in the verify lane
         draft_runner = build_runner(draft.model, config, draft=True) if draft is not None else None
-        verifier, target_pool = RemoteVerifier(verify, loop, cfg.request_timeout_s), None
+        verifier = (LinkedVerifier(peer_link) if peer_link is not None
+                    else RemoteVerifier(verify, loop, cfg.request_timeout_s))
+        target_pool = None
         vocab = (Vocabulary(draft_runner.vocab_size, draft.tokenizer, draft.model.generation_config)
                  if draft is not None else load_vocabulary(cfg.target.path))
         # pdv by prompt lookup holds no model here: its drafts go to the verify lane from the host.

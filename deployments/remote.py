@@ -1,8 +1,10 @@
-"""Proxies that let the decode loop (running on its engine thread) reach other lanes' replicas.
+"""Proxies that let the decode loop reach other lanes' replicas.
 
-They implement lanes.engine.backends.Verifier / Prefiller. Each remote call is scheduled on the replica's
-event loop with run_coroutine_threadsafe; the engine thread waits only where the decode step needs
-the answer (verification), never for prefill, whose results are collected between steps.
+They implement lanes.engine.backends.Verifier / Prefiller. An engine on the replica's thread schedules
+each remote call on the replica's event loop with run_coroutine_threadsafe (RemoteVerifier, ServeLink);
+an engine in a process of its own sends it through its replica (LinkedVerifier, PeerLink). The engine
+waits only where the decode step needs the answer (verification), never for prefill, whose results
+are collected between steps.
 """
 
 import asyncio
@@ -114,12 +116,13 @@ class RemoteVerifier:
         # Only ids and probabilities cross the process boundary.
         on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
         start_s = time.time()
-        call = asyncio.run_coroutine_threadsafe(self._verify_by_lease(on_host), self.loop)
+        call = asyncio.run_coroutine_threadsafe(self.verify(on_host), self.loop)
         rows = len(batch.target_slots)
         call.add_done_callback(lambda _: TIMELINE.record("verify_wait", start_s, time.time(), rows=rows))
         return call
 
-    async def _verify_by_lease(self, batch: VerifyBatch) -> VerifyResult:
+    async def verify(self, batch: VerifyBatch) -> VerifyResult:
+        """The batch's rows, each verified by the replica that holds its KV (on the event loop)."""
         by_lease: dict[str | None, list[int]] = {}
         for row, lease in enumerate(batch.target_leases or [None] * len(batch.target_slots)):
             by_lease.setdefault(lease, []).append(row)
@@ -139,10 +142,58 @@ class RemoteVerifier:
         return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane
 
     def release(self, target_slot: int, lease: str | None = None) -> None:
-        asyncio.run_coroutine_threadsafe(self._call("release", [target_slot], lease=lease), self.loop)
+        asyncio.run_coroutine_threadsafe(self.release_now(target_slot, lease), self.loop)
+
+    async def release_now(self, target_slot: int, lease: str | None = None) -> None:
+        await self._call("release", [target_slot], lease=lease)
 
     async def _call(self, method: str, *args, **kwargs):
         return await own_request(getattr(self.handle, method), *args, **kwargs)
+
+
+@dataclass
+class VerifyOrder:
+    """A verify batch from an engine in a process of its own, for its replica to send (RemoteVerifier)."""
+
+    batch: VerifyBatch
+
+
+@dataclass
+class ReleaseOrder:
+    """A verify slot to give back, from an engine in a process of its own."""
+
+    target_slot: int
+    lease: str | None
+
+
+class LinkedVerifier:
+    """pdv's verify lane from an engine in a process of its own: each batch crosses to the engine's
+    replica (lanes/engine/process.py PeerLink), which sends it on with its RemoteVerifier
+    (deployments/peer_calls.py); the result comes back to the future the engine waits on."""
+
+    def __init__(self, link):
+        self.link = link
+
+    def launch(self, batch: VerifyBatch) -> concurrent.futures.Future:
+        on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
+        start_s, rows = time.time(), len(batch.target_slots)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(value) -> None:  # on the engine process's reader thread
+            self.link.record("verify_wait", start_s, time.time(), rows=rows)
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+        self.link.call(VerifyOrder(on_host), done)
+        return future
+
+    def allocate(self) -> int | None:
+        return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane
+
+    def release(self, target_slot: int, lease: str | None = None) -> None:
+        self.link.call(ReleaseOrder(target_slot, lease), lambda _: None)
 
 
 def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:
@@ -205,9 +256,9 @@ class RemotePrefiller:
     """Sends each admitted request to the prefill lane once and collects finished prefills.
 
     `link` reaches the lane: `link.call(order, on_done)` sends a PrefillOrder and later calls
-    `on_done((result, reply_s))`, on another thread (deployments/prefill_calls.py `ServeLink`, an engine
-    on the replica's thread) or between this engine's steps (lanes/engine/process.py `PeerLink`, an
-    engine in a process of its own); `link.record` keeps a timeline event where the replica reports it."""
+    `on_done((result, reply_s))` on another thread: the replica's event loop (deployments/peer_calls.py
+    `ServeLink`, an engine on the replica's thread) or the engine process's reader thread
+    (lanes/engine/process.py `PeerLink`). `link.record` keeps a timeline event where the replica reports it."""
 
     reuses_cached_blocks = False  # it prefills and hands over whole prompts
     draft_may_lag = False  # both caches arrive whole
@@ -268,8 +319,10 @@ class RemotePrefiller:
             waiting.add_done_callback(lambda _: self.on_reply() if self.on_reply is not None else None)
         return False
 
-    def _reply(self, seq: Sequence, submitted_s: float, answer: tuple[PrefillDone | BaseException, float]) -> None:
-        result, reply_s = answer
+    def _reply(self, seq: Sequence, submitted_s: float,
+               answer: tuple[PrefillDone | BaseException, float] | BaseException) -> None:
+        # An exception instead of the answer: the link itself failed (the engine process's replica is gone).
+        result, reply_s = (answer, time.time()) if isinstance(answer, BaseException) else answer
         with self._lock:
             self._done.append((seq, result, submitted_s, reply_s))
         if self.on_reply is not None:

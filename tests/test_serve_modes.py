@@ -166,18 +166,17 @@ def test_decode_lane_times_each_request_from_prefill_submission_to_decoding(mode
     assert len(handovers) == 6 and all(start_s <= h["sent_s"] <= h["batch_s"] <= h["start_s"] for h in handovers)
 
 
-def test_pd_steps_its_decode_engine_in_a_process_of_its_own_and_pdv_on_the_replicas_thread():
-    """pd's decode replica relays its engine's prefill orders (lanes/engine/process.py PeerLink): the engine
-    that serves a request is not the replica's process. pdv calls the verify lane every step and steps
-    on the replica's thread."""
+@pytest.mark.parametrize("mode", ["pd", "pdv"])
+def test_the_decode_lane_steps_its_engine_in_a_process_of_its_own(mode):
+    """pd's and pdv's decode replica relays its engine's calls to the other lanes (lanes/engine/process.py
+    PeerLink, deployments/peer_calls.py): the engine that serves a request is not the replica's process."""
     async def main():
         async with httpx.AsyncClient(timeout=300) as http:
-            return await _complete(http, "pd", 3)
+            return await _complete(http, mode, 3)
 
     assert asyncio.run(main())["usage"]["completion_tokens"] == 19
-    pd = lane_stats("pd", "DecodeLane")
-    assert all(s["pid"] != s["replica_pid"] for s in pd) and sum(s["num_steps"] for s in pd) > 0
-    assert all(s["pid"] == s["replica_pid"] for s in lane_stats("pdv", "DecodeLane"))
+    stats = lane_stats(mode, "DecodeLane")
+    assert all(s["pid"] != s["replica_pid"] for s in stats) and sum(s["num_steps"] for s in stats) > 0
 
 
 @pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])

@@ -103,7 +103,7 @@ def test_a_replica_asked_by_name_that_never_answers_is_taken_as_gone():
     batch = _batch(3, 2, True)
     batch.target_leases = ["a", None, "a"]
     verifier = RemoteVerifier(_SilentLane(), loop=None, timeout_s=0.05)
-    merged = asyncio.run(verifier._verify_by_lease(batch))
+    merged = asyncio.run(verifier.verify(batch))
     assert isinstance(merged.errors[0], KVLost) and merged.errors[0] is merged.errors[2]
     assert isinstance(merged.errors[1], TimeoutError)
 

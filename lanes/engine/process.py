@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import pickle
+import queue
 import socket
 import subprocess
 import sys
@@ -250,38 +251,53 @@ def _spawn() -> tuple[subprocess.Popen, Connection]:
 class PeerLink:
     """The engine process's way to the lanes its replica reaches through Ray (given to the engine's
     factory as `peer_link`). `call(request, on_done)` sends `request` to the replica, which answers it
-    from its event loop (ProcessEngine's `serve_peer`); `on_done(answer)` runs on the engine loop's
-    thread, between two steps, once the answer is read. `record` sends a timeline event to the replica,
-    whose timeline the benchmarks read. `wake` ends the engine loop's wait (from any thread)."""
+    from its event loop (ProcessEngine's `serve_peer`); `on_done(answer)` runs on this process's reader
+    thread when the answer comes, so an engine may wait for it inside a step (a verify call), and with
+    the exception instead if the replica is gone. `record` sends a timeline event to the replica, whose
+    timeline the benchmarks read. `wake` ends the engine loop's wait for work (from any thread)."""
 
-    def __init__(self, send: Callable[[tuple], None], node_id: str | None):
+    def __init__(self, send: Callable[[tuple], None], wake: Callable[[], None], node_id: str | None):
         self.node_id = node_id  # the replica's Ray node: where this process's pools are, to its peers
+        self.wake = wake
         self._send = send
         self._pending: dict[int, Callable[[object], None]] = {}
+        self._lock = threading.Lock()
+        self._gone: BaseException | None = None
         self._ids = itertools.count()
-        self.wake_reader, self._wake_writer = socket.socketpair()
-        self._wake_writer.setblocking(False)
 
     def call(self, request, on_done: Callable[[object], None]) -> None:
-        call_id = next(self._ids)
-        self._pending[call_id] = on_done
+        with self._lock:
+            gone = self._gone
+            if gone is None:
+                call_id = next(self._ids)
+                self._pending[call_id] = on_done
+        if gone is not None:
+            on_done(gone)
+            return
         self._send(("peer", call_id, request))
 
     def answer(self, call_id: int, value) -> None:
-        guarded(self._pending.pop(call_id), value)
+        with self._lock:
+            on_done = self._pending.pop(call_id, None)
+        guarded(on_done, value)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The replica is gone: every call waiting, and every later one, gets `exc`."""
+        with self._lock:
+            self._gone = exc
+            pending, self._pending = self._pending, {}
+        for on_done in pending.values():
+            guarded(on_done, exc)
 
     def record(self, kind: str, start_s: float, end_s: float, **info) -> None:
         self._send(("record", kind, start_s, end_s, info))
 
-    def wake(self) -> None:
-        try:
-            self._wake_writer.send(b"\0")
-        except (BlockingIOError, OSError):  # already woken (the buffer is full), or closing
-            pass
-
 
 class _EngineLoop:
-    """Steps the engine while it has work; between steps, takes every command that has arrived."""
+    """Steps the engine while it has work; between steps, takes every command that has arrived. A
+    reader thread takes the replica's messages off the socket: commands wait in the inbox for the
+    next step boundary, peer answers go to their callers at once (an engine may be waiting for one
+    inside its step)."""
 
     def __init__(self, conn: Connection, sampler: Callable[[], object] | None, sample_interval_s: float):
         self.core = None
@@ -292,13 +308,39 @@ class _EngineLoop:
         self._sampled_at_s = -sample_interval_s
         self._idle_reported_at_s = -IDLE_REPORT_S
         self._idle_step = False  # the last step made nothing and nothing decodes: every prompt is at a peer
-        self._send_lock = threading.Lock()  # PeerLink sends from whatever thread its engine calls it on
+        self._send_lock = threading.Lock()  # the engine thread, the reader thread (peer callbacks) send
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_writer.setblocking(False)
+        self._wake_reader.setblocking(False)
 
     def attach(self, core, link: PeerLink | None) -> None:
-        """The engine to step (built after this loop, whose `_send` its PeerLink uses)."""
+        """The engine to step (built after this loop, whose `_send` and `wake` its PeerLink uses)."""
         self.core, self.link = core, link
         if link is not None and hasattr(core.prefiller, "on_reply"):
-            core.prefiller.on_reply = link.wake
+            core.prefiller.on_reply = self.wake
+        threading.Thread(target=self._read, name="vpd-engine-inbox", daemon=True).start()
+
+    def wake(self) -> None:
+        try:
+            self._wake_writer.send(b"\0")
+        except OSError:  # already woken (the buffer is full: BlockingIOError), or closing
+            pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = _take(self.conn)
+                if message[0] == "peer_answer":
+                    self.link.answer(message[1], message[2])
+                else:
+                    self._inbox.put(message)
+                    self.wake()
+        except (EOFError, OSError):  # the replica is gone: stop, and free whatever waits on it
+            if self.link is not None:
+                self.link.fail_all(EngineProcessDied("the engine's replica is gone"))
+            self._inbox.put(("stop",))
+            self.wake()
 
     def run(self) -> None:
         while self._take_commands(0.0 if self.core.has_work and not self._idle_step else IDLE_WAIT_S):
@@ -318,8 +360,8 @@ class _EngineLoop:
             except Exception:  # failed batches answer their requests inside EngineCore.step
                 log.exception("engine process: step failed")
                 continue
-            # Nothing decodes and every prompt is at the prefill lane: wait for its answer (it comes as
-            # a message, or wakes the loop) instead of stepping in a busy loop.
+            # Nothing decodes and every prompt is at the prefill lane: wait for its answer (it wakes
+            # the loop) instead of stepping in a busy loop.
             self._idle_step = self.link is not None and not outputs and not self.core.scheduler.running
             step_ms = (time.perf_counter() - start) * 1e3
             self._send(("step", outputs, step_ms, batch_size, snapshot(self.core)))
@@ -332,20 +374,19 @@ class _EngineLoop:
                 return
 
     def _take_commands(self, timeout_s: float) -> bool:
-        """Apply every command waiting now (waiting up to `timeout_s` for the first, or for a wake);
-        False to stop."""
-        try:
-            if timeout_s > 0 and self.link is not None:
-                if self.link.wake_reader in wait([self.conn, self.link.wake_reader], timeout_s):
-                    self.link.wake_reader.recv(4096)
-                timeout_s = 0.0
-            while self.conn.poll(timeout_s):
-                timeout_s = 0.0
-                if not self._apply(_take(self.conn)):
-                    return False
-        except (EOFError, OSError):  # the replica is gone
-            return False
-        return True
+        """Apply every command waiting now (waiting up to `timeout_s` for one, or for a wake); False to stop."""
+        if timeout_s > 0 and self._inbox.empty() and wait([self._wake_reader], timeout_s):
+            try:
+                self._wake_reader.recv(4096)
+            except BlockingIOError:
+                pass
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if not self._apply(message):
+                return False
 
     def _apply(self, message: tuple) -> bool:
         kind = message[0]
@@ -365,8 +406,6 @@ class _EngineLoop:
                 self._send(("result", call_id, True, fn(self.core)))
             except Exception as exc:
                 self._send(("result", call_id, False, picklable(exc)))
-        elif kind == "peer_answer":
-            self.link.answer(message[1], message[2])
         elif kind == "stop":
             return False
         return True
@@ -390,7 +429,7 @@ def main(fd: int) -> None:
     try:
         _, factory, describe, sampler, sample_interval_s, has_peers, node_id = _take(conn)
         loop = _EngineLoop(conn, sampler, sample_interval_s)
-        link = PeerLink(loop._send, node_id) if has_peers else None
+        link = PeerLink(loop._send, loop.wake, node_id) if has_peers else None
         core = factory(peer_link=link) if link is not None else factory()
         info = describe(core) if describe is not None else None
     except BaseException:

@@ -1,30 +1,36 @@
-"""The decode replica's calls to the prefill lane, on the replica's event loop (the only place Ray is).
+"""The decode replica's calls to the other lanes for its engine, on the replica's event loop (the only
+place Ray is).
 
 The engine builds a `PrefillOrder` for each prompt: what it knows (its slots, its pools' blocks and
 CUDA IPC handles, where it runs). `PrefillLaneClient` turns an order into the `PrefillJob` the prefill
 lane takes, once it knows where that lane runs (its KV goes into our pools in place where it can write
 there), sends it, and reads a failure the way the engine recomputes or fails it.
 
-Two ways reach the client from the engine's `RemotePrefiller`:
-  - `ServeLink`: the engine steps on a thread of this replica (pdv); the call is scheduled on the
-    event loop.
-  - the engine steps in a process of its own (pd, lanes/engine/process.py): the order crosses the
-    socket to the replica, which calls `PrefillLaneClient.prefill` and sends the answer back.
+Two ways reach the lanes from the engine:
+  - the engine steps in a process of its own (the default, lanes/engine/process.py): its orders
+    (`PrefillOrder`, and in pdv `VerifyOrder`, `ReleaseOrder`) cross the socket to the replica, and
+    `EnginePeers.answer` sends each on and returns the answer;
+  - the engine steps on a thread of this replica (`engine_process: false`): `ServeLink` schedules a
+    prompt's call on the event loop, and pdv's `RemoteVerifier` its verify calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
 from deployments.kv_transfer import Placement, PoolHandle
-from deployments.remote import PrefillDone, PrefillJob, PrefillOrder, current_actor, lane_error
+from deployments.remote import (PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, PrefillOrder, ReleaseOrder,
+                                RemoteVerifier, VerifyOrder, current_actor, lane_error)
 from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE
 from lanes.engine.backends import KVLost
 from lanes.engine.process import picklable
+
+log = logging.getLogger(__name__)
 
 
 class PrefillLaneClient:
@@ -75,6 +81,7 @@ class ServeLink:
     """How an engine stepping on a thread of this replica reaches the prefill lane: each order is sent
     from the replica's event loop, and `on_done((result, reply_s))` runs there when it is answered."""
 
+
     def __init__(self, client: PrefillLaneClient, loop: asyncio.AbstractEventLoop):
         self.client = client
         self.loop = loop
@@ -90,8 +97,27 @@ class ServeLink:
         TIMELINE.record(kind, start_s, end_s, **info)
 
 
-async def answer_engine(client: PrefillLaneClient, order: PrefillOrder) -> tuple[PrefillDone | BaseException, float]:
-    """A prefill order from an engine in a process of its own (ProcessEngine's `serve_peer`): the answer
-    crosses a socket to it, so an error goes as one that unpickles there."""
-    result, reply_s = await client.prefill(order)
-    return (picklable(result) if isinstance(result, BaseException) else result), reply_s
+class EnginePeers:
+    """Answers the orders of an engine in a process of its own (ProcessEngine's `serve_peer`). Each
+    answer crosses a socket to the engine, so an error goes as one that unpickles there."""
+
+    def __init__(self, prefill=None, verify=None, timeout_s: float = PEER_CALL_TIMEOUT_S):
+        self.prefill = PrefillLaneClient(prefill) if prefill is not None else None
+        self.verify = RemoteVerifier(verify, None, timeout_s) if verify is not None else None
+
+    async def answer(self, order):
+        if isinstance(order, PrefillOrder):
+            result, reply_s = await self.prefill.prefill(order)
+            return (picklable(result) if isinstance(result, BaseException) else result), reply_s
+        if isinstance(order, VerifyOrder):
+            result = await self.verify.verify(order.batch)
+            if result.errors is not None:
+                result.errors = [None if e is None else picklable(e) for e in result.errors]
+            return result
+        if isinstance(order, ReleaseOrder):
+            try:
+                await self.verify.release_now(order.target_slot, order.lease)
+            except Exception as exc:  # noqa: BLE001 - a replica gone with the slot: nothing to free
+                log.info("releasing verify slot %d of %s: %s", order.target_slot, order.lease, exc)
+            return None
+        raise TypeError(f"an engine sent an order of unknown kind {type(order).__name__}")
