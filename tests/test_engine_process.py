@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 
-from lanes.engine.process import EngineProcessDied, ProcessEngine
+from lanes.engine.process import EngineProcessDied, PeerLink, ProcessEngine
 from lanes.engine.snapshot import EngineSnapshot, core_report
 from lanes.sample.params import ParamError, SamplingParams
 from tests.conftest import VOCAB
@@ -121,3 +121,20 @@ def test_requests_fail_fast_when_the_engine_process_dies():
 def test_a_factory_that_fails_fails_the_constructor_with_its_traceback():
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         ProcessEngine(partial(divmod, 1, 0))
+
+
+def test_a_peer_call_waiting_when_the_replica_goes_gets_the_error_and_so_does_every_later_one():
+    """An engine may wait for a peer's answer inside its step (pdv's verify call): when the engine
+    process's replica is gone, the reader thread fails what waits, and a later call fails at once
+    instead of waiting for an answer that cannot come."""
+    sent, answers = [], []
+    link = PeerLink(sent.append, lambda: None, node_id=None)
+    link.call("first", answers.append)
+    link.answer(sent[0][1], "its answer")
+    link.call("second", answers.append)
+    gone = EngineProcessDied("the engine's replica is gone")
+    link.fail_all(gone)
+    link.call("third", answers.append)
+    assert [message[2] for message in sent] == ["first", "second"]
+    assert answers == ["its answer", gone, gone]
+
