@@ -81,7 +81,6 @@ class ServeLink:
     """How an engine stepping on a thread of this replica reaches the prefill lane: each order is sent
     from the replica's event loop, and `on_done((result, reply_s))` runs there when it is answered."""
 
-
     def __init__(self, client: PrefillLaneClient, loop: asyncio.AbstractEventLoop):
         self.client = client
         self.loop = loop

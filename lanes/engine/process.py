@@ -13,9 +13,10 @@ The two processes talk over a socket pair with pickled tuples:
   ("sample", value) every `sample_interval_s`, ("refused", id, error), ("result", call_id, ok, value),
   ("peer", call_id, request), ("record", kind, start_s, end_s, info)
 
-An engine that reaches other lanes (pd's decode lane: its prompts go to the prefill lane) does so
-through its replica, the process with Ray: it sends ("peer", ...) and the replica answers it from its
-event loop (`serve_peer`); the answer is taken in between two steps (`PeerLink`).
+An engine that reaches other lanes (pd's and pdv's decode lane: prompts to the prefill lane, pdv's verify
+batches to the verify lane) does so through its replica, the process with Ray: it sends ("peer", ...),
+the replica answers it from its event loop (`serve_peer`), and the engine process's reader thread
+hands the answer to the caller (`PeerLink`), which may be waiting for it inside a step.
 
 One message a step carries every request's new tokens, however many requests there are. The engine
 process exits when its replica closes the socket, or dies (it reads end-of-file).
@@ -78,8 +79,7 @@ class ProcessEngine(StreamingFront):
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._proc, self._conn = _spawn()
-        link = node_id if serve_peer is not None else None
-        self._send(("setup", factory, describe, sampler, sample_interval_s, serve_peer is not None, link))
+        self._send(("setup", factory, describe, sampler, sample_interval_s, serve_peer is not None, node_id))
         self.info = self._wait_ready(start_timeout_s)
         self.alive = True
         self._reader = threading.Thread(target=self._read, name="vpd-engine-reader", daemon=True)
