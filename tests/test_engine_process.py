@@ -3,13 +3,16 @@ thread, requests that fail cleanly when that process dies, and no process left b
 
 import asyncio
 import os
+import pickle
 import signal
 import time
+import types
 from functools import partial
 
 import pytest
 
-from lanes.engine.process import EngineProcessDied, PeerLink, ProcessEngine
+from lanes.engine.backends import KVLost
+from lanes.engine.process import EngineProcessDied, PeerLink, ProcessEngine, picklable
 from lanes.engine.snapshot import EngineSnapshot, core_report
 from lanes.sample.params import ParamError, SamplingParams
 from tests.conftest import VOCAB
@@ -137,4 +140,19 @@ def test_a_peer_call_waiting_when_the_replica_goes_gets_the_error_and_so_does_ev
     link.call("third", answers.append)
     assert [message[2] for message in sent] == ["first", "second"]
     assert answers == ["its answer", gone, gone]
+
+
+def test_an_error_whose_class_pickle_cannot_find_crosses_as_its_nearest_base_that_it_can():
+    """Serve ships a request router's module by value, so the LeaseGone (a KVLost) that a verify call
+    raises in the decode replica is a class pickle cannot find by name. Sent to the engine process as
+    a plain RuntimeError, the request failed ("internal error") where it should be recomputed."""
+    gone_class = types.new_class("LeaseGone", (KVLost,))
+    gone_class.__module__ = "deployments.lease_router"  # the name, not this object
+    gone = gone_class("verify replica abc is gone")
+    gone.waited_s = 2.5
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(gone)
+    crossed = pickle.loads(pickle.dumps(picklable(gone)))
+    assert type(crossed) is KVLost and str(crossed) == "verify replica abc is gone" and crossed.waited_s == 2.5
+    assert picklable(ValueError("x")).__class__ is ValueError
 

@@ -416,11 +416,21 @@ class _EngineLoop:
 
 
 def picklable(exc: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    """`exc`, or a copy that crosses the socket keeping what the engine reads it by. A class pickle
+    cannot find by its name (one that Serve shipped by value, such as a request router's LeaseGone)
+    becomes its nearest base that can (KVLost: the request is recomputed, not failed)."""
+    for cls in type(exc).__mro__:
+        if not issubclass(cls, BaseException):
+            break
+        try:
+            copy = exc if cls is type(exc) else cls(*exc.args)
+            if copy is not exc:
+                copy.__dict__.update(exc.__dict__)
+            pickle.loads(pickle.dumps(copy))
+            return copy
+        except Exception:
+            continue
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def main(fd: int) -> None:
