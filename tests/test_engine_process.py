@@ -131,7 +131,7 @@ def test_a_peer_call_waiting_when_the_replica_goes_gets_the_error_and_so_does_ev
     process's replica is gone, the reader thread fails what waits, and a later call fails at once
     instead of waiting for an answer that cannot come."""
     sent, answers = [], []
-    link = PeerLink(sent.append, lambda: None, node_id=None)
+    link = PeerLink(sent.append, node_id=None)
     link.call("first", answers.append)
     link.answer(sent[0][1], "its answer")
     link.call("second", answers.append)

@@ -254,11 +254,10 @@ class PeerLink:
     from its event loop (ProcessEngine's `serve_peer`); `on_done(answer)` runs on this process's reader
     thread when the answer comes, so an engine may wait for it inside a step (a verify call), and with
     the exception instead if the replica is gone. `record` sends a timeline event to the replica, whose
-    timeline the benchmarks read. `wake` ends the engine loop's wait for work (from any thread)."""
+    timeline the benchmarks read."""
 
-    def __init__(self, send: Callable[[tuple], None], wake: Callable[[], None], node_id: str | None):
+    def __init__(self, send: Callable[[tuple], None], node_id: str | None):
         self.node_id = node_id  # the replica's Ray node: where this process's pools are, to its peers
-        self.wake = wake
         self._send = send
         self._pending: dict[int, Callable[[object], None]] = {}
         self._lock = threading.Lock()
@@ -439,7 +438,7 @@ def main(fd: int) -> None:
     try:
         _, factory, describe, sampler, sample_interval_s, has_peers, node_id = _take(conn)
         loop = _EngineLoop(conn, sampler, sample_interval_s)
-        link = PeerLink(loop._send, loop.wake, node_id) if has_peers else None
+        link = PeerLink(loop._send, node_id) if has_peers else None
         core = factory(peer_link=link) if link is not None else factory()
         info = describe(core) if describe is not None else None
     except BaseException:
