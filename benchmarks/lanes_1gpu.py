@@ -65,7 +65,8 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # *_samepri: the prefill lane's kernels at MPS's normal priority, as the other lanes' (by default it runs below
 # them, deployments/config.py DEFAULT_MPS_PRIORITY): what the priority buys under --mps.
 # unified_thread, pd_thread, pdv_thread: the engine stepped on a thread of its replica (`engine_process:
-# false`) instead of in a process of its own: what that costs.
+# false`) instead of in a process of its own: what that costs. pdv_relay: pdv's engine sends its verify batches
+# through its replica and Serve (`verify_channel: false`) instead of over the verify replica's channel.
 VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {"num_gpus": 0.54},
                              "decode_lane": {"num_gpus": 0.08, "num_replicas": 2}}),
             "pd512": ("pd", {"engine": {"idle_prefill_tokens": 512}}),
@@ -77,7 +78,8 @@ VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {
                                        "prefill_lane": {"mps_priority": "normal"}}),
             "unified_thread": ("unified", {"engine_process": False}),
             "pd_thread": ("pd", {"engine_process": False}),
-            "pdv_thread": ("pdv", {"engine_process": False})}
+            "pdv_thread": ("pdv", {"engine_process": False}),
+            "pdv_relay": ("pdv", {"verify_channel": False})}
 MPS_DIR = Path("/tmp/vpd-mps")  # short: the daemon's pipes are Unix sockets (108-byte paths)
 SIZES = {  # by device: mixed traffic's lengths (MIXED), the max-len prompt, in flight, requests, mixed requests
     "cuda": dict(MIXED["cuda"], max_len_prompt=7000, in_flight=64, requests=256, mixed=240),

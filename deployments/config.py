@@ -232,6 +232,11 @@ class AppConfig(_Strict):
                                  "vLLM V1 does) rather than on a thread of the replica: the step loop then "
                                  "shares no GIL with the replica's event loop and Ray's threads. In pd and "
                                  "pdv the decode replica relays its engine's calls to the other lanes.")
+    verify_channel: bool | None = Field(default=None, description="pdv with engine_process: the engine sends "
+                                        "its verify batches straight to the verify replicas over a connection "
+                                        "each opens (deployments/verify_channel.py) rather than through its "
+                                        "replica and Serve. None: on, unless the verify lane autoscales "
+                                        "(Serve's autoscaler counts only the calls Serve routes).")
     max_stream_messages_per_s: float | None = Field(default=MAX_STREAM_MESSAGES_PER_S, gt=0, description=
                                                     "Bound on the streamed messages a decode replica sends per "
                                                     "second over all its requests: with n requests in flight "
@@ -306,6 +311,13 @@ class AppConfig(_Strict):
     @property
     def lanes(self) -> tuple[str, ...]:
         return MODE_LANES[self.mode]
+
+    @property
+    def uses_verify_channel(self) -> bool:
+        """Whether pdv's engine sends its verify batches over channels (`verify_channel`)."""
+        if self.verify_channel is not None:
+            return self.verify_channel
+        return self.verify_lane.autoscaling_config is None
 
     @property
     def draft_model(self) -> DraftModelSpec | None:

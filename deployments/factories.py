@@ -127,7 +127,7 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill
         model_device = target_runner.device
     else:  # pdv: the target lives in the verify lane
         draft_runner = build_runner(draft.model, config, draft=True) if draft is not None else None
-        verifier = (LinkedVerifier(peer_link) if peer_link is not None
+        verifier = (LinkedVerifier(peer_link, cfg.request_timeout_s, cfg.uses_verify_channel) if peer_link is not None
                     else RemoteVerifier(verify, loop, cfg.request_timeout_s))
         target_pool = None
         vocab = (Vocabulary(draft_runner.vocab_size, draft.tokenizer, draft.model.generation_config)

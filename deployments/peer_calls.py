@@ -8,7 +8,8 @@ there), sends it, and reads a failure the way the engine recomputes or fails it.
 
 Two ways reach the lanes from the engine:
   - the engine steps in a process of its own (the default, lanes/engine/process.py): its orders
-    (`PrefillOrder`, and in pdv `VerifyOrder`, `ReleaseOrder`) cross the socket to the replica, and
+    (`PrefillOrder`, and in pdv `ReleaseOrder`, `ChannelOrder` and the `VerifyOrder`s of replicas it
+    has no channel to yet, deployments/verify_channel.py) cross the socket to the replica, and
     `EnginePeers.answer` sends each on and returns the answer;
   - the engine steps on a thread of this replica (`engine_process: false`): `ServeLink` schedules a
     prompt's call on the event loop, and pdv's `RemoteVerifier` its verify calls.
@@ -23,8 +24,8 @@ import time
 from collections.abc import Callable
 
 from deployments.kv_transfer import Placement, PoolHandle
-from deployments.remote import (PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, PrefillOrder, ReleaseOrder,
-                                RemoteVerifier, VerifyOrder, current_actor, lane_error)
+from deployments.remote import (PEER_CALL_TIMEOUT_S, ChannelOrder, PrefillDone, PrefillJob, PrefillOrder,
+                                ReleaseOrder, RemoteVerifier, VerifyOrder, current_actor, lane_error)
 from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE
 from lanes.engine.backends import KVLost
@@ -119,4 +120,9 @@ class EnginePeers:
             except Exception as exc:  # noqa: BLE001 - a replica gone with the slot: nothing to free
                 log.info("releasing verify slot %d of %s: %s", order.target_slot, order.lease, exc)
             return None
+        if isinstance(order, ChannelOrder):
+            try:
+                return await self.verify.channel(order.lease)
+            except Exception as exc:  # noqa: BLE001 - the engine's calls to that replica go on through Ray
+                return picklable(exc)
         raise TypeError(f"an engine sent an order of unknown kind {type(order).__name__}")

@@ -2,7 +2,8 @@
 
 They implement lanes.engine.backends.Verifier / Prefiller. An engine on the replica's thread schedules
 each remote call on the replica's event loop with run_coroutine_threadsafe (RemoteVerifier, ServeLink);
-an engine in a process of its own sends it through its replica (LinkedVerifier, PeerLink). The engine
+an engine in a process of its own sends it through its replica (PeerLink), but for its verify batches,
+which go straight to the verify replicas (LinkedVerifier, deployments/verify_channel.py). The engine
 waits only where the decode step needs the answer (verification), never for prefill, whose results
 are collected between steps.
 """
@@ -22,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE
+from deployments.verify_channel import VerifyChannels
 from lanes.engine.backends import KVLost, LaneOOM
 from lanes.engine.scheduler import Scheduler
 from lanes.engine.sequence import SeqStatus, Sequence
@@ -123,9 +125,7 @@ class RemoteVerifier:
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
         """The batch's rows, each verified by the replica that holds its KV (on the event loop)."""
-        by_lease: dict[str | None, list[int]] = {}
-        for row, lease in enumerate(batch.target_leases or [None] * len(batch.target_slots)):
-            by_lease.setdefault(lease, []).append(row)
+        by_lease = rows_by_lease(batch)
         results = await asyncio.gather(*(self._verify_rows(batch.select(rows), lease)
                                          for lease, rows in by_lease.items()), return_exceptions=True)
         return merge_rows(len(batch.target_slots), list(zip(by_lease.values(), results)))
@@ -147,6 +147,10 @@ class RemoteVerifier:
     async def release_now(self, target_slot: int, lease: str | None = None) -> None:
         await self._call("release", [target_slot], lease=lease)
 
+    async def channel(self, lease: str):
+        """Where verify replica `lease` takes batches straight from an engine (a ChannelAddress)."""
+        return await asyncio.wait_for(self._call("channel", lease=lease), self.timeout_s)
+
     async def _call(self, method: str, *args, **kwargs):
         return await own_request(getattr(self.handle, method), *args, **kwargs)
 
@@ -166,34 +170,111 @@ class ReleaseOrder:
     lease: str | None
 
 
+@dataclass
+class ChannelOrder:
+    """The address of verify replica `lease`'s channel (deployments/verify_channel.py), from an engine
+    in a process of its own."""
+
+    lease: str
+
+
+def rows_by_lease(batch: VerifyBatch) -> dict[str | None, list[int]]:
+    """The batch's rows (their indices), by the verify replica that holds their KV."""
+    by_lease: dict[str | None, list[int]] = {}
+    for row, lease in enumerate(batch.target_leases or [None] * len(batch.target_slots)):
+        by_lease.setdefault(lease, []).append(row)
+    return by_lease
+
+
 class LinkedVerifier:
-    """pdv's verify lane from an engine in a process of its own: each batch crosses to the engine's
-    replica (lanes/engine/process.py PeerLink), which sends it on with its RemoteVerifier
-    (deployments/peer_calls.py); the result comes back to the future the engine waits on."""
+    """pdv's verify lane from an engine in a process of its own. A batch's rows go straight to the
+    verify replica that holds their KV, over its channel (deployments/verify_channel.py), once this
+    engine has one; until then, and with `channels` off, they cross to the engine's replica
+    (lanes/engine/process.py PeerLink), which sends them on with its RemoteVerifier
+    (deployments/peer_calls.py)."""
 
-    def __init__(self, link):
+    def __init__(self, link, timeout_s: float = PEER_CALL_TIMEOUT_S, channels: bool = True):
         self.link = link
+        self.timeout_s = min(timeout_s, PEER_CALL_TIMEOUT_S)
+        self.channels = VerifyChannels(self._ask_channel) if channels else None
 
-    def launch(self, batch: VerifyBatch) -> concurrent.futures.Future:
+    def launch(self, batch: VerifyBatch) -> "PendingParts":
         on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
         start_s, rows = time.time(), len(batch.target_slots)
+        parts, relayed = [], []
+        for lease, lease_rows in rows_by_lease(on_host).items():
+            channel = self.channels.get(lease) if self.channels is not None and lease is not None else None
+            if channel is None:
+                relayed += lease_rows
+            else:
+                parts.append((lease_rows, lease, channel.send(on_host.select(lease_rows))))
+        if relayed:
+            part = on_host if len(relayed) == rows else on_host.select(relayed)
+            parts.append((relayed, None, self._relay(part)))
+        return PendingParts(rows, parts, self.timeout_s,
+                            lambda: self.link.record("verify_wait", start_s, time.time(), rows=rows))
+
+    def _relay(self, batch: VerifyBatch) -> concurrent.futures.Future:
+        """Through the engine's replica (it bounds each call by the timeout, and names a lost replica)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(value) -> None:  # on the engine process's reader thread
-            self.link.record("verify_wait", start_s, time.time(), rows=rows)
             if isinstance(value, BaseException):
                 future.set_exception(value)
             else:
                 future.set_result(value)
 
-        self.link.call(VerifyOrder(on_host), done)
+        self.link.call(VerifyOrder(batch), done)
         return future
+
+    def _ask_channel(self, lease: str, on_address: Callable[[object], None]) -> None:
+        self.link.call(ChannelOrder(lease), on_address)
 
     def allocate(self) -> int | None:
         return None  # the prefill lane obtains the slot when it hands the prompt's KV to the verify lane
 
     def release(self, target_slot: int, lease: str | None = None) -> None:
         self.link.call(ReleaseOrder(target_slot, lease), lambda _: None)
+
+
+class PendingParts:
+    """A verify batch whose rows went out in parts, (rows, lease, future) each: `result()` is every
+    part's answer in row order. A part sent over a channel (`lease` set) that has not answered within
+    `timeout_s` of the launch is taken as its replica's loss (`replica_silent`); a relayed part
+    (`lease` None) is bounded by the replica that relays it. `on_done` runs when the last part lands."""
+
+    def __init__(self, num_rows: int, parts: list[tuple[list[int], str | None, concurrent.futures.Future]],
+                 timeout_s: float, on_done: Callable[[], None]):
+        self.num_rows, self.parts = num_rows, parts
+        self._deadline_s = time.monotonic() + timeout_s
+        self._left = len(parts)
+        self._lock = threading.Lock()
+        self._on_done = on_done
+        for _, _, future in parts:
+            future.add_done_callback(self._landed)
+
+    def _landed(self, _future) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._on_done()
+
+    def result(self) -> VerifyResult:
+        answers = [(rows, self._wait(lease, future)) for rows, lease, future in self.parts]
+        if len(answers) == 1 and not isinstance(answers[0][1], BaseException):
+            return answers[0][1]  # one part of every row, in order
+        return merge_rows(self.num_rows, answers)
+
+    def _wait(self, lease: str | None, future: concurrent.futures.Future) -> VerifyResult | BaseException:
+        try:
+            if lease is None:
+                return future.result()
+            return future.result(timeout=max(0.0, self._deadline_s - time.monotonic()))
+        except TimeoutError:
+            return replica_silent(lease)
+        except BaseException as exc:  # noqa: BLE001 - the part's rows carry it (merge_rows)
+            return exc
 
 
 def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:

@@ -1,5 +1,6 @@
 """Verify lane deployment: the target model and its KV pool; scores drafts of many requests per forward."""
 
+import asyncio
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from deployments.metrics import LaneMetrics
 from deployments.remote import current_actor, merge_rows
 from deployments.slot_owners import SlotOwners
 from deployments.timeline import TIMELINE, replica_report
+from deployments.verify_channel import ChannelAddress, VerifyChannelServer
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.device.streams import VERIFY_PRIORITY
 from lanes.engine.backends import LaneOOM
@@ -63,6 +65,15 @@ class VerifyServer:
         self.oom_retries = 0  # verify forwards that ran out of device memory and were retried in halves
         self.stale_releases = 0  # slots of another replica whose release was ignored
         self.owners = SlotOwners(self._free_slots)
+        self._channel: VerifyChannelServer | None = None  # opened when a decode engine first asks
+
+    async def channel(self, lease: str | None = None) -> ChannelAddress:
+        """Where a decode engine sends this replica's batches straight (deployments/verify_channel.py);
+        they are verified as `verify` calls are, merged with them into the same forwards."""
+        self._check_lease(lease)
+        if self._channel is None:
+            self._channel = VerifyChannelServer(self.verify, asyncio.get_running_loop(), node_ip())
+        return self._channel.address
 
     async def placement(self, lease: str | None = None) -> Placement:
         """Where this replica runs (`lease`: the replica asked about, for the router)."""
@@ -232,11 +243,19 @@ class VerifyServer:
                 "pending_rows": self.pending_rows, "slots_reclaimed": self.owners.num_reclaimed,
                 "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
                 "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed,
-                "oom_retries": self.oom_retries, "forward_ms": self.forward_ms}
+                "oom_retries": self.oom_retries, "forward_ms": self.forward_ms,
+                "channel_calls": self._channel.num_calls if self._channel is not None else 0}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
         return replica_report("verify", self.placement_, start_s, offset)
+
+
+def node_ip() -> str:
+    """This node's address, which the decode engines of other nodes reach too (loopback outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def merge_batches(batches: list[VerifyBatch]) -> VerifyBatch:

@@ -179,6 +179,20 @@ def test_the_decode_lane_steps_its_engine_in_a_process_of_its_own(mode):
     assert all(s["pid"] != s["replica_pid"] for s in stats) and sum(s["num_steps"] for s in stats) > 0
 
 
+def test_pdvs_engine_sends_its_verify_batches_over_the_verify_replicas_channel():
+    """Once its first batch has asked for the verify replica's channel (deployments/verify_channel.py),
+    pdv's engine sends its batches there instead of through its replica and Serve; the output is the
+    target's greedy output either way (the greedy tests above run both paths)."""
+    async def complete():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await _complete(http, "pdv", 3)
+
+    deadline_s = time.monotonic() + 60
+    while sum(s["channel_calls"] for s in lane_stats("pdv", "VerifyLane")) == 0:
+        assert time.monotonic() < deadline_s, "no verify batch came over a channel"
+        assert asyncio.run(complete())["usage"]["completion_tokens"] == 19
+
+
 @pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])
 def test_cancelled_stream_frees_its_slots(mode):
     body = {"model": MODEL, "prompt": "class Point:", "max_tokens": 200, "stream": True, "ignore_eos": True}
