@@ -127,8 +127,10 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill
         model_device = target_runner.device
     else:  # pdv: the target lives in the verify lane
         draft_runner = build_runner(draft.model, config, draft=True) if draft is not None else None
-        verifier = (LinkedVerifier(peer_link, cfg.request_timeout_s, cfg.uses_verify_channel) if peer_link is not None
-                    else RemoteVerifier(verify, loop, cfg.request_timeout_s))
+        if peer_link is not None:  # an engine process: batches over channels, or relayed by its replica
+            verifier = LinkedVerifier(peer_link, cfg.request_timeout_s, cfg.uses_verify_channel)
+        else:
+            verifier = RemoteVerifier(verify, loop, cfg.request_timeout_s)
         target_pool = None
         vocab = (Vocabulary(draft_runner.vocab_size, draft.tokenizer, draft.model.generation_config)
                  if draft is not None else load_vocabulary(cfg.target.path))

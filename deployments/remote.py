@@ -342,6 +342,7 @@ class RemotePrefiller:
     (lanes/engine/process.py `PeerLink`). `link.record` keeps a timeline event where the replica reports it."""
 
     reuses_cached_blocks = False  # it prefills and hands over whole prompts
+    replies_first = True  # landing a reply costs no device time: the prompt decodes in the step that lands it
     draft_may_lag = False  # both caches arrive whole
 
     def __init__(self, link, draft_pool: KVPool | None, target_pool: KVPool | None, placement: Placement,

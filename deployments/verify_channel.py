@@ -111,8 +111,11 @@ class VerifyChannelServer:
                 call = asyncio.run_coroutine_threadsafe(self._verify(batch), self._loop)
                 call.add_done_callback(partial(self._answer, conn, lock, call_id))
         except (EOFError, OSError):  # the engine is gone, or this server closed
-            self._conns.discard(conn)
-            conn.close()
+            pass
+        except Exception:  # noqa: BLE001 - a message that does not unpickle here: end this connection only
+            log.exception("verify channel: a message failed; closing the connection")
+        self._conns.discard(conn)
+        conn.close()
 
     def _answer(self, conn: Connection, lock: threading.Lock, call_id: int, call: concurrent.futures.Future) -> None:
         self.num_calls += 1

@@ -30,6 +30,31 @@ def test_draft_equal_to_target_accepts_everything(llama_pair):
         assert outputs[str(i)] == hf_greedy(target, p, params.max_tokens)
 
 
+def test_a_prompt_taken_in_before_drafting_decodes_in_the_step_that_takes_it(llama_pair):
+    """pd's and pdv's prefill lane (RemotePrefiller.replies_first): the engine lands a prompt's reply
+    before it drafts, so the step that gives a prompt's first token decodes the prompt too, and the
+    output is the target's greedy output. Here the engine's own prefiller is taken first, the same order
+    of calls over a prefill that completes within the step (the CPU's)."""
+    target, draft = llama_pair
+    engine = small_engine(target, draft, idle_prefill_tokens=320)  # every prompt whole in the first step
+    engine.prefiller.replies_first = True
+    prompts = random_prompts(3, VOCAB, 5, 60, seed=23)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    chunks: dict[str, list[int]] = {rid: [] for rid in outputs}
+    for out in engine.step():
+        outputs[out.request_id].extend(out.token_ids)
+        chunks[out.request_id].append(len(out.token_ids))
+    # First the prompt's first token, then what the same step decoded after it (at least the bonus token).
+    assert all(len(c) == 2 and c[0] == 1 and c[1] >= 1 for c in chunks.values()), chunks
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id].extend(out.token_ids)
+    assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 12) for p in prompts]
+
+
 def test_request_output_is_the_same_alone_and_in_a_batch(llama_pair):
     target, draft = llama_pair
     prompts = random_prompts(7, VOCAB, 1, 120, seed=5)

@@ -66,6 +66,10 @@ class Prefiller(Protocol):
     # draft; the draft's catch-up writes the rest when they do): a prefill lane of its own hands both
     # caches over whole.
     draft_may_lag: bool
+    # Whether the engine takes this prefiller's results in before it drafts (a prefill lane of its own:
+    # its results cost this step no device time) rather than while the step verifies (its own prefill
+    # work, launched to overlap the verify).
+    replies_first: bool
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
@@ -117,6 +121,7 @@ class LocalPrefiller:
 
     has_replies = False  # what it launched is collected with the requests still prefilling
     reuses_cached_blocks = True
+    replies_first = False  # its chunks are launched while the step verifies
 
     def __init__(self, lane: PrefillLane, stream: torch.cuda.Stream | None = None):
         self.lane = lane

@@ -291,6 +291,12 @@ class EngineCore:
         """One step's outputs, and how many running requests it decoded."""
         expired = self._expire_lost()
         self.scheduler.admit()
+        # A prefill lane of its own (pd, pdv) takes no device time of this step: its replies are taken
+        # in before drafting, so that a prompt whose KV landed while the last step verified decodes in
+        # this step rather than the next, and a prompt admitted now goes to the lane before the drafting.
+        # Before make_room, which then holds the blocks of those prompts' next tokens too.
+        replies_first = self.prefiller.replies_first
+        prefill_outputs = self._prefill_phase(decoding=bool(self.scheduler.running)) if replies_first else []
         self.scheduler.make_room(self._tokens_after_step)
         ooms = self.step_cap.num_oom_recoveries
         outputs, launched = [], None
@@ -301,23 +307,29 @@ class EngineCore:
                 launched = self._launch_decode(running)
             except Exception as exc:
                 outputs = self._on_error(running, exc, prefill=False)
-        # Prefill work is launched while the GPU (or the verify lane) verifies: its host-side launch
+        # Prefill work here is launched while the GPU (or the verify lane) verifies: its host-side launch
         # cost overlaps the verify step instead of adding to it. prefill_first never mixes the two.
-        budget = min(self.config.prefill_chunk_tokens if running else self.config.idle_prefill_tokens,
-                     self.step_cap.prefill_tokens)
-        prefilling = list(self.scheduler.prefilling)
-        self.scheduler.planned = []
-        prefill_outputs = []
-        may_prefill = not (self.config.prefill_first and running)
-        if may_prefill and (prefilling or self.prefiller.has_replies):  # replies of aborted requests give their slots back
-            prefill_outputs = self._guarded(prefilling, lambda: self._prefill(budget, decoding=bool(running)),
-                                            prefill=True)
+        if not replies_first:
+            prefill_outputs = self._prefill_phase(decoding=bool(running))
         if launched is not None:
             outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
         self._prefilled_last = prefill_only
         if self.step_cap.num_oom_recoveries == ooms:
             self.step_cap.observe_clean_step()
-        return expired + outputs + prefill_outputs, len(running)
+        # A prompt taken in before drafting has its first token out before the tokens it decoded here.
+        return expired + prefill_outputs + outputs, len(running)
+
+    def _prefill_phase(self, decoding: bool) -> list[RequestOutput]:
+        """Advance the prompts being prefilled (`decoding`: requests decode in this step too)."""
+        budget = min(self.config.prefill_chunk_tokens if decoding else self.config.idle_prefill_tokens,
+                     self.step_cap.prefill_tokens)
+        prefilling = list(self.scheduler.prefilling)
+        self.scheduler.planned = []
+        if self.config.prefill_first and decoding:
+            return []
+        if not (prefilling or self.prefiller.has_replies):  # replies of aborted requests give their slots back
+            return []
+        return self._guarded(prefilling, lambda: self._prefill(budget, decoding=decoding), prefill=True)
 
     def _prefill_turn(self) -> bool:
         """prefill_first: whether this step prefills only. Prompts waiting go first, but not twice in a
