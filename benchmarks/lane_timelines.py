@@ -128,7 +128,8 @@ def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
     time over its rows sets a request's time per token; a lane that steps as long as another but leaves
     longer gaps loses its time between steps, not in them. (An engine in a process of its own is stamped
     by its replica when the step's report arrives: its gaps include the report's delay, and are 0 where
-    reports come in bunches.)"""
+    reports come in bunches.) Where the events carry them: the share of steps that prefilled, prompt tokens
+    a step, requests queued for prefill after a step, and out-of-memory recoveries."""
     steps, gaps = [], []
     for r in reports:
         own = sorted((e for e in r["events"].get("step", []) if start_s <= e["start_s"] < end_s),
@@ -136,6 +137,7 @@ def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
         steps += own
         gaps += [max(0.0, nxt["start_s"] - prev["end_s"]) for prev, nxt in zip(own, own[1:])]
     window_s = max(end_s - start_s, 1e-9)
+    prefill = [e.get("prefill_tokens", 0) for e in steps]
     return {
         "steps": len(steps),
         "steps_per_s": round(len(steps) / window_s, 1),
@@ -144,6 +146,12 @@ def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
         "rows_per_step": round(statistics.mean(e["rows"] for e in steps), 2) if steps else None,
         "gap_ms": ms_quantiles(gaps, digits=2),
         "gap_ms_mean": round(1e3 * statistics.mean(gaps), 2) if gaps else None,
+        # A co-located engine's own prefill, and the prompts that waited for it after each step (older
+        # replicas' events lack them: 0).
+        "prefill_steps_share": round(sum(t > 0 for t in prefill) / len(steps), 3) if steps else None,
+        "prefill_tokens_per_step": round(statistics.mean(prefill), 1) if steps else None,
+        "queued_per_step": round(statistics.mean(e.get("queued", 0) for e in steps), 2) if steps else None,
+        "oom_recoveries": sum(e.get("ooms", 0) for e in steps),
     }
 
 

@@ -81,6 +81,7 @@ class EngineServer:
             # handles on this replica's event loop.
             self.metrics = EngineMetrics(self.lane, mode)
             self.engine, self.placement_ = self._start_thread(engine_factory, prefill, verify, streams)
+        self._last_snap: EngineSnapshot | None = None  # the previous step's, for the step timeline's deltas
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
         self.peers = {"prefill": prefill, "verify": verify}
         self._stopping = False
@@ -172,7 +173,13 @@ class EngineServer:
 
     def _on_step(self, snap: EngineSnapshot, step_ms: float, batch_size: int) -> None:
         end_s = time.time()
-        TIMELINE.record("step", end_s - step_ms / 1e3, end_s, rows=batch_size)
+        # Besides its rows, what the step prefilled itself, the requests still queued for prefill after
+        # it, and whether it ran out of device memory: what sets a co-located engine's batch size.
+        last = self._last_snap
+        TIMELINE.record("step", end_s - step_ms / 1e3, end_s, rows=batch_size, queued=snap.queue_depth,
+                        prefill_tokens=snap.num_prefill_tokens - (last.num_prefill_tokens if last else 0),
+                        ooms=snap.num_oom_recoveries - (last.num_oom_recoveries if last else 0))
+        self._last_snap = snap
         self.metrics.on_step(snap, step_ms, batch_size)
 
     def __del__(self):

@@ -73,5 +73,12 @@ def test_step_stats_split_a_lanes_time_into_steps_and_the_gaps_between_them():
     assert steps["steps"] == 4 and steps["steps_per_s"] == 0.5 and steps["rows_per_step"] == 4
     assert steps["step_ms_mean"] == 1250.0 and steps["step_ms"]["p50"] == 1000.0
     assert steps["gap_ms_mean"] == 1000.0 and steps["gap_ms"]["p50"] == 1000.0
-    engine = lane_activity([lane_report("engine", "E", step=[(0, 1), (1, 2)])], 0.0, 2.0)
+    assert steps["prefill_tokens_per_step"] == 0 and steps["oom_recoveries"] == 0  # events without the fields
+    engine_report = lane_report("engine", "E", step=[(0, 1), (1, 2), (2, 3), (3, 4)])
+    for event, (tokens, queued, ooms) in zip(engine_report["events"]["step"], [(512, 9, 0), (0, 7, 0), (256, 5, 1),
+                                                                             (0, 3, 0)]):
+        event.update(prefill_tokens=tokens, queued=queued, ooms=ooms)
+    engine = lane_activity([engine_report], 0.0, 4.0)
     assert engine["engine_steps"]["gap_ms_mean"] == 0.0 and "decode_steps" not in engine
+    assert engine["engine_steps"]["prefill_steps_share"] == 0.5 and engine["engine_steps"]["prefill_tokens_per_step"] == 192
+    assert engine["engine_steps"]["queued_per_step"] == 6 and engine["engine_steps"]["oom_recoveries"] == 1

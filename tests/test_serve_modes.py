@@ -166,6 +166,25 @@ def test_decode_lane_times_each_request_from_prefill_submission_to_decoding(mode
     assert len(handovers) == 6 and all(start_s <= h["sent_s"] <= h["batch_s"] <= h["start_s"] for h in handovers)
 
 
+def test_the_step_timeline_counts_the_prompt_tokens_each_engine_prefilled_itself():
+    """unified prefills its prompts in its own steps, pd in its prefill lane: the step events that
+    benchmarks/lanes_1gpu.py's step log reads say which, with the requests still queued after each step."""
+    async def main(mode):
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(_complete(http, mode, i) for i in range(4)))
+
+    counted = {}
+    for mode in ("unified", "pd"):
+        start_s = time.time()
+        prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in asyncio.run(main(mode)))
+        reports = serve.get_deployment_handle("DecodeLane", app_name=mode).broadcast("timeline", start_s).results(
+            timeout_s=30)
+        steps = [e for r in reports for e in event_rows(r["events"].get("step", {}))]
+        assert steps and all(e["queued"] >= 0 and e["ooms"] == 0 for e in steps)
+        counted[mode] = (sum(e["prefill_tokens"] for e in steps), prompt_tokens)
+    assert counted["unified"][0] == counted["unified"][1] > 0 and counted["pd"][0] == 0
+
+
 @pytest.mark.parametrize("mode", ["pd", "pdv"])
 def test_the_decode_lane_steps_its_engine_in_a_process_of_its_own(mode):
     """pd's and pdv's decode replica relays its engine's calls to the other lanes (lanes/engine/process.py

@@ -32,6 +32,7 @@ REQUESTS = 200
 MAX_TOKENS = 8
 STREAMS = 12
 STREAM_TOKENS = 600
+STREAM_INTERVAL_MARGIN_S = 0.5  # a stream's last chunk may come this long after its request ended
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,15 +101,16 @@ def test_killed_verify_replica_loses_no_request_and_slots_are_freed(greedy_refs,
     handle = serve.get_deployment_handle("VerifyLane", app_name=APP)
 
     def kill():  # once every stream has its first token: its prompt's KV is in a verify replica
+        read_s = time.monotonic()
         held = {s["lease"]: s for s in lane_stats(APP, "VerifyLane")}
         migrated = sum(s["num_migrations"] for s in lane_stats(APP, "DecodeLane"))
         victim = max(held.values(), key=lambda s: s["kv_slots_used"])
         handle.release.remote([], lease=victim["lease"]).result(timeout_s=30)  # this router has seen the victim
         killed_s = time.monotonic()
         os.kill(victim["replica_pid"], signal.SIGKILL)
-        return held, victim, migrated, killed_s
+        return held, victim, migrated, read_s, killed_s
 
-    (held, victim, migrated_before, killed_s), _, streams = streams_across(
+    (held, victim, migrated_before, read_s, killed_s), _, streams = streams_across(
         APP, [p for p, _ in stream_refs], STREAM_TOKENS, kill)
     results = [runs[0] for runs in streams]
     migrated = sum(s["num_migrations"] for s in lane_stats(APP, "DecodeLane")) - migrated_before
@@ -118,8 +120,12 @@ def test_killed_verify_replica_loses_no_request_and_slots_are_freed(greedy_refs,
           f"the others; every stream completed; the longest wait for a chunk after the kill: {stall_s:.2f} s")
     assert [r.error for r in results] == [None] * STREAMS
     assert [r.tokens for r in results] == [ref for _, ref in stream_refs]  # the target's greedy output
-    # Every request of the victim moved; the others' verify calls never went to the victim.
-    assert migrated >= victim["kv_slots_used"] > 0
+    # Every request of the victim that was still decoding at the kill moved; the others' verify calls never
+    # went to the victim. Streams end within the kill's few hundred ms after the slots were read (on the
+    # verify channel a 600-token stream takes a few seconds here): those that ended then, or whose last
+    # chunk, held back by stream coalescing, came just after, may have been the victim's and moved nowhere.
+    ended = sum(read_s <= r.times_s[-1] <= killed_s + STREAM_INTERVAL_MARGIN_S for r in results)
+    assert migrated >= victim["kv_slots_used"] - ended and migrated > 0, (migrated, victim["kv_slots_used"], ended)
 
     survivors = [s for s in lane_stats(APP, "VerifyLane") if s["lease"] in held]
     assert len(survivors) == VERIFY_REPLICAS - 1 or victim["lease"] not in {s["lease"] for s in survivors}
