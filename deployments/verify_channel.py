@@ -20,7 +20,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import pickle
 import secrets
 import socket
 import threading
@@ -30,7 +29,7 @@ from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
 
 from lanes.engine.backends import KVLost
-from lanes.engine.process import picklable
+from lanes.engine.process import picklable, put_message, take_message
 from lanes.spec.verify import VerifyBatch, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -47,11 +46,8 @@ class ChannelAddress:
 
 
 def _send(conn: Connection, lock: threading.Lock, message: tuple) -> None:
-    # Plain pickle, not Connection.send's: torch's reductions for multiprocessing share tensors
-    # through a file descriptor server the other end cannot reach (lanes/engine/process.py `_put`).
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    with lock:
-        conn.send_bytes(data)
+    with lock:  # one message at a time on a connection that several threads send on
+        put_message(conn, message)
 
 
 def _hang_up(conn: Connection) -> None:
@@ -107,7 +103,7 @@ class VerifyChannelServer:
         lock = threading.Lock()  # answers are sent from the event loop, in the order they finish
         try:
             while True:
-                call_id, batch = pickle.loads(conn.recv_bytes())
+                call_id, batch = take_message(conn)
                 call = asyncio.run_coroutine_threadsafe(self._verify(batch), self._loop)
                 call.add_done_callback(partial(self._answer, conn, lock, call_id))
         except (EOFError, OSError):  # the engine is gone, or this server closed
@@ -174,7 +170,7 @@ class VerifyChannel:
     def _read(self) -> None:
         try:
             while True:
-                call_id, ok, value = pickle.loads(self._conn.recv_bytes())
+                call_id, ok, value = take_message(self._conn)
                 with self._lock:
                     future = self._pending.pop(call_id, None)
                 if future is not None and not future.done():
@@ -230,7 +226,7 @@ class VerifyChannels:
 
     def _connect(self, lease: str, address: ChannelAddress) -> None:
         try:
-            channel = VerifyChannel.connect(lease, address, self._closed)
+            channel = VerifyChannel.connect(lease, address, self._forget)
         except Exception as exc:  # noqa: BLE001 - unreachable (another node's firewall): Ray carries its calls
             log.warning("verify channel to %s at %s:%d failed (%s); its calls go through Ray", lease,
                         address.host, address.port, exc)
@@ -238,7 +234,7 @@ class VerifyChannels:
         with self._lock:
             self._open[lease] = channel
 
-    def _closed(self, lease: str) -> None:
+    def _forget(self, lease: str) -> None:
         # Gone with its replica, most likely: later calls go through Ray, which answers LeaseGone for
         # a replica that is gone, and a new channel is asked for one that is not.
         with self._lock:

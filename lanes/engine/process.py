@@ -135,7 +135,7 @@ class ProcessEngine(StreamingFront):
     def _send(self, message: tuple) -> None:
         try:
             with self._send_lock:
-                _put(self._conn, message)
+                put_message(self._conn, message)
         except (OSError, ValueError):  # closed: the reader thread fails what the engine held
             pass
 
@@ -147,7 +147,7 @@ class ProcessEngine(StreamingFront):
             if time.monotonic() > deadline_s:
                 self._proc.kill()
                 raise TimeoutError(f"the engine process did not start within {timeout_s:.0f} s")
-        kind, payload = _take(self._conn)
+        kind, payload = take_message(self._conn)
         if kind != "ready":
             self._proc.wait()
             raise RuntimeError(f"the engine process failed to build its engine:\n{payload}")
@@ -156,7 +156,7 @@ class ProcessEngine(StreamingFront):
     def _read(self) -> None:
         try:
             while True:
-                self._dispatch(_take(self._conn))
+                self._dispatch(take_message(self._conn))
         except (EOFError, OSError):
             pass
         finally:
@@ -222,14 +222,15 @@ def _settle(future: asyncio.Future, ok: bool, value) -> None:
         future.set_exception(value)
 
 
-def _put(conn: Connection, message: tuple) -> None:
+def put_message(conn: Connection, message: tuple) -> None:
+    """Send one message (the engine socket's, and pdv's verify channels: deployments/verify_channel.py)."""
     # Plain pickle, not Connection.send's: torch registers reductions with multiprocessing's pickler
     # that share a CPU tensor through a file descriptor server which only a child made by
     # multiprocessing may reach (a prefill order's first-token mask failed with AuthenticationError).
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _take(conn: Connection) -> tuple:
+def take_message(conn: Connection) -> tuple:
     return pickle.loads(conn.recv_bytes())
 
 
@@ -329,7 +330,7 @@ class _EngineLoop:
     def _read(self) -> None:
         try:
             while True:
-                message = _take(self.conn)
+                message = take_message(self.conn)
                 if message[0] == "peer_answer":
                     self.link.answer(message[1], message[2])
                 else:
@@ -411,7 +412,7 @@ class _EngineLoop:
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:
-            _put(self.conn, message)
+            put_message(self.conn, message)
 
 
 def picklable(exc: BaseException) -> BaseException:
@@ -436,15 +437,15 @@ def main(fd: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
     conn = Connection(fd)
     try:
-        _, factory, describe, sampler, sample_interval_s, has_peers, node_id = _take(conn)
+        _, factory, describe, sampler, sample_interval_s, has_peers, node_id = take_message(conn)
         loop = _EngineLoop(conn, sampler, sample_interval_s)
         link = PeerLink(loop._send, node_id) if has_peers else None
         core = factory(peer_link=link) if link is not None else factory()
         info = describe(core) if describe is not None else None
     except BaseException:
-        _put(conn, ("failed", traceback.format_exc()))
+        put_message(conn, ("failed", traceback.format_exc()))
         return
-    _put(conn, ("ready", info))
+    put_message(conn, ("ready", info))
     try:
         loop.attach(core, link)
         loop.run()
