@@ -11,8 +11,9 @@ are configs/pdv-1gpu.yaml's for pdv), all at `--max-model-len` (8,192 by default
 that every mode deploys there), drives it through Serve's proxy with the load tester's streaming
 client (greedy, ignore_eos), and deletes it:
 
-- uniform: prompts of 128 tokens, 128 out, 64 in flight, 256 requests; then 3 prompts of 7,000
-  tokens one after another (the max_model_len check).
+- uniform: prompts of 128 tokens, 128 out, 64 in flight, 256 requests (`--repeats N`: N times, each with
+  prompts of its own, to see one deployment's spread); then 3 prompts of 7,000 tokens one after another
+  (the max_model_len check).
 - mixed: 10 % of prompts 3,000 tokens, the rest 128; 128 out. unified runs first, closed loop at 64
   in flight, and its completed requests/s is the capacity; then every mode gets the same Poisson
   arrivals at 50 % and at 80 % of it.
@@ -101,6 +102,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="mixed: Poisson rates as shares of unified's capacity")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--mps", action="store_true", help="run the lanes as clients of NVIDIA MPS")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="uniform: the c64 load this many times in each deployment, new prompts each time")
     args = parser.parse_args(argv)
     args.shape = args.shape or ("tinyllama-7b" if args.device == "cuda" else "small")
     args.max_model_len = args.max_model_len or (8192 if args.device == "cuda" else 256)
@@ -116,7 +119,9 @@ def engine(args: argparse.Namespace) -> dict:
 def requests_of(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, list]:
     size = SIZES[args.device]
     tokenizer = load_tokenizer(tokenizer_dir)
-    uniform = synthetic(tokenizer, size["requests"], 0, exactly(size["prompt"]), exactly(size["output"]))
+    # Seeds 0, 100, 200, ...: a repeat's prompts share no prefix with an earlier one's (the prefix cache is on).
+    uniform = [synthetic(tokenizer, size["requests"], 100 * k, exactly(size["prompt"]), exactly(size["output"]))
+               for k in range(args.repeats)]
     longest = synthetic(tokenizer, 3, 3, exactly(size["max_len_prompt"]), exactly(size["output"] // 2))
     return {"uniform": uniform, "max_len": longest,
             "warmup": warmup_requests(tokenizer, args.max_num_seqs, 7, exactly(size["prompt"]), 2, size["long"]),
@@ -127,7 +132,9 @@ def loads_of(args: argparse.Namespace, requests: dict, capacity_rps: float | Non
     size = SIZES[args.device]
     loads = [Load("warmup", requests["warmup"], OpenLoop(float("inf")), measured=False)]
     if args.part == "uniform":
-        return loads + [Load(f"uniform c{size['in_flight']}", requests["uniform"], ClosedLoop(size["in_flight"])),
+        name = f"uniform c{size['in_flight']}"
+        return loads + [Load(name if k == 0 else f"{name} #{k + 1}", batch, ClosedLoop(size["in_flight"]))
+                        for k, batch in enumerate(requests["uniform"])] + [
                         Load(f"{size['max_len_prompt']}-token prompts", requests["max_len"], ClosedLoop(1))]
     if capacity_rps is not None:
         return loads + [Load(f"mixed {share:.0%}", requests["mixed"], OpenLoop(share * capacity_rps))

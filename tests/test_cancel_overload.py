@@ -8,7 +8,8 @@ the client; in pdv while the prefill lane has it or hands its KV over). Then no 
 `/v1/lanes` says so, and the app serves the same greedy output.
 
 Overload: 10x as many concurrent streams as the app admits (`max_queued_requests`), for
-`VPD_OVERLOAD_S` seconds (CI: 30). Every response is a 200 stream that completes, or a 429 with
+`VPD_OVERLOAD_S` seconds (CI: 30), each admitted one about ADMITTED_HOLD_S long at the speed the app is
+measured to serve just before, so that refusals outnumber admissions on a fast machine as on a slow one. Every response is a 200 stream that completes, or a 429 with
 `Retry-After` in OpenAI's error shape; no 5xx; each request ends within a bound; `/v1/lanes`,
 sampled during the load, never shows a queue past the admission bound; after it every slot is
 free and every replica's RSS is back near its start (RSS_SLACK_MB, RSS_SLACK_FRACTION).
@@ -39,6 +40,9 @@ MAX_QUEUED = 16  # the app admits this many requests at once; more get 429
 MAX_NUM_SEQS = 8
 OVERLOAD_CLIENTS = 10 * MAX_QUEUED
 REQUEST_BOUND_S = 60.0  # no admitted request of the overload may take longer than this
+# An admitted request of the overload holds its slot for about this long, sized from the app's measured speed:
+# refused clients retry every 0.05-0.2 s, so 429s outnumber 200s however fast the machine serves.
+ADMITTED_HOLD_S = 2.0
 RSS_SLACK_MB, RSS_SLACK_FRACTION = 50.0, 0.10  # "back near its start": within the larger of the two
 LONG_PROMPT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n" * 24  # ~600 tokens
 
@@ -234,9 +238,33 @@ def _rss_mb(pids: dict[str, int]) -> dict[str, float]:
     return {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
 
 
-async def _overload_client(http, mode: str, i: int, deadline: float, rng: random.Random, results: list) -> None:
+def _tokens_per_admitted_request(mode: str) -> int:
+    """max_tokens that keeps an admitted stream ADMITTED_HOLD_S long: MAX_QUEUED streams of 32 tokens at once
+    (the overload's admitted concurrency) give one stream's tokens/s on this machine now."""
+    probe_tokens = 32
+
+    async def one(http, i):
+        body = {"model": MODEL, "prompt": f"import sys{i}", "max_tokens": probe_tokens, "ignore_eos": True,
+                "stream": True, "temperature": 0.0}
+        start = time.monotonic()
+        async with http.stream("POST", f"{base_url(mode)}/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for _ in r.aiter_lines():
+                pass
+        return time.monotonic() - start
+
+    async def main():
+        async with httpx.AsyncClient(timeout=REQUEST_BOUND_S) as http:
+            return sorted(await asyncio.gather(*(one(http, i) for i in range(MAX_QUEUED))))
+
+    stream_s = asyncio.run(main())[MAX_QUEUED // 2]
+    return max(16, min(480, round(ADMITTED_HOLD_S * probe_tokens / stream_s)))
+
+
+async def _overload_client(http, mode: str, i: int, deadline: float, rng: random.Random, results: list,
+                           mean_tokens: int) -> None:
     while time.monotonic() < deadline:
-        max_tokens = rng.randint(8, 48)
+        max_tokens = rng.randint(mean_tokens // 2, mean_tokens * 3 // 2)
         body = {"model": MODEL, "prompt": f"import os{i}", "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
         start = time.monotonic()
@@ -276,6 +304,7 @@ def _queue_depths(sample: dict) -> dict[str, int]:
 @pytest.mark.parametrize("mode", MODES)
 def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
     greedy_choice(mode, "def add(a, b):", 24, return_token_ids=True)["token_ids"]  # warm: first requests allocate buffers that stay
+    mean_tokens = _tokens_per_admitted_request(mode)
     wait_until_idle(mode, mode)
     pids = _replica_pids(mode)
     rss_before = _rss_mb(pids)
@@ -287,7 +316,7 @@ def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
         limits = httpx.Limits(max_connections=OVERLOAD_CLIENTS + 1)
         async with httpx.AsyncClient(timeout=REQUEST_BOUND_S, limits=limits) as http:
             await asyncio.gather(_sample_lanes(mode, deadline, samples),
-                                 *(_overload_client(http, mode, i, deadline, rng, results)
+                                 *(_overload_client(http, mode, i, deadline, rng, results, mean_tokens)
                                    for i in range(OVERLOAD_CLIENTS)))
 
     start = time.monotonic()
@@ -317,7 +346,7 @@ def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
     growth = {name: rss_after[name] - rss_before[name] for name in pids}
     took = sorted(r[5] for r in results if r[0] == 200)
     print(f"{mode}: {len(results)} requests in {load_s:.0f} s from {OVERLOAD_CLIENTS} clients: {ok} x 200, "
-          f"{statuses.count(429)} x 429; 200s took p50 {took[len(took) // 2]:.2f} s, max {took[-1]:.2f} s; "
+          f"{statuses.count(429)} x 429 (max_tokens around {mean_tokens}); 200s took p50 {took[len(took) // 2]:.2f} s, max {took[-1]:.2f} s; "
           f"peak depths {peak} over {len(samples)} samples; RSS MB before "
           f"{ {k: round(v) for k, v in rss_before.items()} }, growth { {k: round(v, 1) for k, v in growth.items()} }")
     for name in pids:
