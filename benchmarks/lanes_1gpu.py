@@ -8,8 +8,8 @@
 
 Each part deploys every mode in turn on one GPU (the lane shares of benchmarks/lib/apps.py, which
 are configs/pdv-1gpu.yaml's for pdv), all at `--max-model-len` (8,192 by default: the part checks
-that every mode deploys there), drives it through Serve's proxy with the load tester's streaming
-client (greedy, ignore_eos), and deletes it:
+that every mode deploys there) and with `--ingress-replicas` OpenAI ingress replicas (2 on a GPU), drives it
+through Serve's proxy with the load tester's streaming client (greedy, ignore_eos), and deletes it:
 
 - uniform: prompts of 128 tokens, 128 out, 64 in flight, 256 requests (`--repeats N`: N times, each with
   prompts of its own, to see one deployment's spread); then 3 prompts of 7,000 tokens one after another
@@ -68,6 +68,9 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # unified_thread, pd_thread, pdv_thread: the engine stepped on a thread of its replica (`engine_process:
 # false`) instead of in a process of its own: what that costs. pdv_relay: pdv's engine sends its verify batches
 # through its replica and Serve (`verify_channel: false`) instead of over the verify replica's channel.
+# *_ing1: one ingress replica instead of --ingress-replicas (2 on a GPU). One OpenAI ingress ran at 100-120 % of a
+# core under unified's uniform load (top, 2026-11-28), so its event loop, not the engine, bounded how fast
+# requests reached the engine: unified served 7,032-7,201 tok/s through one and 7,469-7,799 through two.
 VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {"num_gpus": 0.54},
                              "decode_lane": {"num_gpus": 0.08, "num_replicas": 2}}),
             "pd512": ("pd", {"engine": {"idle_prefill_tokens": 512}}),
@@ -80,7 +83,10 @@ VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {
             "unified_thread": ("unified", {"engine_process": False}),
             "pd_thread": ("pd", {"engine_process": False}),
             "pdv_thread": ("pdv", {"engine_process": False}),
-            "pdv_relay": ("pdv", {"verify_channel": False})}
+            "pdv_relay": ("pdv", {"verify_channel": False}),
+            "unified_ing1": ("unified", {"ingress": {"num_replicas": 1}}),
+            "pd_ing1": ("pd", {"ingress": {"num_replicas": 1}}),
+            "pdv_ing1": ("pdv", {"ingress": {"num_replicas": 1}})}
 MPS_DIR = Path("/tmp/vpd-mps")  # short: the daemon's pipes are Unix sockets (108-byte paths)
 SIZES = {  # by device: mixed traffic's lengths (MIXED), the max-len prompt, in flight, requests, mixed requests
     "cuda": dict(MIXED["cuda"], max_len_prompt=7000, in_flight=64, requests=256, mixed=240),
@@ -102,12 +108,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="mixed: Poisson rates as shares of unified's capacity")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--mps", action="store_true", help="run the lanes as clients of NVIDIA MPS")
+    parser.add_argument("--ingress-replicas", type=int, default=None,
+                        help="OpenAI ingress replicas of every mode: default 2 (cuda), 1 (cpu)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="uniform: the c64 load this many times in each deployment, new prompts each time")
     args = parser.parse_args(argv)
     args.shape = args.shape or ("tinyllama-7b" if args.device == "cuda" else "small")
     args.max_model_len = args.max_model_len or (8192 if args.device == "cuda" else 256)
     args.max_num_seqs = args.max_num_seqs or (160 if args.device == "cuda" else 8)
+    args.ingress_replicas = args.ingress_replicas or (2 if args.device == "cuda" else 1)
     args.modes = args.modes.split(",")
     return args
 
@@ -150,8 +159,10 @@ def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tupl
     base, overrides = VARIANTS.get(mode, (mode, {}))
     config = app_args(base, pair.target, pair.draft, dtype=preset["dtype"], engine=engine(args),
                       lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
+    # The ingress is stateless: two replicas keep one busy event loop from bounding the fastest mode (VARIANTS).
+    config["ingress"]["num_replicas"] = args.ingress_replicas
     for key, value in overrides.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     return base, config
 
 
