@@ -68,7 +68,7 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # unified_thread, pd_thread, pdv_thread: the engine stepped on a thread of its replica (`engine_process:
 # false`) instead of in a process of its own: what that costs. pdv_relay: pdv's engine sends its verify batches
 # through its replica and Serve (`verify_channel: false`) instead of over the verify replica's channel.
-# *_ing1: one ingress replica instead of --ingress-replicas (2 on a GPU). One OpenAI ingress ran at 100-120 % of a
+# *_ing1: one ingress replica instead of --ingress-replicas (2 on a GPU). One OpenAI ingress ran at 93-122 % of a
 # core under unified's uniform load (top, 2026-11-28), so its event loop, not the engine, bounded how fast
 # requests reached the engine: unified served 7,032-7,201 tok/s through one and 7,469-7,799 through two.
 VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {"num_gpus": 0.54},
