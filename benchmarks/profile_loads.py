@@ -13,6 +13,9 @@ each process's busiest frames by share of samples, inclusive (the frame anywhere
 (the frame on top), which is where a slow load spends its host time.
 
 Needs py-spy on PATH (or --py-spy) and ptrace rights over the processes (root in the device's container).
+`--quiet-s` must outlast the benchmark's longest silence (a deploy: 60-70 s on the H200), or the
+recorder ends before the first app is up. py-spy slows what it watches: at 50 Hz pdv served 3,324-3,753
+tok/s against 4,860-5,833 unwatched (2026-11-28), so a profiled call's speeds are not results.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 DEPLOYED = re.compile(r"^\[\s*[\d.]+ s\] (\S+): deployed")
 LOAD_DONE = re.compile(r"^\[\s*[\d.]+ s\] (\S+) (.+?): (?:concurrency|rate)=")
-DONE = re.compile(r"^\[\s*[\d.]+ s\] done: ")
+DONE = re.compile(r"^\[\s*[\d.]+ s\] done\b")  # gpu_evidence.py logs "done: ...", lanes_1gpu.py "done"
 FRAME = re.compile(r"^(.*) \((.*?):\d+\)$")  # py-spy's "function (file.py:line)"
 
 
@@ -162,7 +165,8 @@ def main() -> None:
         if deployed and deployed.group(1) in apps:
             segment = start(deployed.group(1))
         elif done and done.group(1) in apps and segment is not None:
-            app, load = done.group(1), done.group(2).replace(" ", "_")
+            # A plain file name: the device's copy-back refuses names with other characters ("#2" of --repeats).
+            app, load = done.group(1), re.sub(r"[^\w.-]", "_", done.group(2))
             segment.stop(f"{app}.{load}")
             segment = start(app)
         elif segment is not None and (done or DONE.match(line) or DEPLOYED.match(line)):
