@@ -8,11 +8,12 @@ the client; in pdv while the prefill lane has it or hands its KV over). Then no 
 `/v1/lanes` says so, and the app serves the same greedy output.
 
 Overload: 10x as many concurrent streams as the app admits (`max_queued_requests`), for
-`VPD_OVERLOAD_S` seconds (CI: 30), each admitted one about ADMITTED_HOLD_S long at the speed the app is
-measured to serve just before, so that refusals outnumber admissions on a fast machine as on a slow one. Every response is a 200 stream that completes, or a 429 with
-`Retry-After` in OpenAI's error shape; no 5xx; each request ends within a bound; `/v1/lanes`,
-sampled during the load, never shows a queue past the admission bound; after it every slot is
-free and every replica's RSS is back near its start (RSS_SLACK_MB, RSS_SLACK_FRACTION).
+`VPD_OVERLOAD_S` seconds (CI: 30), each admitted one about ADMITTED_HOLD_S long at the speed the app
+is measured to serve just before, so that refusals outnumber admissions on a fast machine as on a slow
+one. Every response is a 200 stream that completes, or a 429 with `Retry-After` in OpenAI's error
+shape; no 5xx; each request ends within a bound; `/v1/lanes`, sampled during the load, never shows a
+queue past the admission bound; after it every slot is free and every replica's RSS is back near its
+start (RSS_SLACK_MB, RSS_SLACK_FRACTION).
 
 Long runs: `VPD_CANCEL_COUNT=1000 VPD_OVERLOAD_S=120 pytest tests/test_cancel_overload.py`
 (results in docs/serving.md, "Cancellation and overload").
@@ -347,7 +348,8 @@ def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
     growth = {name: rss_after[name] - rss_before[name] for name in pids}
     took = sorted(r[5] for r in results if r[0] == 200)
     print(f"{mode}: {len(results)} requests in {load_s:.0f} s from {OVERLOAD_CLIENTS} clients: {ok} x 200, "
-          f"{statuses.count(429)} x 429 (max_tokens around {mean_tokens}); 200s took p50 {took[len(took) // 2]:.2f} s, max {took[-1]:.2f} s; "
+          f"{statuses.count(429)} x 429 (max_tokens around {mean_tokens}); "
+          f"200s took p50 {took[len(took) // 2]:.2f} s, max {took[-1]:.2f} s; "
           f"peak depths {peak} over {len(samples)} samples; RSS MB before "
           f"{ {k: round(v) for k, v in rss_before.items()} }, growth { {k: round(v, 1) for k, v in growth.items()} }")
     for name in pids:
