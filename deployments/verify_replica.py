@@ -46,7 +46,7 @@ class VerifyServer:
         lane_factory, self.shard_workers = bind_workers(lane_factory, start_workers)
         self.lane: VerifyLane = lane_factory()
         # Before serving: what the controller derives the drafter's relative cost from (lanes/model/forward_cost.py).
-        self.forward_ms = {"target": forward_costs_ms(self.lane.runner)}
+        self.forward_ms = forward_costs_ms({"target": self.lane.runner})
         self.worker = LaneWorker("verify", self.lane.runner.device, VERIFY_PRIORITY)
         # A worker rank that ends fails every forward at once (rank 0 would wait on it), and the health check.
         self._worker_watch = watch_workers(self.shard_workers, self.worker.lose)

@@ -5,8 +5,10 @@ functions on constructed samples: no Ray instance, no models.
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from controller.actor import MAX_DRAFT_COST_RATIO, SignalReader, drafter_forward_ms, measured_draft_cost_ratio
 from controller.cost_model import (DraftCost, StepCost, StepCostModel, fastest_draft_len, fit_step_cost, observe_steps,
@@ -15,6 +17,7 @@ from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
 from deployments.engine_metrics import STEP_WINDOW_STEPS, EngineMetrics
 from lanes.engine.snapshot import core_report, snapshot
+from lanes.model.forward_cost import CALIBRATION_REPEATS, CALIBRATION_ROWS, forward_costs_ms
 from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import random_prompts, small_engine
@@ -220,6 +223,34 @@ def test_the_engine_times_a_one_token_forward_of_each_model_and_reports_it(llama
     assert engine.scheduler.draft_pool.num_used == 0
     nospec = small_engine(target, None)
     assert set(nospec.measure_forward_costs()) == {"target"}
+
+
+class _TimedRunner:
+    """A runner whose one-token forward takes `ms`, times `slow` while the host is busy."""
+
+    def __init__(self, ms: float, busy):
+        self.ms, self.busy = ms, busy
+        self.device = torch.device("cpu")
+        self.pool = SimpleNamespace(shape=SimpleNamespace(num_slots=64))
+
+    def pad_forward(self, rows, start, q_len, keep_last, prefill):
+        time.sleep(self.ms / 1e3 * (6 if self.busy() else 1))
+
+
+def test_a_host_busy_for_part_of_the_timing_slows_both_models_alike():
+    """Two equal models, and a host busy with other work for the first half of the measurement: the
+    forwards alternate, so their measured ratio stays near 1. Timed one model after the other, the
+    first would read 6x the second, and a drafter as large as its target would look 6x cheaper."""
+    calls = {"n": 0}
+    total = 2 * len(CALIBRATION_ROWS) * (CALIBRATION_REPEATS + 1)
+
+    def busy() -> bool:
+        calls["n"] += 1
+        return calls["n"] <= total // 2
+
+    measured = forward_costs_ms({"target": _TimedRunner(2.0, busy), "draft": _TimedRunner(2.0, busy)})
+    for rows in CALIBRATION_ROWS:
+        assert 0.5 < measured["draft"][rows] / measured["target"][rows] < 2.0, measured
 
 
 def test_the_controller_takes_the_drafter_cost_from_the_replicas_reports():

@@ -213,7 +213,7 @@ class EngineCore:
     def measure_forward_costs(self) -> dict[str, dict[int, float]]:
         """Time a one-token forward of each local model over a batch (lanes/model/forward_cost.py), once,
         before serving: what the controller derives the drafter's relative cost from."""
-        self.forward_ms = {name: forward_costs_ms(r) for name, r in self.local_runners().items()}
+        self.forward_ms = forward_costs_ms(self.local_runners())
         log.info("one-token forward, ms by rows: %s", self.forward_ms)
         return self.forward_ms
 

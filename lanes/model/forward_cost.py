@@ -23,24 +23,35 @@ CALIBRATION_ROWS = (16, 64)
 CALIBRATION_REPEATS = 7
 
 
-def forward_costs_ms(runner: ModelRunner) -> dict[int, float]:
-    """`one_token_forward_ms` at each of CALIBRATION_ROWS rows that the pool's slots allow: {rows: ms}."""
-    sizes = sorted({max(1, min(rows, runner.pool.shape.num_slots)) for rows in CALIBRATION_ROWS})
-    return {rows: one_token_forward_ms(runner, rows) for rows in sizes}
+def forward_costs_ms(runners: dict[str, ModelRunner]) -> dict[str, dict[int, float]]:
+    """{model: {rows: ms}}: the median wall time of a one-token forward of each runner at each of
+    CALIBRATION_ROWS rows that its pool's slots allow, after one unmeasured forward of each.
+
+    The runners' forwards alternate, repeat by repeat. The controller reads the ratio of two of them,
+    and a host that other work keeps busy for part of the measurement (replicas starting beside this one
+    on a small machine) then slows each model alike, not whichever was being timed. Measured one model
+    after the other, a target-sized drafter read 0.135 and 0.18 of its target in two runs of the suite on
+    the 2-core machine (tests/test_controller_serve.py asks for more than 0.2)."""
+    sizes = {name: sorted({max(1, min(rows, runner.pool.shape.num_slots)) for rows in CALIBRATION_ROWS})
+             for name, runner in runners.items()}
+    times_ms: dict[str, dict[int, list[float]]] = {name: {rows: [] for rows in rows_of}
+                                                   for name, rows_of in sizes.items()}
+    for repeat in range(CALIBRATION_REPEATS + 1):
+        for name, runner in runners.items():
+            for rows in sizes[name]:
+                took_ms = _one_token_forward_ms(runner, rows)
+                if repeat:  # the first warms caches (and on CPU the allocator)
+                    times_ms[name][rows].append(took_ms)
+    return {name: {rows: statistics.median(t) for rows, t in by_rows.items()} for name, by_rows in times_ms.items()}
 
 
-def one_token_forward_ms(runner: ModelRunner, rows: int, repeats: int = CALIBRATION_REPEATS) -> float:
-    """Median wall time of a forward of one token for `rows` rows, on the pool's pad slot, after one
-    unmeasured forward."""
-    times_ms = []
-    for i in range(repeats + 1):
-        _sync(runner.device)
-        start_s = time.perf_counter()
-        runner.pad_forward(rows, 0, 1, keep_last=False, prefill=False)
-        _sync(runner.device)
-        if i:  # the first warms caches (and on CPU the allocator)
-            times_ms.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(times_ms)
+def _one_token_forward_ms(runner: ModelRunner, rows: int) -> float:
+    """Wall time of one forward of one token for `rows` rows, on the pool's pad slot."""
+    _sync(runner.device)
+    start_s = time.perf_counter()
+    runner.pad_forward(rows, 0, 1, keep_last=False, prefill=False)
+    _sync(runner.device)
+    return (time.perf_counter() - start_s) * 1e3
 
 
 def _sync(device: torch.device) -> None:
