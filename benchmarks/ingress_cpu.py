@@ -4,7 +4,7 @@
     python3 benchmarks/ingress_cpu.py --device cuda --ingress-replicas 1,2 --out OUT          (GPU, constructed pair)
 
 Deploys unified with N ingress replicas, drives `--streams` greedy streams of `--max-tokens` each through
-Serve's proxy for `--seconds`, and reads every ingress replica's CPU time from /proc before and after. On
+Serve's proxy for `--seconds`, and reads every ingress replica's CPU time (psutil) before and after. On
 a GPU host one ingress replica ran at a full core while unified served ~7,000 tok/s (docs/lanes_one_gpu.md):
 its CPU per chunk times the chunks a second is the most one replica can stream. `--py-spy PATH` also
 records each ingress replica's stacks (raw, one file each) for the table of busiest frames.
@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import ray
 from ray import serve
 
@@ -33,18 +33,16 @@ from benchmarks.lib.apps import PRESETS, app_args, engine_args  # noqa: E402
 from benchmarks.lib.cluster import (REPO, deploy, git_commit, log, machine, start_cluster,  # noqa: E402
                                     start_model_cluster)
 from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
+from benchmarks.profile_loads import serve_processes  # noqa: E402
 
 
 def ingress_pids(app: str) -> list[int]:
-    """The ingress replicas' pids, from the process titles Ray sets."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(pid) for pid, _, title in (line.strip().partition(" ") for line in out.splitlines())
-            if title.startswith(f"ray::ServeReplica:{app}:Ingress")]
+    return [pid for role, pid in serve_processes(app) if role == "Ingress"]
 
 
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 async def drive(url: str, model: str, streams: int, max_tokens: int, seconds: float) -> dict[str, int]:

@@ -35,17 +35,23 @@ DONE = re.compile(r"^\[\s*[\d.]+ s\] done\b")  # gpu_evidence.py logs "done: ...
 FRAME = re.compile(r"^(.*) \((.*?):\d+\)$")  # py-spy's "function (file.py:line)"
 
 
-def serve_pids(app: str) -> dict[str, int]:
-    """pid by role of the app's replicas and Serve's proxy, from the process titles Ray sets."""
-    found = {}
+def serve_processes(app: str) -> list[tuple[str, int]]:
+    """(role, pid) of every replica of the app (role: its deployment) and of Serve's proxy, from the
+    process titles Ray sets; a deployment of several replicas appears once for each."""
+    found = []
     for line in subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines():
         pid, _, title = line.strip().partition(" ")
         m = re.match(rf"ray::ServeReplica:{re.escape(app)}:(\w+)", title)
         if m:
-            found[m.group(1)] = int(pid)
+            found.append((m.group(1), int(pid)))
         elif title.startswith("ray::ProxyActor"):
-            found["proxy"] = int(pid)
+            found.append(("proxy", int(pid)))
     return found
+
+
+def serve_pids(app: str) -> dict[str, int]:
+    """pid by role of the app's replicas and Serve's proxy (one replica a role)."""
+    return dict(serve_processes(app))
 
 
 class Segment:
