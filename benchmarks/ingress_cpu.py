@@ -30,8 +30,8 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.lib.apps import PRESETS, app_args, engine_args  # noqa: E402
-from benchmarks.lib.cluster import (REPO, deploy, git_commit, log, machine, start_cluster,  # noqa: E402
-                                    start_model_cluster)
+from benchmarks.lib.cluster import (REPO, deploy, git_commit, log, machine, serve_env,  # noqa: E402
+                                    start_cluster, start_model_cluster)
 from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
 from benchmarks.profile_loads import serve_processes  # noqa: E402
 
@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (cpu), 128 (cuda)")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--py-spy", default=None, help="py-spy's path: record every ingress replica's stacks")
+    parser.add_argument("--serve-throughput-optimized", action="store_true",
+                        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's high-throughput settings)")
     args = parser.parse_args()
     args.streams = args.streams or (64 if args.device == "cuda" else 32)
     args.max_tokens = args.max_tokens or (128 if args.device == "cuda" else 64)
@@ -108,9 +110,10 @@ def main() -> None:
     preset = PRESETS[args.device]
     if args.device == "cuda":
         pair = save_pair("tinyllama-7b", 0.8, PAIR_DIR, dtype=preset["dtype"], device="cuda", reload_check="structure")
-        target, draft, port = pair.target, pair.draft, start_model_cluster()
+        target, draft, port = pair.target, pair.draft, start_model_cluster(serve_env(args.serve_throughput_optimized))
     else:
-        target, draft, port = REPO / "models" / "vpd-target", REPO / "models" / "vpd-draft", start_cluster()
+        target, draft = REPO / "models" / "vpd-target", REPO / "models" / "vpd-draft"
+        port = start_cluster(serve_env(args.serve_throughput_optimized))
     engine = engine_args(8192 if args.device == "cuda" else 512, max(args.streams, 16))
     config = app_args("unified", target, draft, dtype=preset["dtype"], engine=engine,
                       lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
@@ -123,7 +126,8 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     context = {"command": "python benchmarks/ingress_cpu.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
-               "machine": machine(), "streams": args.streams, "max_tokens": args.max_tokens}
+               "machine": machine(), "streams": args.streams,
+               "serve_throughput_optimized": args.serve_throughput_optimized, "max_tokens": args.max_tokens}
     (args.out / "ingress_cpu.json").write_text(json.dumps({"context": context, "rows": rows}, indent=1))
     keys = ["ingress_replicas", "requests", "errors", "chunks", "wall_s", "tok_s", "chunks_s", "ingress_cores",
             "ingress_cpu_us_per_chunk"]

@@ -48,7 +48,7 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.lib.apps import GPU_SHARES, PRESETS, app_args, engine_args, lane_reader, run_app  # noqa: E402
-from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines,  # noqa: E402
+from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines, serve_env,  # noqa: E402
                                     start_model_cluster, wait_for_device_memory)
 from benchmarks.lib.mps import control_log_tail, mps_daemon, server_pids  # noqa: E402
 from benchmarks.lib.loads import MIXED, Load, exactly, mixed_requests, warmup_requests  # noqa: E402
@@ -110,6 +110,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mps", action="store_true", help="run the lanes as clients of NVIDIA MPS")
     parser.add_argument("--ingress-replicas", type=int, default=None,
                         help="OpenAI ingress replicas of every mode: default 2 (cuda), 1 (cpu)")
+    parser.add_argument("--serve-throughput-optimized", action="store_true",
+                        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's high-throughput settings)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="uniform: the c64 load this many times in each deployment, new prompts each time")
     args = parser.parse_args(argv)
@@ -196,8 +198,9 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
     requests = requests_of(args, pair.target)
     context = {"part": args.part, "command": "python benchmarks/lanes_1gpu.py " + " ".join(argv),
                "machine": machine(), "commit": git_commit(), "engine": engine(args),
-               "lane_shares": GPU_SHARES, "variants": VARIANTS, "pair": {"shape": args.shape, "agreement": args.agreement}}
-    port = start_model_cluster(mps_env)
+               "lane_shares": GPU_SHARES, "variants": VARIANTS, "pair": {"shape": args.shape, "agreement": args.agreement},
+               "serve_throughput_optimized": args.serve_throughput_optimized}
+    port = start_model_cluster({**mps_env, **serve_env(args.serve_throughput_optimized)})
     if args.mps:
         context["mps"] = {"pipe_directory": mps_env["CUDA_MPS_PIPE_DIRECTORY"], "server_pids": server_pids(mps_env)}
         log(f"MPS: {context['mps']}")

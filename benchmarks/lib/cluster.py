@@ -74,8 +74,12 @@ def free_port() -> int:
 def start_cluster(env_vars: dict[str, str] | None = None) -> int:
     """A Ray cluster of this machine with Serve's proxy on a free port; returns the port.
 
-    `env_vars` reach every replica (OMP_NUM_THREADS=1 always: replicas share the cores).
+    `env_vars` reach every replica (OMP_NUM_THREADS=1 always: replicas share the cores). Those of Ray
+    (`RAY_*`) are also set here before Ray starts, so that its own processes read them too: Serve's
+    controller and proxy take settings such as RAY_SERVE_THROUGHPUT_OPTIMIZED from the environment they
+    start in, which is the raylet's, inherited from this process.
     """
+    os.environ.update({key: value for key, value in (env_vars or {}).items() if key.startswith("RAY_")})
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **(env_vars or {})}})
     port = free_port()
@@ -83,11 +87,20 @@ def start_cluster(env_vars: dict[str, str] | None = None) -> int:
     return port
 
 
+def serve_env(throughput_optimized: bool) -> dict[str, str]:
+    """The environment of Serve's high-throughput settings (Ray >= 2.55), or none: user code on the
+    replica's own event loop instead of a second thread's, the router on it too, gRPC between replicas,
+    the ingress replicas serving HTTP themselves, request logs buffered, the garbage collector frozen
+    after start (ray/serve/_private/constants.py). An ingress replica that serves HTTP itself drains for
+    30 s when deleted; a benchmark deletes each app after its last request has ended, so 1 s."""
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"} if throughput_optimized else {}
+
+
 def start_model_cluster(env_vars: dict[str, str] | None = None) -> int:
     """start_cluster for apps of large models: a replica that fails to start is not rebuilt three
     times (each try would load the weights again), and Triton compiles for the GPU (unless the
     driver's TRITON_INTERPRET says otherwise)."""
-    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
     return start_cluster({"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"),
                           "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1", **(env_vars or {})})
 
