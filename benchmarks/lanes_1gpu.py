@@ -112,8 +112,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="OpenAI ingress replicas of every mode: default 2 (cuda), 1 (cpu)")
     parser.add_argument("--serve-throughput-optimized", action="store_true",
                         help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's high-throughput settings)")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="an environment variable of every replica (repeatable), e.g. VPD_SWITCH_INTERVAL_MS=5")
     parser.add_argument("--repeats", type=int, default=1,
                         help="uniform: the c64 load this many times in each deployment, new prompts each time")
     args = parser.parse_args(argv)
@@ -122,9 +120,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.max_num_seqs = args.max_num_seqs or (160 if args.device == "cuda" else 8)
     args.ingress_replicas = args.ingress_replicas or (2 if args.device == "cuda" else 1)
     args.modes = args.modes.split(",")
-    if bad := [item for item in args.env if "=" not in item]:
-        parser.error(f"--env takes KEY=VALUE, not {bad[0]!r}")
-    args.env = dict(item.split("=", 1) for item in args.env)
     return args
 
 
@@ -204,8 +199,8 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
     context = {"part": args.part, "command": "python benchmarks/lanes_1gpu.py " + " ".join(argv),
                "machine": machine(), "commit": git_commit(), "engine": engine(args),
                "lane_shares": GPU_SHARES, "variants": VARIANTS, "pair": {"shape": args.shape, "agreement": args.agreement},
-               "serve_throughput_optimized": args.serve_throughput_optimized, "env": args.env}
-    port = start_model_cluster({**mps_env, **serve_env(args.serve_throughput_optimized), **args.env})
+               "serve_throughput_optimized": args.serve_throughput_optimized}
+    port = start_model_cluster({**mps_env, **serve_env(args.serve_throughput_optimized)})
     if args.mps:
         context["mps"] = {"pipe_directory": mps_env["CUDA_MPS_PIPE_DIRECTORY"], "server_pids": server_pids(mps_env)}
         log(f"MPS: {context['mps']}")

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,7 +19,6 @@ from deployments.peer_calls import EnginePeers
 from deployments.remote import PEER_CALL_TIMEOUT_S
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
-from lanes.device.gil import hand_over_gil_quickly
 from lanes.engine.async_engine import AsyncEngine
 from lanes.engine.outputs import RequestOutput
 from lanes.engine.process import ProcessEngine
@@ -26,6 +26,13 @@ from lanes.engine.snapshot import EngineSnapshot, core_report
 from lanes.sample.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# The engine thread drops the GIL in every torch call and at every wait on the GPU, and must then
+# win it back from the replica's event-loop and serialisation threads, which may keep it for up to
+# the switch interval (Python's default: 5 ms) each time. 0.5 ms bounds each such wait. On the CPU
+# machine it moved served nospec from 0.67-0.70 to 0.75 of in process (docs/performance.md); its
+# effect on a GPU step is not measured yet.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 # An engine that holds requests and has not stepped for this long is wedged (a hung kernel, a
 # deadlock): the replica then fails Serve's health check and Serve replaces it. A step is
@@ -98,9 +105,7 @@ class EngineServer:
     def _start_thread(self, engine_factory, prefill, verify, streams: dict) -> tuple[AsyncEngine, Placement]:
         # Serve runs the constructor on the replica's event loop; remote lanes are reached through it.
         loop = asyncio.get_event_loop()
-        # The engine thread wins the GIL back from the event loop after each torch call (lanes/device/gil.py):
-        # on the CPU machine this moved served nospec from 0.67-0.70 to 0.75 of in process (docs/performance.md).
-        hand_over_gil_quickly()
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         core = engine_factory(loop=loop, prefill=prefill, verify=verify)
         engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle, **streams)
         return engine, Placement.of_engine(None, core)

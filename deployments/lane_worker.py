@@ -11,7 +11,6 @@ from typing import Callable, TypeVar
 import torch
 
 from lanes.device.fault import device_fault
-from lanes.device.gil import hand_over_gil_quickly
 from lanes.device.streams import lane_stream
 from lanes.engine.step_cap import free_cached_memory
 
@@ -42,8 +41,6 @@ class LaneWorker:
             if stream is not None:
                 torch.cuda.set_stream(stream)
 
-        # The thread launches forwards; Serve's event loops in this process answer calls (lanes/device/gil.py).
-        hand_over_gil_quickly()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=use_lane_stream)
         self.device = device
         self.device_fault: str | None = None  # set when a failed job left the device unusable

@@ -37,7 +37,6 @@ import traceback
 from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection, wait
 
-from lanes.device.gil import hand_over_gil_quickly
 from lanes.engine.async_engine import IDLE_WAIT_S, StreamingFront, _Stream, guarded
 from lanes.engine.snapshot import EngineSnapshot, snapshot
 from lanes.sample.params import SamplingParams
@@ -437,7 +436,6 @@ def picklable(exc: BaseException) -> BaseException:
 def main(fd: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
     conn = Connection(fd)
-    hand_over_gil_quickly()  # the step loop and the thread that reads the replica's socket
     try:
         _, factory, describe, sampler, sample_interval_s, has_peers, node_id = take_message(conn)
         loop = _EngineLoop(conn, sampler, sample_interval_s)
