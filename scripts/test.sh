@@ -5,12 +5,8 @@
 #   bash scripts/test.sh tests/test_rejection.py -x  # arguments go to pytest
 #   bash scripts/test.sh -m "not serve" -n 2         # the quick tier on both cores (pytest-xdist)
 # With -n 2 the tests that need Ray all run in one worker, in order, over one cluster, and the others a
-# module at a time in either (tests/conftest.py).
-# With no arguments (the whole suite) it runs in two phases: the quick tier on both cores, then the tests
-# that need Ray in one process. In one process the quick tier kept one of the 2 cores idle for its 5.5
-# minutes (vmstat, docs/testing.md). Run beside the quick tier's workers, Serve's proxy once missed its 60 s
-# start on the 2-core host, so the served tests run after them, not beside them. PYTEST_ADDOPTS reaches both
-# phases (PYTEST_ADDOPTS="--durations=40" bash scripts/test.sh).
+# module at a time in either (tests/conftest.py). The full suite runs in one process by default: beside a
+# worker busy with the quick tier, Serve's proxy once missed its 60 s start on the 2-core host.
 # Setup (scripts/setup.sh --test, Prometheus) runs again only where the requirements or the setup
 # scripts changed since it last succeeded here.
 set -euo pipefail
@@ -23,13 +19,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] || ! command -v prometheus >/d
     bash monitoring/start_prometheus.sh --install-only
     echo "$wanted" > "$stamp"
 fi
-export OMP_NUM_THREADS=1
 # No path given: pyproject.toml's testpaths (tests/).
-if [ "$#" -gt 0 ]; then
-    exec .venv/bin/python -m pytest -q -n 0 --dist loadgroup "$@"
-fi
-quick=0 served=0
-.venv/bin/python -m pytest -q -n 2 --dist loadgroup -m "not serve" || quick=$?
-.venv/bin/python -m pytest -q -n 0 -m serve || served=$?
-echo "quick tier: exit $quick; served tests: exit $served"
-exit $(( quick > served ? quick : served ))
+OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -q -n 0 --dist loadgroup "$@"
