@@ -50,8 +50,11 @@ def serve_processes(app: str) -> list[tuple[str, int]]:
 
 
 def serve_pids(app: str) -> dict[str, int]:
-    """pid by role of the app's replicas and Serve's proxy (one replica a role)."""
-    return dict(serve_processes(app))
+    """pid by name of the app's replicas and Serve's proxy: the role, or `role_pid` where the deployment
+    has several replicas (lanes_1gpu.py runs two ingress replicas on a GPU), so that each is recorded."""
+    found = serve_processes(app)
+    replicas = Counter(role for role, _ in found)
+    return {role if replicas[role] == 1 else f"{role}_{pid}": pid for role, pid in found}
 
 
 class Segment:
