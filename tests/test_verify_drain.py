@@ -65,9 +65,12 @@ def _wait_for_verify_replicas(count: int, timeout_s: float) -> list[dict]:
     return wait_for_replicas(APP, "VerifyLane", count, timeout_s)
 
 
-def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int, repeat: bool = False):
-    """Stream `prompts`; once each has its first token, record where the KV is, rescale, and wait until
-    the lane has its new size (returns when; `repeat`: streams start again until then)."""
+def _rescale_under(config: dict, streams: list[tuple[list[int], list[int]]], num_replicas: int):
+    """Stream the prompts of `streams`; once each has its first token, record where the KV is, rescale,
+    and wait until the lane has its new size. Each prompt is streamed again and again until then, so
+    that streams are in flight when Serve stops or starts replicas: a stream that ended before moves
+    nothing (CI once saw 0 requests recomputed on a scale-down that way). Returns what the rescale
+    recorded and when it ended, when it began, and every stream with its greedy reference."""
     def rescale():
         held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
         decode = decode_state(APP)
@@ -75,17 +78,15 @@ def _rescale_under(config: dict, prompts: list[list[int]], num_replicas: int, re
         _wait_for_verify_replicas(num_replicas, 180)
         return held, decode, time.monotonic()
 
-    return streams_across(APP, prompts, MAX_TOKENS, rescale, repeat)
+    rescaled, began_s, runs = streams_across(APP, [p for p, _ in streams], MAX_TOKENS, rescale, repeat=True)
+    results = [r for rs in runs for r in rs]
+    refs = [ref for (_, ref), rs in zip(streams, runs) for _ in rs]
+    return rescaled, began_s, results, refs
 
 
 def test_scale_down_recomputes_the_stopped_replicas_requests_and_loses_none(config, streams):
     wait_until_idle(APP, "pdv")
-    # Each prompt is streamed again and again until the lane has shrunk: a stream that ends before Serve
-    # drops the stopped replicas from the routers moves nothing (CI once saw 0 recomputed that way).
-    (held, (decode_pids, migrated_before), _), scaled_s, runs = _rescale_under(config, [p for p, _ in streams], 1,
-                                                                              repeat=True)
-    results = [r for rs in runs for r in rs]
-    refs = [ref for (_, ref), rs in zip(streams, runs) for _ in rs]
+    (held, (decode_pids, migrated_before), _), scaled_s, results, refs = _rescale_under(config, streams, 1)
     survivors = {s["lease"] for s in _wait_for_verify_replicas(1, 120)}
     decode_pids_after, migrated_after = decode_state(APP)
     stopped = set(held) - survivors
@@ -106,10 +107,7 @@ def test_scale_up_while_streaming_loses_nothing_and_new_replicas_take_new_reques
     _wait_for_verify_replicas(1, 60)
     wait_until_idle(APP, "pdv")
     # The new replicas take a while to start: each prompt is streamed again and again until they run.
-    (held, (_, migrated_before), grown_s), grow_s, runs = _rescale_under(config, [p for p, _ in streams], 3,
-                                                                          repeat=True)
-    results = [r for rs in runs for r in rs]
-    refs = [ref for (_, ref), rs in zip(streams, runs) for _ in rs]
+    (held, (_, migrated_before), grown_s), grow_s, results, refs = _rescale_under(config, streams, 3)
     in_flight = sum(bool(r.times_s) and r.times_s[0] < grown_s < r.times_s[-1] for r in results)
     print(f"verify 1 -> 3 in {grown_s - grow_s:.1f} s: {len(results)} streams, {in_flight} of them in flight "
           "when the new replicas had started")
