@@ -24,9 +24,11 @@ import time
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 # Roles by a fragment of the command line, first match wins; a Serve replica goes by its deployment.
+# The pytest driver by "-m pytest": the tests' clients (lm-eval, aiperf, Prometheus) name files under
+# /tmp/pytest-of-<user>.
 ROLES = ("lanes.engine.process", "ServeController", "ProxyActor", "ShardWorker", "multiprocessing.spawn",
          "gcs_server", "raylet", "log_monitor", "DashboardAgent", "dashboard_agent", "RuntimeEnvAgent",
-         "monitor.py", "ray::IDLE", "ray::_Holder", "pytest", "pip install", "prometheus", "loadtest", "aiperf",
+         "monitor.py", "ray::IDLE", "ray::_Holder", "-m pytest", "pip install", "prometheus", "loadtest", "aiperf",
          "lm_eval", "lm-eval")
 
 
