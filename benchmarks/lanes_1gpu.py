@@ -68,12 +68,17 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # unified_thread, pd_thread, pdv_thread: the engine stepped on a thread of its replica (`engine_process:
 # false`) instead of in a process of its own: what that costs. pdv_relay: pdv's engine sends its verify batches
 # through its replica and Serve (`verify_channel: false`) instead of over the verify replica's channel.
+# pd_lane: every prompt through pd's prefill lane (`local_prefill_max_tokens: 0`), as pd ran before prompts of
+# at most one prefill chunk were prefilled in its decode lane (lanes/engine/split_prefill.py); pd512_lane the same
+# with prefill forwards of 512 tokens.
 # *_ing1: one ingress replica instead of --ingress-replicas (2 on a GPU). One OpenAI ingress ran at 93-122 % of a
 # core under unified's uniform load (top, 2026-11-28), so its event loop, not the engine, bounded how fast
 # requests reached the engine: unified served 7,032-7,201 tok/s through one and 7,469-7,799 through two.
 VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {"num_gpus": 0.54},
                              "decode_lane": {"num_gpus": 0.08, "num_replicas": 2}}),
             "pd512": ("pd", {"engine": {"idle_prefill_tokens": 512}}),
+            "pd_lane": ("pd", {"local_prefill_max_tokens": 0}),
+            "pd512_lane": ("pd", {"engine": {"idle_prefill_tokens": 512}, "local_prefill_max_tokens": 0}),
             "pdv512": ("pdv", {"engine": {"idle_prefill_tokens": 512}}),
             "pd_samepri": ("pd", {"prefill_lane": {"mps_priority": "normal"}}),
             "pdv_samepri": ("pdv", {"prefill_lane": {"mps_priority": "normal"}}),

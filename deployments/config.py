@@ -228,6 +228,14 @@ class AppConfig(_Strict):
                                       "is never held): a message carries every token made since the previous "
                                       "one, so a decode replica sends far fewer messages than tokens. 0 sends "
                                       "one per engine step.")
+    local_prefill_max_tokens: int | None = Field(default=None, ge=0, description="pd: prompts of at most this "
+                                                 "many tokens are prefilled by the decode lane itself, in chunks "
+                                                 "inside its steps as unified prefills; longer ones go to the prefill "
+                                                 "lane (conditional disaggregation, as NVIDIA Dynamo's "
+                                                 "max_local_prefill_length; lanes/engine/split_prefill.py). None: "
+                                                 "engine.prefill_chunk_tokens, a prompt of at most one chunk. 0: "
+                                                 "every prompt goes to the prefill lane. pdv's decode lane holds no "
+                                                 "target: 0 only.")
     engine_process: bool = Field(default=True, description="Step the engine in a process of its own (as "
                                  "vLLM V1 does) rather than on a thread of the replica: the step loop then "
                                  "shares no GIL with the replica's event loop and Ray's threads. In pd and "
@@ -263,6 +271,11 @@ class AppConfig(_Strict):
             raise ValueError("engine.num_speculative_tokens must be <= engine.max_draft_len")
         if self.controller.enabled and self.controller.max_draft_len > self.engine.max_draft_len:
             raise ValueError("controller.max_draft_len must be <= engine.max_draft_len")
+        if self.local_prefill_max_tokens is None:
+            self.local_prefill_max_tokens = self.engine.prefill_chunk_tokens if self.mode == "pd" else 0
+        elif self.local_prefill_max_tokens > 0 and self.mode != "pd":
+            raise ValueError(f"local_prefill_max_tokens applies to mode 'pd' only (in {self.mode!r} it must be 0 or "
+                             "unset): pdv's decode lane holds no target to prefill with")
         if self.engine.max_model_len is None:
             self.engine.max_model_len = model_context(self.target.path)
             self.engine._max_model_len_unset = True

@@ -13,12 +13,14 @@ from deployments.kv_transfer import Placement
 from deployments.peer_calls import PrefillLaneClient, ServeLink
 from deployments.remote import LinkedVerifier, RemotePrefiller, RemoteVerifier
 from lanes.device.streams import LaneStreams
-from lanes.engine.backends import LocalVerifier
+from lanes.engine.backends import LocalPrefiller, LocalVerifier
 from lanes.engine.core import EngineConfig, EngineCore, build_runner, build_runners, eos_token_ids
+from lanes.engine.split_prefill import SplitPrefiller
 from lanes.model.loader import LoadedModel, Vocabulary, check_compatible, load_model, load_vocabulary
 from lanes.parallel.kv_handover import ShardedKVPool
 from lanes.parallel.tensor_parallel import TPGroup, init_group
 from lanes.spec.ngram import NgramProposer
+from lanes.spec.prefill import PrefillLane
 from lanes.spec.prompt_prefiller import PromptPrefiller
 from lanes.spec.verify import VerifyLane
 
@@ -141,6 +143,9 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill
     # The decode lane drafts (and in pd also verifies) on high-priority streams; one stream where the
     # target is sharded (NCCL collectives of one communicator must not run from two streams at once).
     streams = LaneStreams(model_device, separate=not isinstance(target_pool, ShardedKVPool))
+    if cfg.local_prefill_max_tokens:  # pd: short prompts prefilled here, on the low-priority prefill stream
+        local = LocalPrefiller(PrefillLane(target_runner, draft_runner, lazy_draft=True), streams.prefill)
+        prefiller = SplitPrefiller(local, prefiller, cfg.local_prefill_max_tokens)
     core = EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
                       draft_runner, verifier, prefiller, streams, build_proposer(cfg, model_device))
     core.capture_graphs()

@@ -342,7 +342,7 @@ class RemotePrefiller:
     (lanes/engine/process.py `PeerLink`). `link.record` keeps a timeline event where the replica reports it."""
 
     reuses_cached_blocks = False  # it prefills and hands over whole prompts
-    replies_first = True  # landing a reply costs no device time: the prompt decodes in the step that lands it
+    prefills_here = False
     draft_may_lag = False  # both caches arrive whole
 
     def __init__(self, link, draft_pool: KVPool | None, target_pool: KVPool | None, placement: Placement,
@@ -371,8 +371,9 @@ class RemotePrefiller:
         # lands it: the engine must step for it even with nothing else to do (the idle loop polls this).
         return bool(self._done)
 
-    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
-             ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
+    def take_in(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
+                ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
+        # Landing a reply costs no device time: the prompt decodes in the step that lands it.
         for seq in scheduler.prefilling:
             if seq.request_id not in self._submitted and self._compiled(seq):
                 self._submitted.add(seq.request_id)
@@ -389,6 +390,9 @@ class RemotePrefiller:
                     self.link.record("prefill_wait", submitted_s, time.time(), reply_s=reply_s,
                                      arrival_s=seq.arrival_s, tokens=seq.num_prompt_tokens)
         return landed
+
+    def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list:
+        return []  # no prefill work in this engine's process
 
     def _compiled(self, seq: Sequence) -> bool:
         """Whether the request's first-token mask can go with its prompt (structured output waits for its

@@ -108,6 +108,10 @@ def app_config(mode: str, target: str, draft: str, **overrides) -> dict:
         # Two decode replicas in pdv, so that one verify replica merges calls from both.
         "decode_lane": {**LANE, "num_replicas": 2 if mode == "pdv" else 1},
     }
+    if mode == "pd":
+        # Every prompt through the prefill lane: the path these tests are about. Short prompts prefilled in
+        # the decode lane (the default) are tests/test_split_prefill.py's.
+        config["local_prefill_max_tokens"] = 0
     config.update(overrides)
     return config
 

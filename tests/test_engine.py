@@ -31,13 +31,13 @@ def test_draft_equal_to_target_accepts_everything(llama_pair):
 
 
 def test_a_prompt_taken_in_before_drafting_decodes_in_the_step_that_takes_it(llama_pair):
-    """pd's and pdv's prefill lane (RemotePrefiller.replies_first): the engine lands a prompt's reply
+    """pd's and pdv's prefill lane (RemotePrefiller.take_in): the engine lands a prompt's reply
     before it drafts, so the step that gives a prompt's first token decodes the prompt too, and the
-    output is the target's greedy output. Here the engine's own prefiller is taken first, the same order
-    of calls over a prefill that completes within the step (the CPU's)."""
+    output is the target's greedy output. Here the engine's own prefiller runs in that phase, the same
+    order of calls over a prefill that completes within the step (the CPU's)."""
     target, draft = llama_pair
     engine = small_engine(target, draft, idle_prefill_tokens=320)  # every prompt whole in the first step
-    engine.prefiller.replies_first = True
+    engine.prefiller.take_in, engine.prefiller.step = engine.prefiller.step, lambda *args: []
     prompts = random_prompts(3, VOCAB, 5, 60, seed=23)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate(prompts):

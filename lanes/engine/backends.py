@@ -66,17 +66,22 @@ class Prefiller(Protocol):
     # draft; the draft's catch-up writes the rest when they do): a prefill lane of its own hands both
     # caches over whole.
     draft_may_lag: bool
-    # Whether the engine takes this prefiller's results in before it drafts (a prefill lane of its own:
-    # its results cost this step no device time) rather than while the step verifies (its own prefill
-    # work, launched to overlap the verify).
-    replies_first: bool
+    # Whether this engine runs prefill forwards itself (and so captures prefill CUDA graphs).
+    prefills_here: bool
+
+    def take_in(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
+                ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
+        """Before the step drafts: send prompts to a prefill lane of its own and take in the results
+        that came back from it (they cost this step no device time, so a prompt landed here decodes in
+        this very step). Returns what `step` returns."""
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
-        """Advance prefill of the scheduler's PREFILLING requests; return (request, first token, its
-        logprobs if asked) for each whose prompt is now in both caches, or (request, error, None)
-        where prefill failed. Prompt logprobs accumulate in `Sequence.prompt_logprobs`.
-        `decoding`: requests are decoding, so prefill may overlap with their next step."""
+        """While the step verifies: advance this engine's own prefill of the scheduler's PREFILLING
+        requests; return (request, first token, its logprobs if asked) for each whose prompt is now in
+        both caches, or (request, error, None) where prefill failed. Prompt logprobs accumulate in
+        `Sequence.prompt_logprobs`. `decoding`: requests are decoding, so prefill may overlap with
+        their next step (its launch overlaps the verify)."""
 
     def holds_blocks(self, seq: Sequence) -> bool:
         """Whether a prefill in flight elsewhere writes this prefilling sequence's blocks, so that they
@@ -121,7 +126,7 @@ class LocalPrefiller:
 
     has_replies = False  # what it launched is collected with the requests still prefilling
     reuses_cached_blocks = True
-    replies_first = False  # its chunks are launched while the step verifies
+    prefills_here = True
 
     def __init__(self, lane: PrefillLane, stream: torch.cuda.Stream | None = None):
         self.lane = lane
@@ -131,6 +136,9 @@ class LocalPrefiller:
     @property
     def draft_may_lag(self) -> bool:
         return self.lane.lazy_draft
+
+    def take_in(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list:
+        return []  # its chunks are launched while the step verifies (`step`)
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
              ) -> list[tuple[Sequence, int, TokenLogprobs | None]]:

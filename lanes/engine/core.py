@@ -200,7 +200,7 @@ class EngineCore:
         capture their own; a draft length the controller raises past L captures on first use. Returns
         the ms spent."""
         runners = self.local_runners()
-        prefill_here = isinstance(self.prefiller, LocalPrefiller)
+        prefill_here = self.prefiller.prefills_here
         spent_ms = 0.0
         if (target := runners.get("target")) is not None:
             spent_ms += target.capture_graphs(range(1, self.default_draft_len + 2), prefill=prefill_here)
@@ -295,8 +295,7 @@ class EngineCore:
         # in before drafting, so that a prompt whose KV landed while the last step verified decodes in
         # this step rather than the next, and a prompt admitted now goes to the lane before the drafting.
         # Before make_room, which then holds the blocks of those prompts' next tokens too.
-        replies_first = self.prefiller.replies_first
-        prefill_outputs = self._prefill_phase(decoding=bool(self.scheduler.running)) if replies_first else []
+        prefill_outputs = self._prefill_phase(self.prefiller.take_in, decoding=bool(self.scheduler.running))
         self.scheduler.make_room(self._tokens_after_step)
         ooms = self.step_cap.num_oom_recoveries
         outputs, launched = [], None
@@ -309,8 +308,7 @@ class EngineCore:
                 outputs = self._on_error(running, exc, prefill=False)
         # Prefill work here is launched while the GPU (or the verify lane) verifies: its host-side launch
         # cost overlaps the verify step instead of adding to it. prefill_first never mixes the two.
-        if not replies_first:
-            prefill_outputs = self._prefill_phase(decoding=bool(running))
+        prefill_outputs += self._prefill_phase(self.prefiller.step, decoding=bool(running))
         if launched is not None:
             outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
         self._prefilled_last = prefill_only
@@ -319,8 +317,9 @@ class EngineCore:
         # A prompt taken in before drafting has its first token out before the tokens it decoded here.
         return expired + prefill_outputs + outputs, len(running)
 
-    def _prefill_phase(self, decoding: bool) -> list[RequestOutput]:
-        """Advance the prompts being prefilled (`decoding`: requests decode in this step too)."""
+    def _prefill_phase(self, advance, decoding: bool) -> list[RequestOutput]:
+        """Advance the prompts being prefilled by `advance` (the prefiller's `take_in` or `step`;
+        `decoding`: requests decode in this step too)."""
         budget = min(self.config.prefill_chunk_tokens if decoding else self.config.idle_prefill_tokens,
                      self.step_cap.prefill_tokens)
         prefilling = list(self.scheduler.prefilling)
@@ -329,7 +328,7 @@ class EngineCore:
             return []
         if not (prefilling or self.prefiller.has_replies):  # replies of aborted requests give their slots back
             return []
-        return self._guarded(prefilling, lambda: self._prefill(budget, decoding=decoding), prefill=True)
+        return self._guarded(prefilling, lambda: self._prefill(advance, budget, decoding=decoding), prefill=True)
 
     def _prefill_turn(self) -> bool:
         """prefill_first: whether this step prefills only. Prompts waiting go first, but not twice in a
@@ -504,9 +503,9 @@ class EngineCore:
             return DraftProposal.empty(len(running), device)
         return self.proposer.propose(running, draft_lens)
 
-    def _prefill(self, budget_tokens: int, decoding: bool) -> list[RequestOutput]:
+    def _prefill(self, advance, budget_tokens: int, decoding: bool) -> list[RequestOutput]:
         outputs = []
-        for seq, first, logprobs in self.prefiller.step(self.scheduler, budget_tokens, decoding):
+        for seq, first, logprobs in advance(self.scheduler, budget_tokens, decoding):
             if isinstance(first, BaseException):
                 outputs += self._remote_error(seq, first, "prefill")
                 continue

@@ -124,8 +124,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def prefill_chunks(self, budget_tokens: int) -> list[PrefillChunk]:
-        chunks = plan_chunks(self.prefilling, budget_tokens)
+    def prefill_chunks(self, budget_tokens: int, seqs: list[Sequence] | None = None) -> list[PrefillChunk]:
+        """This step's chunks of the prompts prefilling (`seqs`: of these of them only)."""
+        chunks = plan_chunks(self.prefilling if seqs is None else seqs, budget_tokens)
         self.num_prefill_tokens += sum(c.length for c in chunks)
         self.planned = [c.seq for c in chunks]
         return chunks

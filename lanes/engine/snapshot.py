@@ -78,6 +78,9 @@ def core_report(core: EngineCore) -> dict:
         "target_slots_used": getattr(getattr(getattr(core.verifier, "lane", None), "pool", None), "num_used", None),
         # pd, pdv: prompts at the prefill lane; one of an aborted request holds a verify slot until it lands.
         "prefills_in_flight": getattr(core.prefiller, "num_in_flight", 0),
+        # pd with local_prefill_max_tokens: prompts prefilled by this engine and by the prefill lane (SplitPrefiller).
+        "prefills_by_lane": ({"local": core.prefiller.num_local, "prefill_lane": core.prefiller.num_remote}
+                             if hasattr(core.prefiller, "num_local") else None),
         "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
     }
 
