@@ -148,7 +148,7 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
 def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: float, *,
             deploy_timeout_s: float, request_timeout_s: float, seed: int,
             on_point: Callable[[AppRun], None] = lambda run: None,
-            lanes_of: Callable[[float, float], dict] | None = None,
+            lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False,
             sampler: Callable[[str], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> AppRun:
     """Deploy `config` as app `name`, run `loads` in order against it (run_loads), delete it."""
     run = AppRun(name)
@@ -156,7 +156,8 @@ def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: f
         return run
     try:
         run_loads(run, port, loads, deadline_s, request_timeout_s=request_timeout_s, seed=seed,
-                  on_point=on_point, lanes_of=lanes_of, sampler=sampler, min_load_s=min_load_s)
+                  on_point=on_point, lanes_of=lanes_of, request_counters=request_counters, sampler=sampler,
+                  min_load_s=min_load_s)
     except Exception as exc:  # recorded; the next app still runs
         run.failed(f"{type(exc).__name__}: {exc}")
     finally:
