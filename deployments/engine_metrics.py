@@ -28,6 +28,7 @@ class EngineMetrics:
         self._exported = SpecDecodeStats()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self._exported_ooms = 0  # out-of-memory recoveries exported so far
+        self._exported_prompts: dict[str, int] = {}  # pd's prompts prefilled, by where, exported so far
         self._gauges_set_at_s = 0.0
         # Running totals; the controller takes deltas. The id tells it a restarted replica (whose totals
         # start again from 0) from this one.
@@ -48,6 +49,10 @@ class EngineMetrics:
         self._export_prefix_cache(snap.prefix_cache)
         self.metrics.record_oom_recoveries(snap.num_oom_recoveries - self._exported_ooms)
         self._exported_ooms = snap.num_oom_recoveries
+        if snap.prompts_prefilled is not None:
+            self.metrics.record_prompts_prefilled({where: n - self._exported_prompts.get(where, 0)
+                                                   for where, n in snap.prompts_prefilled.items()})
+            self._exported_prompts = dict(snap.prompts_prefilled)
         self._set_gauges(snap)
 
     def on_idle(self, snap: EngineSnapshot) -> None:

@@ -96,6 +96,7 @@ class _Registry:
     gpu_memory_used_bytes: Any
     ignored_request_fields: Any
     oom_recoveries: Any
+    prompts_prefilled: Any
     internal_errors: Any
 
 
@@ -158,6 +159,9 @@ def _registry() -> _Registry:
                                        "accepted and ignored, by name.", tag_keys=("mode", "field")),
         oom_recoveries=Counter("vpd_oom_recoveries", "Forwards that ran out of device memory and whose requests "
                                "were recomputed or retried smaller (never sent to a client).", tag_keys=lane_tags),
+        prompts_prefilled=Counter("vpd_prompts_prefilled", "pd: prompts prefilled by the decode lane itself (where="
+                                  "decode_lane: at most local_prefill_max_tokens) and by the prefill lane.",
+                                  tag_keys=("mode", "lane", "where")),
         internal_errors=Counter("vpd_internal_errors", "Requests that failed inside the server, by kind; the "
                                 "client got a fixed message, the log has the detail.", tag_keys=("mode", "kind")),
     )
@@ -258,6 +262,12 @@ class LaneMetrics:
         """Out-of-memory errors this lane recovered from since the last call."""
         if count > 0:  # Ray counters refuse increments of 0
             self._metrics.oom_recoveries.inc(count, tags=self._tags)
+
+    def record_prompts_prefilled(self, by_lane: dict[str, int]) -> None:
+        """Prompts prefilled since the last call, by where: {"decode_lane": n, "prefill_lane": m} (pd's split)."""
+        for where, count in by_lane.items():
+            if count > 0:  # Ray counters refuse increments of 0
+                self._metrics.prompts_prefilled.inc(count, tags={**self._tags, "where": where})
 
     def set_draft_length(self, default_len: int) -> None:
         """The draft length L the controller currently applies by default."""

@@ -7,16 +7,19 @@ prefill replica builds it) behind a link that answers the engine's orders as the
 Ray: later, with a copy of each prompt's KV (the path off the GPU)."""
 
 import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
 from deployments.config import AppConfig
+from deployments.engine_metrics import EngineMetrics
 from deployments.factories import build_engine, build_prompt_prefiller
 from deployments.kv_transfer import HostKV, Placement
 from deployments.remote import PrefillDone, PrefillOrder, RemotePrefiller
 from lanes.engine.backends import LocalPrefiller, LocalVerifier
 from lanes.engine.core import EngineConfig, EngineCore, build_runners
+from lanes.engine.snapshot import core_report, snapshot
 from lanes.engine.split_prefill import SplitPrefiller
 from lanes.sample.params import SamplingParams
 from lanes.spec.prefill import PrefillLane
@@ -113,6 +116,27 @@ def test_short_prompts_prefill_in_the_engine_long_ones_in_the_lane_and_output_is
     assert engine.scheduler.num_prefill_tokens == sum(short)
     assert (engine.prefiller.num_local, engine.prefiller.num_remote) == (len(short), len(prompts) - len(short))
     assert engine.prefiller.num_in_flight == 0 and not engine.scheduler.by_id
+
+
+def test_the_decode_replicas_metrics_count_prompts_by_where_they_were_prefilled(llama_pair):
+    """vpd_prompts_prefilled{where}: what the replica exports after each step (deployments/engine_metrics.py)
+    adds up to the split's own counts, which its stats report too."""
+    target, draft = llama_pair
+    engine, link = pd_engine(target, draft, LOCAL_MAX_TOKENS)
+    metrics = EngineMetrics("decode", "pd")
+    metrics.metrics.record_prompts_prefilled({"decode_lane": 1, "prefill_lane": 0})  # the Ray counter takes it
+    exported: Counter = Counter()
+    metrics.metrics.record_prompts_prefilled = exported.update  # each step's increments, as the counter gets them
+    prompts = _mixed_prompts(seed=306)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_work or link.held:
+        engine.step()
+        metrics.on_step(snapshot(engine), 1.0, len(engine.scheduler.running))
+        link.answer_all()
+    short = sum(len(p) <= LOCAL_MAX_TOKENS for p in prompts)
+    assert dict(exported) == {"decode_lane": short, "prefill_lane": len(prompts) - short}
+    assert core_report(engine)["prompts_prefilled"] == dict(exported)
 
 
 def test_seeded_sampling_is_the_same_split_or_all_through_the_lane_or_co_located(llama_pair):

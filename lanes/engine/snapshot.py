@@ -24,6 +24,8 @@ class EngineSnapshot:
     prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache since start, and found
     num_oom_recoveries: int = 0  # out-of-memory errors in a step recovered from since start (lanes/engine/step_cap.py)
     num_prefill_tokens: int = 0  # prompt tokens launched in this engine's own prefill chunks since start
+    # pd's split (lanes/engine/split_prefill.py): prompts prefilled by this engine and by the prefill lane since start.
+    prompts_prefilled: dict[str, int] | None = None
 
 
 def snapshot(core: EngineCore) -> EngineSnapshot:
@@ -43,7 +45,16 @@ def snapshot(core: EngineCore) -> EngineSnapshot:
         prefix_cache=(cache.num_queries, cache.num_hits) if (cache := sched.prefix_cache) is not None else (0, 0),
         num_oom_recoveries=core.step_cap.num_oom_recoveries,
         num_prefill_tokens=sched.num_prefill_tokens,
+        prompts_prefilled=prompts_prefilled(core),
     )
+
+
+def prompts_prefilled(core: EngineCore) -> dict[str, int] | None:
+    """pd's split: prompts prefilled by this engine ("decode_lane") and by the prefill lane since start."""
+    split = core.prefiller
+    if not hasattr(split, "num_local"):
+        return None
+    return {"decode_lane": split.num_local, "prefill_lane": split.num_remote}
 
 
 def _blocks(pool: KVPool | None) -> tuple[int, int] | None:
@@ -79,8 +90,7 @@ def core_report(core: EngineCore) -> dict:
         # pd, pdv: prompts at the prefill lane; one of an aborted request holds a verify slot until it lands.
         "prefills_in_flight": getattr(core.prefiller, "num_in_flight", 0),
         # pd with local_prefill_max_tokens: prompts prefilled by this engine and by the prefill lane (SplitPrefiller).
-        "prefills_by_lane": ({"local": core.prefiller.num_local, "prefill_lane": core.prefiller.num_remote}
-                             if hasattr(core.prefiller, "num_local") else None),
+        "prompts_prefilled": prompts_prefilled(core),
         "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
     }
 
