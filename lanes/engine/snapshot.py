@@ -45,16 +45,8 @@ def snapshot(core: EngineCore) -> EngineSnapshot:
         prefix_cache=(cache.num_queries, cache.num_hits) if (cache := sched.prefix_cache) is not None else (0, 0),
         num_oom_recoveries=core.step_cap.num_oom_recoveries,
         num_prefill_tokens=sched.num_prefill_tokens,
-        prompts_prefilled=prompts_prefilled(core),
+        prompts_prefilled=getattr(core.prefiller, "prompts_prefilled", None),
     )
-
-
-def prompts_prefilled(core: EngineCore) -> dict[str, int] | None:
-    """pd's split: prompts prefilled by this engine ("decode_lane") and by the prefill lane since start."""
-    split = core.prefiller
-    if not hasattr(split, "num_local"):
-        return None
-    return {"decode_lane": split.num_local, "prefill_lane": split.num_remote}
 
 
 def _blocks(pool: KVPool | None) -> tuple[int, int] | None:
@@ -90,7 +82,7 @@ def core_report(core: EngineCore) -> dict:
         # pd, pdv: prompts at the prefill lane; one of an aborted request holds a verify slot until it lands.
         "prefills_in_flight": getattr(core.prefiller, "num_in_flight", 0),
         # pd with local_prefill_max_tokens: prompts prefilled by this engine and by the prefill lane (SplitPrefiller).
-        "prompts_prefilled": prompts_prefilled(core),
+        "prompts_prefilled": getattr(core.prefiller, "prompts_prefilled", None),
         "requests": {seq.request_id: request_counters(seq) for seq in s.by_id.values()},
     }
 

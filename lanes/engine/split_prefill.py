@@ -41,6 +41,11 @@ class SplitPrefiller:
         return self.remote.num_in_flight
 
     @property
+    def prompts_prefilled(self) -> dict[str, int]:
+        """Prompts prefilled since start, by where (the replica's stats and `vpd_prompts_prefilled{where}`)."""
+        return {"decode_lane": self.num_local, "prefill_lane": self.num_remote}
+
+    @property
     def draft_may_lag(self) -> bool:
         return self.local.draft_may_lag
 
