@@ -61,7 +61,10 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        _control("quit", env)
+        try:
+            _control("quit", env)
+        except subprocess.TimeoutExpired:  # a client still attached: the daemon goes with the machine
+            pass
 
 
 def control_log_tail(directory: Path, lines: int = 20) -> str:
