@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from controller.config import ControllerConfig
-from deployments.gpu_binding import lane_device, mps_priority_env, peer_access_env
+from deployments.gpu_binding import lane_device, log_mps_sm_share, mps_priority_env, mps_sm_percent_env, peer_access_env
 from lanes.engine.core import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -120,10 +120,17 @@ class LaneConfig(_Strict):
         default=None, description="Where lanes share a GPU as clients of NVIDIA MPS, the priority of this lane's "
         "kernels against the others' (CUDA_MPS_CLIENT_PRIORITY). Unset: below_normal for the prefill lane, "
         "normal for the others, as unified orders its streams. No effect without MPS.")
+    mps_sm_percent: int | None = Field(
+        default=None, ge=1, le=100, description="Where lanes share a GPU as clients of NVIDIA MPS, the percentage "
+        "of the GPU's SMs this lane's kernels may occupy at once (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that the "
+        "others always find SMs free. Unset: no cap. No effect without MPS.")
 
     def bind_device(self) -> str:
         """Inside this lane's replica, before CUDA starts: the device to run on (and which GPUs it sees)."""
-        return lane_device(self.num_gpus)
+        device = lane_device(self.num_gpus)
+        if device == "cuda":
+            log_mps_sm_share()
+        return device
 
     def deployment_options(self, peer_access: bool = False, tensor_parallel_size: int = 1,
                            default_mps_priority: str = "normal") -> dict:
@@ -133,7 +140,8 @@ class LaneConfig(_Strict):
         `default_mps_priority`: the lane's MPS priority where `mps_priority` is unset."""
         actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         priority = self.mps_priority or default_mps_priority
-        if env_vars := {**peer_access_env(self.num_gpus, peer_access), **mps_priority_env(priority, self.num_gpus)}:
+        if env_vars := {**peer_access_env(self.num_gpus, peer_access), **mps_priority_env(priority, self.num_gpus),
+                        **mps_sm_percent_env(self.mps_sm_percent, self.num_gpus)}:
             actor["runtime_env"] = {"env_vars": env_vars}  # Ray merges these with the app's own env_vars
         opts = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor,
                 "health_check_period_s": self.health_check_period_s}

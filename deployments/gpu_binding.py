@@ -9,13 +9,20 @@ open a peer's KV pool through CUDA IPC and write a prompt's KV into it by a peer
 PCIe. Indices then differ between processes; pools are matched by GPU UUID (deployments/kv_transfer.py).
 """
 
+import logging
 import os
 
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 # NVIDIA MPS: a client process's kernel priority against the other clients on its GPU (0 normal, 1 below
 # normal). Lanes on one GPU under MPS run their kernels side by side; this is what keeps prefill behind
 # decode and verify there, as unified's stream priorities do inside its one process. Ignored without MPS.
+logger = logging.getLogger(__name__)
+
 MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+# NVIDIA MPS: the share of the GPU's SMs a client's kernels may occupy (percent). A priority only orders
+# kernels waiting to start; a prefill forward already running holds its SMs until its blocks end. A cap
+# leaves the rest of the SMs free for decode's kernels at every moment (Semi-PD partitions SMs so).
+MPS_SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 def peer_access_env(num_gpus: float, enabled: bool) -> dict[str, str]:
@@ -26,6 +33,21 @@ def peer_access_env(num_gpus: float, enabled: bool) -> dict[str, str]:
 def mps_priority_env(priority: str, num_gpus: float) -> dict[str, str]:
     """Environment variables of a lane replica for its MPS priority: set only where it lowers one on a GPU."""
     return {MPS_PRIORITY_ENV: "1"} if priority == "below_normal" and num_gpus > 0 else {}
+
+
+def mps_sm_percent_env(sm_percent: int | None, num_gpus: float) -> dict[str, str]:
+    """Environment variables of a lane replica for its MPS share of SMs: set only where it caps one on a GPU."""
+    return {MPS_SM_PERCENT_ENV: str(sm_percent)} if sm_percent is not None and sm_percent < 100 and num_gpus > 0 else {}
+
+
+def log_mps_sm_share() -> None:
+    """Inside a lane replica capped by `mps_sm_percent`, after it chose its GPU: log how many SMs CUDA
+    shows it (under MPS a capped client sees fewer), the evidence that the cap took effect."""
+    if percent := os.environ.get(MPS_SM_PERCENT_ENV):
+        import torch
+
+        logger.info("MPS: this lane's kernels may occupy %s %% of the SMs; CUDA shows it %d SMs", percent,
+                    torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 def own_gpu_first(own_id: str, node_gpus: list[str]) -> str:

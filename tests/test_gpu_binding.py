@@ -5,9 +5,11 @@ two fake GPUs, replicas started with and without `kv_peer_access`'s environment.
 
 import pytest
 import ray
+from pydantic import ValidationError
 
 from deployments.config import AppConfig, LaneConfig
-from deployments.gpu_binding import MPS_PRIORITY_ENV, NOSET_ENV, lane_device, own_gpu_first, peer_access_env
+from deployments.gpu_binding import (MPS_PRIORITY_ENV, MPS_SM_PERCENT_ENV, NOSET_ENV, lane_device, own_gpu_first,
+                                     peer_access_env)
 from deployments.kv_transfer import Placement
 
 
@@ -46,6 +48,23 @@ def test_under_mps_the_prefill_lane_runs_below_the_others_unless_its_config_says
     assert env(_options(AppConfig(mode="pd", kv_peer_access=False), "prefill_lane")) == {}  # a CPU lane: no GPU to share
     with_peers = AppConfig(mode="pd", prefill_lane={"num_gpus": 0.3})
     assert env(_options(with_peers, "prefill_lane")) == {NOSET_ENV: "1", MPS_PRIORITY_ENV: "1"}
+
+
+def test_under_mps_a_lane_capped_to_a_share_of_sms_says_so_in_its_environment():
+    from deployments.builder import _options
+
+    env = lambda opts: opts["ray_actor_options"].get("runtime_env", {}).get("env_vars", {})  # noqa: E731
+    cfg = AppConfig(mode="pd", kv_peer_access=False, prefill_lane={"num_gpus": 0.3, "mps_sm_percent": 60},
+                    decode_lane={"num_gpus": 0.6})
+    assert env(_options(cfg, "prefill_lane")) == {MPS_PRIORITY_ENV: "1", MPS_SM_PERCENT_ENV: "60"}
+    assert env(_options(cfg, "decode_lane")) == {}  # unset: no cap
+    uncapped = cfg.model_copy(update={"prefill_lane": LaneConfig(num_gpus=0.3, mps_sm_percent=100)})
+    assert env(_options(uncapped, "prefill_lane")) == {MPS_PRIORITY_ENV: "1"}
+    on_cpu = cfg.model_copy(update={"prefill_lane": LaneConfig(mps_sm_percent=60)})
+    assert env(_options(on_cpu, "prefill_lane")) == {}  # no GPU to share
+    for bad in (0, 101):
+        with pytest.raises(ValidationError):
+            LaneConfig(num_gpus=0.3, mps_sm_percent=bad)
 
 
 def test_outside_ray_a_lane_device_is_plain(monkeypatch):
