@@ -194,9 +194,6 @@ def main(argv: list[str] | None = None) -> None:
             measure(args, argv, mps_env)
         finally:
             if args.mps:
-                # MPS's quit waits for its clients: the replicas must be gone before the daemon is told.
-                serve.shutdown()
-                ray.shutdown()
                 (args.out / "mps_control.log").write_text(control_log_tail(MPS_DIR, 200))
     log("done")
 

@@ -61,9 +61,9 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        try:
-            _control("quit", env)
-        except subprocess.TimeoutExpired:  # a client still attached: the daemon goes with the machine
+        try:  # quit waits for its clients: Ray's replicas may still be exiting after ray.shutdown()
+            _control("quit", env, timeout_s=60.0)
+        except subprocess.TimeoutExpired:  # the results are written; the daemon then goes with the machine
             pass
 
 
