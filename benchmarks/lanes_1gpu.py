@@ -71,8 +71,8 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # pd_lane: every prompt through pd's prefill lane (`local_prefill_max_tokens: 0`), as pd ran before prompts of
 # at most one prefill chunk were prefilled in its decode lane (lanes/engine/split_prefill.py); pd512_lane the same
 # with prefill forwards of 512 tokens.
-# pd512_sm50, pd512_sm70: pd512 with its prefill lane's kernels capped under MPS to 50 % / 70 % of the SMs
-# (`mps_sm_percent`), so that a running prefill forward never holds every SM a decode step needs.
+# pd512_sm50, pd512_sm70, pdv_sm50, pdv512_sm50: the prefill lane's kernels capped under MPS to 50 % / 70 % of the
+# SMs (`mps_sm_percent`), so that a running prefill forward never holds every SM a decode or verify step needs.
 # *_ing1: one ingress replica instead of --ingress-replicas (2 on a GPU). One OpenAI ingress ran at 93-122 % of a
 # core under unified's uniform load (top, 2026-11-28), so its event loop, not the engine, bounded how fast
 # requests reached the engine: unified served 7,032-7,201 tok/s through one and 7,469-7,799 through two.
@@ -82,6 +82,8 @@ VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {
             "pd_lane": ("pd", {"local_prefill_max_tokens": 0}),
             "pd512_sm50": ("pd", {"engine": {"idle_prefill_tokens": 512}, "prefill_lane": {"mps_sm_percent": 50}}),
             "pd512_sm70": ("pd", {"engine": {"idle_prefill_tokens": 512}, "prefill_lane": {"mps_sm_percent": 70}}),
+            "pdv_sm50": ("pdv", {"prefill_lane": {"mps_sm_percent": 50}}),
+            "pdv512_sm50": ("pdv", {"engine": {"idle_prefill_tokens": 512}, "prefill_lane": {"mps_sm_percent": 50}}),
             "pd512_lane": ("pd", {"engine": {"idle_prefill_tokens": 512}, "local_prefill_max_tokens": 0}),
             "pdv512": ("pdv", {"engine": {"idle_prefill_tokens": 512}}),
             "pd_samepri": ("pd", {"prefill_lane": {"mps_priority": "normal"}}),

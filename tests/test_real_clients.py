@@ -337,6 +337,7 @@ def test_aiperf_profiles_streams_with_no_errors(endpoint, mode, tmp_path):
     # aiperf 0.13's offline mode looks for the tokenizer in the hub's cache only, refusing a local directory;
     # a local path loads with no network access either way.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["AIPERF_DATASET_MMAP_BASE_PATH"] = str(tmp_path)  # not the system's temp dir, where aiperf leaves it behind
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
