@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.lib.apps import GPU_SHARES, PRESETS, app_args, engine_args, lane_reader, run_app  # noqa: E402
 from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines, serve_env,  # noqa: E402
                                     start_model_cluster, wait_for_device_memory)
+from benchmarks.lib.goals import goal_rows  # noqa: E402
 from benchmarks.lib.mps import control_log_tail, mps_daemon, server_pids  # noqa: E402
 from benchmarks.lib.loads import MIXED, Load, exactly, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
@@ -182,9 +183,11 @@ def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tupl
 def markdown(rows: list[dict], context: dict) -> str:
     machine_of = context["machine"]
     where = machine_of.get("gpu") or machine_of.get("cpu_model")
+    goals = goal_rows(rows, lambda mode: VARIANTS.get(mode, (mode, {}))[0])
     return "\n".join([f"# lanes_1gpu {context['part']}", "", f"`{context['command']}` on {where}, commit "
                       f"{context['commit']}; pair {context['pair']}; capacity {context.get('capacity_rps')} "
-                      "requests/s", "", rows_table(rows)])
+                      "requests/s", "", rows_table(rows), "## Goals against unified in this call (issue 28)", "",
+                      rows_table(goals) if goals else "(no mode with a goal next to unified)\n"])
 
 
 def main(argv: list[str] | None = None) -> None:
