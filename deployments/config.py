@@ -16,7 +16,8 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from controller.config import ControllerConfig
-from deployments.gpu_binding import lane_device, log_mps_sm_share, mps_priority_env, mps_sm_percent_env, peer_access_env
+from deployments.gpu_binding import (lane_device, log_mps_sm_share, mps_priority_env, mps_sm_percent_env,
+                                     peer_access_env)
 from lanes.engine.core import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

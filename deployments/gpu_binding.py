@@ -12,12 +12,12 @@ PCIe. Indices then differ between processes; pools are matched by GPU UUID (depl
 import logging
 import os
 
+logger = logging.getLogger(__name__)
+
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 # NVIDIA MPS: a client process's kernel priority against the other clients on its GPU (0 normal, 1 below
 # normal). Lanes on one GPU under MPS run their kernels side by side; this is what keeps prefill behind
 # decode and verify there, as unified's stream priorities do inside its one process. Ignored without MPS.
-logger = logging.getLogger(__name__)
-
 MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 # NVIDIA MPS: the share of the GPU's SMs a client's kernels may occupy (percent). A priority only orders
 # kernels waiting to start; a prefill forward already running holds its SMs until its blocks end. A cap
@@ -37,16 +37,17 @@ def mps_priority_env(priority: str, num_gpus: float) -> dict[str, str]:
 
 def mps_sm_percent_env(sm_percent: int | None, num_gpus: float) -> dict[str, str]:
     """Environment variables of a lane replica for its MPS share of SMs: set only where it caps one on a GPU."""
-    return {MPS_SM_PERCENT_ENV: str(sm_percent)} if sm_percent is not None and sm_percent < 100 and num_gpus > 0 else {}
+    capped = sm_percent is not None and sm_percent < 100 and num_gpus > 0
+    return {MPS_SM_PERCENT_ENV: str(sm_percent)} if capped else {}
 
 
 def log_mps_sm_share() -> None:
-    """Inside a lane replica capped by `mps_sm_percent`, after it chose its GPU: log how many SMs CUDA
-    shows it (under MPS a capped client sees fewer), the evidence that the cap took effect."""
+    """Inside a lane replica capped by `mps_sm_percent`, after it chose its GPU: log the cap beside the SM
+    count CUDA reports to it, for the operator who checks what the replica ran with."""
     if percent := os.environ.get(MPS_SM_PERCENT_ENV):
         import torch
 
-        logger.info("MPS: this lane's kernels may occupy %s %% of the SMs; CUDA shows it %d SMs", percent,
+        logger.info("MPS: this lane's kernels may occupy %s %% of the SMs; CUDA reports %d SMs", percent,
                     torch.cuda.get_device_properties(0).multi_processor_count)
 
 
