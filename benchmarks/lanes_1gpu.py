@@ -74,6 +74,9 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # with prefill forwards of 512 tokens.
 # pd512_sm50, pd512_sm70, pdv_sm50, pdv512_sm50: the prefill lane's kernels capped under MPS to 50 % / 70 % of the
 # SMs (`mps_sm_percent`), so that a running prefill forward never holds every SM a decode or verify step needs.
+# pdv_split, pdv512_split, pdv512_split_sm50: pdv's short prompts (at most 512 tokens) prefilled where they decode,
+# the target's KV by a verify replica and the draft's by the decode lane (`local_prefill_max_tokens`,
+# deployments/verify_prefill.py), as pd's are by its decode lane.
 # *_ing1: one ingress replica instead of --ingress-replicas (2 on a GPU). One OpenAI ingress ran at 93-122 % of a
 # core under unified's uniform load (top, 2026-11-28), so its event loop, not the engine, bounded how fast
 # requests reached the engine: unified served 7,032-7,201 tok/s through one and 7,469-7,799 through two.
@@ -87,6 +90,10 @@ VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {
             "pdv512_sm50": ("pdv", {"engine": {"idle_prefill_tokens": 512}, "prefill_lane": {"mps_sm_percent": 50}}),
             "pd512_lane": ("pd", {"engine": {"idle_prefill_tokens": 512}, "local_prefill_max_tokens": 0}),
             "pdv512": ("pdv", {"engine": {"idle_prefill_tokens": 512}}),
+            "pdv_split": ("pdv", {"local_prefill_max_tokens": 512}),
+            "pdv512_split": ("pdv", {"engine": {"idle_prefill_tokens": 512}, "local_prefill_max_tokens": 512}),
+            "pdv512_split_sm50": ("pdv", {"engine": {"idle_prefill_tokens": 512}, "local_prefill_max_tokens": 512,
+                                          "prefill_lane": {"mps_sm_percent": 50}}),
             "pd_samepri": ("pd", {"prefill_lane": {"mps_priority": "normal"}}),
             "pdv_samepri": ("pdv", {"prefill_lane": {"mps_priority": "normal"}}),
             "pd512_samepri": ("pd", {"engine": {"idle_prefill_tokens": 512}, "prefill_lane": {"mps_priority": "normal"}}),

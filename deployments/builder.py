@@ -33,7 +33,8 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     verify = prefill = None
     if cfg.mode == "pdv":
         verify = VerifyDeployment.options(**_options(cfg, "verify_lane")).bind(
-            partial(build_verify_lane, cfg), cfg.mode, start_workers=_workers(cfg, "verify_lane", load_verify_shards))
+            partial(build_verify_lane, cfg), cfg.mode, start_workers=_workers(cfg, "verify_lane", load_verify_shards),
+            prefill_tokens=cfg.engine.prefill_chunk_tokens if cfg.local_prefill_max_tokens else 0)
     if cfg.mode in ("pd", "pdv"):
         prefill = PrefillDeployment.options(**_options(cfg, "prefill_lane")).bind(
             partial(build_prompt_prefiller, cfg), cfg.mode, verify,

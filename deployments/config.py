@@ -237,14 +237,17 @@ class AppConfig(_Strict):
                                       "is never held): a message carries every token made since the previous "
                                       "one, so a decode replica sends far fewer messages than tokens. 0 sends "
                                       "one per engine step.")
-    local_prefill_max_tokens: int | None = Field(default=None, ge=0, description="pd: prompts of at most this "
-                                                 "many tokens are prefilled by the decode lane itself, in chunks "
-                                                 "inside its steps as unified prefills; longer ones go to the prefill "
-                                                 "lane (conditional disaggregation, as NVIDIA Dynamo's "
-                                                 "max_local_prefill_length; lanes/engine/split_prefill.py). None: "
-                                                 "engine.prefill_chunk_tokens, a prompt of at most one chunk. 0: "
-                                                 "every prompt goes to the prefill lane. pdv's decode lane holds no "
-                                                 "target: 0 only.")
+    local_prefill_max_tokens: int | None = Field(default=None, ge=0, description="Prompts of at most this "
+                                                 "many tokens are prefilled where they decode; longer ones go to the "
+                                                 "prefill lane (conditional disaggregation, as NVIDIA Dynamo's "
+                                                 "max_local_prefill_length; lanes/engine/split_prefill.py). pd: by "
+                                                 "the decode lane itself, in chunks inside its steps as unified "
+                                                 "prefills. pdv: the target's KV by a verify replica, into its own "
+                                                 "pool, between its verify forwards, and the draft's by the decode "
+                                                 "lane (deployments/verify_prefill.py); at most "
+                                                 "engine.idle_prefill_tokens, and not with a sharded target. None: "
+                                                 "pd: engine.prefill_chunk_tokens, a prompt of at most one chunk; "
+                                                 "pdv: 0. 0: every prompt goes to the prefill lane.")
     engine_process: bool = Field(default=True, description="Step the engine in a process of its own (as "
                                  "vLLM V1 does) rather than on a thread of the replica: the step loop then "
                                  "shares no GIL with the replica's event loop and Ray's threads. In pd and "
@@ -282,14 +285,27 @@ class AppConfig(_Strict):
             raise ValueError("controller.max_draft_len must be <= engine.max_draft_len")
         if self.local_prefill_max_tokens is None:
             self.local_prefill_max_tokens = self.engine.prefill_chunk_tokens if self.mode == "pd" else 0
-        elif self.local_prefill_max_tokens > 0 and self.mode != "pd":
-            raise ValueError(f"local_prefill_max_tokens applies to mode 'pd' only (in {self.mode!r} it must be 0 or "
-                             "unset): pdv's decode lane holds no target to prefill with")
+        elif self.local_prefill_max_tokens > 0:
+            self._check_local_prefill()
         if self.engine.max_model_len is None:
             self.engine.max_model_len = model_context(self.target.path)
             self.engine._max_model_len_unset = True
         self._check_tensor_parallel()
         return self
+
+    def _check_local_prefill(self) -> None:
+        if self.mode not in ("pd", "pdv"):
+            raise ValueError(f"local_prefill_max_tokens applies to modes 'pd' and 'pdv' (in {self.mode!r} it must "
+                             "be 0 or unset): the other modes have no prefill lane")
+        if self.mode != "pdv":
+            return
+        if self.local_prefill_max_tokens > self.engine.idle_prefill_tokens:
+            # The verify lane's memory profile measured a prefill forward of idle_prefill_tokens.
+            raise ValueError(f"in 'pdv' local_prefill_max_tokens ({self.local_prefill_max_tokens}) must be at most "
+                             f"engine.idle_prefill_tokens ({self.engine.idle_prefill_tokens})")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("in 'pdv' with a sharded target, local_prefill_max_tokens must be 0: a verify replica "
+                             "prefills short prompts on one rank only")
 
     def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size

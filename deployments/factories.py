@@ -12,6 +12,7 @@ from deployments.config import AppConfig, LaneConfig
 from deployments.kv_transfer import Placement
 from deployments.peer_calls import PrefillLaneClient, ServeLink
 from deployments.remote import LinkedVerifier, RemotePrefiller, RemoteVerifier
+from deployments.verify_prefill import VerifyLanePrefiller
 from lanes.device.streams import LaneStreams
 from lanes.engine.backends import LocalPrefiller, LocalVerifier
 from lanes.engine.core import EngineConfig, EngineCore, build_runner, build_runners, eos_token_ids
@@ -138,13 +139,17 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill
                  if draft is not None else load_vocabulary(cfg.target.path))
         # pdv by prompt lookup holds no model here: its drafts go to the verify lane from the host.
         model_device = draft_runner.device if draft_runner is not None else torch.device("cpu")
-    link = peer_link if peer_link is not None else ServeLink(PrefillLaneClient(prefill), loop)
+    link = peer_link if peer_link is not None else ServeLink(PrefillLaneClient(prefill), loop,
+                                                             verify=verifier if cfg.mode == "pdv" else None)
     prefiller = RemotePrefiller(link, draft_runner.pool if draft_runner else None, target_pool, placement, owner)
     # The decode lane drafts (and in pd also verifies) on high-priority streams; one stream where the
     # target is sharded (NCCL collectives of one communicator must not run from two streams at once).
     streams = LaneStreams(model_device, separate=not isinstance(target_pool, ShardedKVPool))
-    if cfg.local_prefill_max_tokens:  # pd: short prompts prefilled here, on the low-priority prefill stream
-        local = LocalPrefiller(PrefillLane(target_runner, draft_runner, lazy_draft=True), streams.prefill)
+    if cfg.local_prefill_max_tokens:  # short prompts prefilled where they decode (lanes/engine/split_prefill.py)
+        if cfg.mode == "pd":  # here, on the low-priority prefill stream
+            local = LocalPrefiller(PrefillLane(target_runner, draft_runner, lazy_draft=True), streams.prefill)
+        else:  # the target's KV by a verify replica, the draft's here
+            local = VerifyLanePrefiller(link, draft_runner, streams.prefill, placement, owner)
         prefiller = SplitPrefiller(local, prefiller, cfg.local_prefill_max_tokens)
     core = EngineCore(config, vocab.size, vocab.tokenizer, eos_token_ids(vocab.generation_config, vocab.tokenizer),
                       draft_runner, verifier, prefiller, streams, build_proposer(cfg, model_device))
@@ -211,5 +216,6 @@ def build_verify_lane(cfg: AppConfig, tp_address: str | None = None) -> VerifyLa
     tp = _rank0(cfg, tp_address, device)
     config = _verify_config(cfg)
     [runner] = build_runners(config, _target(cfg, "cpu" if tp else device).model, tp=tp, sharded=(True,))
-    runner.capture_graphs(range(1, config.num_speculative_tokens + 2), prefill=False)  # before the first verify
+    # Before the first verify; whole-prompt graphs too where this lane prefills short prompts (pdv's split).
+    runner.capture_graphs(range(1, config.num_speculative_tokens + 2), prefill=bool(cfg.local_prefill_max_tokens))
     return VerifyLane(runner)

@@ -159,8 +159,9 @@ def _registry() -> _Registry:
                                        "accepted and ignored, by name.", tag_keys=("mode", "field")),
         oom_recoveries=Counter("vpd_oom_recoveries", "Forwards that ran out of device memory and whose requests "
                                "were recomputed or retried smaller (never sent to a client).", tag_keys=lane_tags),
-        prompts_prefilled=Counter("vpd_prompts_prefilled", "pd: prompts prefilled by the decode lane itself (where="
-                                  "decode_lane: at most local_prefill_max_tokens) and by the prefill lane.",
+        prompts_prefilled=Counter("vpd_prompts_prefilled", "Prompts prefilled where they decode (where=decode_lane: "
+                                  "at most local_prefill_max_tokens; in pdv the target's KV by the verify lane) and "
+                                  "by the prefill lane.",
                                   tag_keys=("mode", "lane", "where")),
         internal_errors=Counter("vpd_internal_errors", "Requests that failed inside the server, by kind; the "
                                 "client got a fixed message, the log has the detail.", tag_keys=("mode", "kind")),

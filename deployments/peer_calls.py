@@ -8,8 +8,9 @@ there), sends it, and reads a failure the way the engine recomputes or fails it.
 
 Two ways reach the lanes from the engine:
   - the engine steps in a process of its own (the default, lanes/engine/process.py): its orders
-    (`PrefillOrder`, and in pdv `ReleaseOrder`, `ChannelOrder` and the `VerifyOrder`s of replicas it
-    has no channel to yet, deployments/verify_channel.py) cross the socket to the replica, and
+    (`PrefillOrder`, and in pdv `VerifyPrefillOrder`, `ReleaseOrder`, `ChannelOrder` and the
+    `VerifyOrder`s of replicas it has no channel to yet, deployments/verify_channel.py) cross the
+    socket to the replica, and
     `EnginePeers.answer` sends each on and returns the answer;
   - the engine steps on a thread of this replica (`engine_process: false`): `ServeLink` schedules a
     prompt's call on the event loop, and pdv's `RemoteVerifier` its verify calls.
@@ -25,7 +26,8 @@ from collections.abc import Callable
 
 from deployments.kv_transfer import Placement, PoolHandle
 from deployments.remote import (PEER_CALL_TIMEOUT_S, ChannelOrder, PrefillDone, PrefillJob, PrefillOrder,
-                                ReleaseOrder, RemoteVerifier, VerifyOrder, current_actor, lane_error)
+                                ReleaseOrder, RemoteVerifier, VerifyOrder, VerifyPrefillOrder, current_actor,
+                                lane_error)
 from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE
 from lanes.engine.backends import KVLost
@@ -79,18 +81,24 @@ class PrefillLaneClient:
 
 
 class ServeLink:
-    """How an engine stepping on a thread of this replica reaches the prefill lane: each order is sent
-    from the replica's event loop, and `on_done((result, reply_s))` runs there when it is answered."""
+    """How an engine stepping on a thread of this replica reaches the prefill lane (and in pdv's split
+    the verify lane, `verify`, for its short prompts): each order is sent from the replica's event loop,
+    and `on_done((result, reply_s))` runs there when it is answered."""
 
-    def __init__(self, client: PrefillLaneClient, loop: asyncio.AbstractEventLoop):
+    def __init__(self, client: PrefillLaneClient, loop: asyncio.AbstractEventLoop,
+                 verify: RemoteVerifier | None = None):
         self.client = client
         self.loop = loop
+        self.verify = verify
 
-    def call(self, order: PrefillOrder, on_done: Callable[[tuple], None]) -> None:
+    def call(self, order: PrefillOrder | VerifyPrefillOrder, on_done: Callable[[tuple], None]) -> None:
         asyncio.run_coroutine_threadsafe(self._call(order, on_done), self.loop)
 
-    async def _call(self, order: PrefillOrder, on_done: Callable[[tuple], None]) -> None:
-        on_done(await self.client.prefill(order))
+    async def _call(self, order: PrefillOrder | VerifyPrefillOrder, on_done: Callable[[tuple], None]) -> None:
+        if isinstance(order, VerifyPrefillOrder):
+            on_done(await self.verify.prefill(order))
+        else:
+            on_done(await self.client.prefill(order))
 
     @staticmethod
     def record(kind: str, start_s: float, end_s: float, **info) -> None:
@@ -108,6 +116,9 @@ class EnginePeers:
     async def answer(self, order):
         if isinstance(order, PrefillOrder):
             result, reply_s = await self.prefill.prefill(order)
+            return (picklable(result) if isinstance(result, BaseException) else result), reply_s
+        if isinstance(order, VerifyPrefillOrder):
+            result, reply_s = await self.verify.prefill(order)
             return (picklable(result) if isinstance(result, BaseException) else result), reply_s
         if isinstance(order, VerifyOrder):
             result = await self.verify.verify(order.batch)

@@ -147,6 +147,21 @@ class RemoteVerifier:
     async def release_now(self, target_slot: int, lease: str | None = None) -> None:
         await self._call("release", [target_slot], lease=lease)
 
+    async def prefill(self, order: "VerifyPrefillOrder") -> tuple[PrefillDone | BaseException, float]:
+        """pdv's split: a short prompt's target KV prefilled by a verify replica, into a slot of its pool
+        (deployments/verify_prefill.py). The answer (or the error the engine acts on, `lane_error`) and
+        the wall-clock time it came, as the prefill lane's (PrefillLaneClient)."""
+        since_s = time.monotonic()
+        try:
+            lease, slot, kv = await self._call("prefill", order.request, owner=current_actor())
+            result = PrefillDone(kv.first_token, None, None, slot, lease, logprobs=kv.logprobs,
+                                 prompt_logprobs=kv.prompt_logprobs)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
+            result = lane_error(exc)
+            if isinstance(result, KVLost):
+                result.waited_s = time.monotonic() - since_s
+        return result, time.time()
+
     async def channel(self, lease: str):
         """Where verify replica `lease` takes batches straight from an engine (a ChannelAddress)."""
         return await asyncio.wait_for(self._call("channel", lease=lease), self.timeout_s)
@@ -160,6 +175,13 @@ class VerifyOrder:
     """A verify batch from an engine in a process of its own, for its replica to send (RemoteVerifier)."""
 
     batch: VerifyBatch
+
+
+@dataclass
+class VerifyPrefillOrder:
+    """pdv's split: a short prompt whose target KV a verify replica prefills (deployments/verify_prefill.py)."""
+
+    request: PrefillRequest
 
 
 @dataclass
@@ -374,14 +396,27 @@ class RemotePrefiller:
     def take_in(self, scheduler: Scheduler, budget_tokens: int, decoding: bool
                 ) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
         # Landing a reply costs no device time: the prompt decodes in the step that lands it.
+        self._send_new(scheduler)
+        return self._land_replies(scheduler)
+
+    def _send_new(self, scheduler: Scheduler) -> list[Sequence]:
+        """Send an order for each prompt not sent yet (and ready to go); returns those sent now."""
+        sent = []
         for seq in scheduler.prefilling:
             if seq.request_id not in self._submitted and self._compiled(seq):
                 self._submitted.add(seq.request_id)
                 self.link.call(self._order(seq), partial(self._reply, seq, time.time()))
+                sent.append(seq)
+        return sent
+
+    def _land_replies(self, scheduler: Scheduler) -> list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]:
         with self._lock:
             done, self._done = self._done, []
-        landed = []
+        landed, later = [], []
         for seq, result, submitted_s, reply_s in done:
+            if not self._ready(seq):
+                later.append((seq, result, submitted_s, reply_s))
+                continue
             if (out := self._land(scheduler, seq, result)) is not None:
                 landed.append(out)
                 if not isinstance(result, BaseException):
@@ -389,7 +424,15 @@ class RemotePrefiller:
                     # the wait for this engine to take the reply in (reply_s -> end).
                     self.link.record("prefill_wait", submitted_s, time.time(), reply_s=reply_s,
                                      arrival_s=seq.arrival_s, tokens=seq.num_prompt_tokens)
+        if later:
+            with self._lock:
+                self._done[:0] = later
         return landed
+
+    def _ready(self, seq: Sequence) -> bool:
+        """Whether a reply for `seq` may land now (a subclass that writes part of the KV itself waits
+        for its write: deployments/verify_prefill.py)."""
+        return True
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list:
         return []  # no prefill work in this engine's process

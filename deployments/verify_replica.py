@@ -25,6 +25,7 @@ from lanes.kv.pool import PoolFullError
 from lanes.model.forward_cost import forward_costs_ms
 from lanes.sample.grammar import merge_bitmasks
 from lanes.sample.penalties import PenaltyHistory
+from lanes.spec.prompt_prefiller import PrefilledKV, PrefillRequest, PromptPrefiller
 from lanes.spec.rejection import point_mass
 from lanes.spec.verify import VerifyBatch, VerifyLane, VerifyResult
 
@@ -40,9 +41,11 @@ class StaleTargetSlots(RuntimeError):
 class VerifyServer:
     """Thin wrapper: forwards and KV copies run on the lane's worker thread, in call order."""
 
-    def __init__(self, lane_factory, mode: str, start_workers=None):
+    def __init__(self, lane_factory, mode: str, start_workers=None, prefill_tokens: int = 0):
         """`start_workers()`: starts the worker ranks of a sharded target in this replica's placement
-        group (deployments/tp_workers.py); the lane, rank 0, is built with the address they meet at."""
+        group (deployments/tp_workers.py); the lane, rank 0, is built with the address they meet at.
+        `prefill_tokens`: pdv with `local_prefill_max_tokens`: the prompt tokens of one prefill forward
+        here (`prefill`); 0: this replica prefills nothing."""
         lane_factory, self.shard_workers = bind_workers(lane_factory, start_workers)
         self.lane: VerifyLane = lane_factory()
         # Before serving: what the controller derives the drafter's relative cost from (lanes/model/forward_cost.py).
@@ -66,6 +69,13 @@ class VerifyServer:
         self.stale_releases = 0  # slots of another replica whose release was ignored
         self.owners = SlotOwners(self._free_slots)
         self._channel: VerifyChannelServer | None = None  # opened when a decode engine first asks
+        # Short prompts' target KV, prefilled here into slots of this pool (pdv's split, `prefill`): a
+        # forward of at most `prefill_tokens` prompt tokens at a time, between verify forwards.
+        self.prefiller = PromptPrefiller(self.lane.runner, None, prefill_tokens, prefix_caching=False) \
+            if prefill_tokens else None
+        self.prefill_batcher = LaneBatcher(self._prefill_forward, VERIFY_CALLS_MAX,
+                                           cost=lambda call: len(call[0].prompt_ids), capacity=prefill_tokens)
+        self.prompts_prefilled = 0
 
     async def channel(self, lease: str | None = None) -> ChannelAddress:
         """Where a decode engine sends this replica's batches straight (deployments/verify_channel.py);
@@ -150,6 +160,36 @@ class VerifyServer:
         slot = await self.worker.run(timed)
         self.owners.hold(slot, owner)
         return self.lease, slot
+
+    async def prefill(self, request: PrefillRequest, owner=None) -> tuple[str, int, PrefilledKV]:
+        """pdv's split (lanes/engine/split_prefill.py): a short prompt's target KV prefilled into a slot of
+        this replica's pool, which the caller's request then decodes with. Returns the slot's lease and
+        number and the first token (sampled as the prefill lane samples it, so a seeded request gives the
+        same output whichever lane prefilled it). Prompts that arrive together share a forward; verify
+        forwards run between two of them. Raises PoolFullError (nothing held) where the pool is full (for every
+        prompt of that forward: the decode replicas queue them again),
+        LaneOOM where the forward ran out of device memory (the decode replica recomputes the request)."""
+        if self.prefiller is None:
+            raise RuntimeError("this verify replica prefills no prompts (local_prefill_max_tokens is 0)")
+        return await self.prefill_batcher.submit((request, owner))
+
+    async def _prefill_forward(self, calls: list[tuple[PrefillRequest, object]]) -> list:
+        requests = [request for request, _ in calls]
+        tokens = sum(len(r.prompt_ids) for r in requests)
+        timed = TIMELINE.timed("prefill", self.prefiller.prefill_in_place, rows=len(requests), tokens=tokens)
+        try:
+            done = await self.worker.run(timed, requests)
+        except torch.OutOfMemoryError as exc:
+            self.oom_retries += 1
+            self.metrics.record_oom_recoveries(1)
+            log.warning("verify: out of device memory prefilling %d prompts: %s", len(requests), exc)
+            raise LaneOOM("the verify lane ran out of device memory prefilling this prompt") from None
+        self.prompts_prefilled += len(requests)
+        results = []
+        for (slot, kv), (_, owner) in zip(done, calls):
+            self.owners.hold(slot, owner)
+            results.append((self.lease, slot, kv))
+        return results
 
     async def release(self, slots: list[int], lease: str | None = None) -> None:
         """Free slots that this replica handed out under `lease`."""
@@ -244,7 +284,8 @@ class VerifyServer:
                 "replica_pid": os.getpid(), "lease": self.lease, "rows_verified": self.rows_verified,
                 "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed,
                 "oom_retries": self.oom_retries, "forward_ms": self.forward_ms,
-                "channel_calls": self._channel.num_calls if self._channel is not None else 0}
+                "channel_calls": self._channel.num_calls if self._channel is not None else 0,
+                "prompts_prefilled": self.prompts_prefilled}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""

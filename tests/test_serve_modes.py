@@ -16,6 +16,7 @@ from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts
 from tests.serve_helpers import (ALL_MODES, MODEL, app_config, base_url, lane_stats, openai_client, serving,
                                  wait_until_idle)
 
+SPLIT_MAX_TOKENS = 40
 pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next such module (serve_helpers.serving)
 
 
@@ -24,6 +25,9 @@ def apps(pair_paths):
     target, draft = pair_paths
     configs = {mode: app_config(mode, target, draft) for mode in ALL_MODES}
     configs["limited"] = app_config("unified", target, draft, max_queued_requests=2)
+    # pdv's split (deployments/verify_prefill.py): prompts of at most 40 tokens prefilled where they decode.
+    configs["pdv_split"] = app_config("pdv", target, draft, local_prefill_max_tokens=SPLIT_MAX_TOKENS,
+                                      decode_lane={"num_cpus": 0.05})
     with serving(configs, shared=True):
         yield
 
@@ -133,7 +137,7 @@ async def _complete(http: httpx.AsyncClient, mode: str, i: int) -> dict:
     return r.json()
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("mode", ALL_MODES + ("pdv_split",))
 def test_32_concurrent_requests_complete_and_free_every_slot(mode):
     async def main():
         async with httpx.AsyncClient(timeout=300) as http:
@@ -141,7 +145,28 @@ def test_32_concurrent_requests_complete_and_free_every_slot(mode):
 
     results = asyncio.run(main())
     assert [r["usage"]["completion_tokens"] for r in results] == [16 + i % 5 for i in range(32)]
-    wait_until_idle(mode, mode, timeout_s=10)
+    wait_until_idle(mode, "pdv" if mode == "pdv_split" else mode, timeout_s=10)
+
+
+def test_pdvs_short_prompts_are_prefilled_by_the_verify_lane_and_the_output_is_the_targets(greedy_refs):
+    """pdv with `local_prefill_max_tokens`: a short prompt's target KV is prefilled by a verify replica into
+    its own pool, its draft KV by the decode engine; a longer one goes through the prefill lane. Greedy
+    output is the target's either way (tests/test_verify_prefill.py proves the rest in process)."""
+    def counts():
+        decode = lane_stats("pdv_split", "DecodeLane")[0]["prompts_prefilled"]
+        return decode["decode_lane"], decode["prefill_lane"], sum(
+            s["prompts_prefilled"] for s in lane_stats("pdv_split", "VerifyLane"))
+
+    before = counts()
+    c = openai_client("pdv_split")
+    for prompt, ref in greedy_refs:
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].token_ids == ref
+    short = sum(len(p) <= SPLIT_MAX_TOKENS for p, _ in greedy_refs)
+    assert 0 < short < len(greedy_refs)
+    assert tuple(n - b for n, b in zip(counts(), before)) == (short, len(greedy_refs) - short, short)
+    wait_until_idle("pdv_split", "pdv", timeout_s=10)
 
 
 @pytest.mark.parametrize("mode", ["pdv", "pd"])

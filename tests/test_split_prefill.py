@@ -1,4 +1,4 @@
-"""pd's conditional disaggregation (lanes/engine/split_prefill.py): prompts of at most
+"""pd's conditional disaggregation (lanes/engine/split_prefill.py; pdv's: tests/test_verify_prefill.py): prompts of at most
 `local_max_tokens` are prefilled in the decode engine's own steps, longer ones by the prefill lane,
 and the output is the target's either way.
 
@@ -167,12 +167,10 @@ def test_a_pool_too_small_for_the_load_preempts_on_both_sides_and_loses_nothing(
     assert engine.prefiller.num_in_flight == 0 and not engine.scheduler.by_id
 
 
-def test_the_bound_defaults_to_one_prefill_chunk_in_pd_and_is_refused_elsewhere():
+def test_the_bound_defaults_to_one_prefill_chunk_in_pd():
+    """pdv's bound: tests/test_verify_prefill.py."""
     assert AppConfig(mode="pd", engine={"max_model_len": 256, "prefill_chunk_tokens": 384}).local_prefill_max_tokens == 384
     assert AppConfig(mode="pd", engine={"max_model_len": 256}, local_prefill_max_tokens=0).local_prefill_max_tokens == 0
-    assert AppConfig(mode="pdv", engine={"max_model_len": 256}).local_prefill_max_tokens == 0
-    with pytest.raises(ValueError, match="local_prefill_max_tokens applies to mode 'pd' only"):
-        AppConfig(mode="pdv", engine={"max_model_len": 256}, local_prefill_max_tokens=128)
 
 
 def test_pds_decode_lane_is_built_with_the_split_and_serves_through_both(pair_paths):

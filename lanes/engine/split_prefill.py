@@ -1,4 +1,4 @@
-"""Conditional disaggregation: short prompts prefilled by the decode engine, long ones by the prefill lane.
+"""Conditional disaggregation: short prompts prefilled where they decode, long ones by the prefill lane.
 
 A prompt sent to a prefill lane of its own takes the long road: the order goes out at a step's
 start, waits for the lane's running batch, is prefilled, and its KV is written into this engine's
@@ -7,10 +7,12 @@ unified; docs/lanes_one_gpu.md). For a short prompt that road costs more than th
 decode step barely notices a few hundred prompt tokens in a low-priority chunk. A long prompt is
 what would stall decoding, and it is what the prefill lane is for. So each prompt goes by its length,
 as NVIDIA Dynamo's disaggregated router does (`max_local_prefill_length`): at most
-`local_max_tokens` tokens, here in chunks as unified prefills; more, to the prefill lane.
+`local_max_tokens` tokens, where it decodes; more, to the prefill lane. Where it decodes is, in pd,
+this engine's own chunked prefill (LocalPrefiller); in pdv, whose decode lane holds no target, the
+verify replica that will verify it, with the draft's KV written here (deployments/verify_prefill.py).
 """
 
-from lanes.engine.backends import LocalPrefiller, Prefiller
+from lanes.engine.backends import Prefiller
 from lanes.engine.scheduler import Scheduler
 from lanes.engine.sequence import Sequence
 from lanes.sample.logprobs import TokenLogprobs
@@ -20,25 +22,25 @@ Landed = list[tuple[Sequence, int | BaseException, TokenLogprobs | None]]
 
 
 class SplitPrefiller:
-    """A Prefiller that routes each prompt, by its length, to this engine's own chunked prefill
-    (`local`) or to a prefill lane of its own (`remote`, which takes its prompts in before drafting)."""
+    """A Prefiller that routes each prompt, by its length, to `local` (where it decodes) or to `remote`
+    (a prefill lane of its own). Each side sees only its own prompts, through both of its phases."""
 
     reuses_cached_blocks = False  # the prefill lane hands over whole prompts
     prefills_here = True
 
-    def __init__(self, local: LocalPrefiller, remote: Prefiller, local_max_tokens: int):
+    def __init__(self, local: Prefiller, remote: Prefiller, local_max_tokens: int):
         assert local_max_tokens > 0, "0 sends every prompt to the prefill lane: use that prefiller alone"
         self.local, self.remote = local, remote
         self.local_max_tokens = local_max_tokens
-        self.num_local = self.num_remote = 0  # prompts prefilled here and by the lane, since start
+        self.num_local = self.num_remote = 0  # prompts prefilled where they decode and by the lane, since start
 
     @property
     def has_replies(self) -> bool:
-        return self.remote.has_replies
+        return self.local.has_replies or self.remote.has_replies
 
     @property
     def num_in_flight(self) -> int:
-        return self.remote.num_in_flight
+        return getattr(self.local, "num_in_flight", 0) + self.remote.num_in_flight
 
     @property
     def prompts_prefilled(self) -> dict[str, int]:
@@ -47,7 +49,7 @@ class SplitPrefiller:
 
     @property
     def draft_may_lag(self) -> bool:
-        return self.local.draft_may_lag
+        return self.local.draft_may_lag or self.remote.draft_may_lag
 
     def is_local(self, seq: Sequence) -> bool:
         # The tokens to prefill, the generated ones too after a preemption: a request is routed again
@@ -55,17 +57,20 @@ class SplitPrefiller:
         return seq.num_prefill_tokens <= self.local_max_tokens
 
     def take_in(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> Landed:
-        landed = self.remote.take_in(_Share(scheduler, lambda s: not self.is_local(s)), budget_tokens, decoding)
-        self.num_remote += _prefilled(landed)
-        return landed
+        return self._both("take_in", scheduler, budget_tokens, decoding)
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> Landed:
-        landed = self.local.step(_Share(scheduler, self.is_local), budget_tokens, decoding)
-        self.num_local += _prefilled(landed)
-        return landed
+        return self._both("step", scheduler, budget_tokens, decoding)
+
+    def _both(self, phase: str, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> Landed:
+        remote = getattr(self.remote, phase)(_Share(scheduler, lambda s: not self.is_local(s)), budget_tokens, decoding)
+        local = getattr(self.local, phase)(_Share(scheduler, self.is_local), budget_tokens, decoding)
+        self.num_remote += _prefilled(remote)
+        self.num_local += _prefilled(local)
+        return remote + local
 
     def holds_blocks(self, seq: Sequence) -> bool:
-        return self.remote.holds_blocks(seq)
+        return (self.local if self.is_local(seq) else self.remote).holds_blocks(seq)
 
     def forget(self, seq: Sequence) -> None:
         (self.local if self.is_local(seq) else self.remote).forget(seq)

@@ -109,7 +109,7 @@ class PrefillLane:
         self._write_draft(chunks, ids, last)
         # Prompt logprobs need the logits of every position; otherwise only each row's last.
         keep = None if layout.every_position else last
-        logits = self._write(self.target, [c.seq.target_slot for c in chunks], ids, starts, chunks, keep)
+        logits = self.write(self.target, [c.seq.target_slot for c in chunks], ids, starts, chunks, keep)
         last_logits = logits[torch.arange(len(chunks), device=logits.device), last] if keep is None else logits  # [B, V]
         last_logits = mask_first_tokens(last_logits, [c.seq for c in chunks])  # rows with a grammar, else as is
         # The first output token sits at absolute position len(prompt).
@@ -137,7 +137,7 @@ class PrefillLane:
         if len(drafting) < len(chunks) and drafting:
             ids, last = pad_tokens([c.token_ids for c in drafting], self.draft.device)
         if drafting:
-            self._write(self.draft, [c.seq.draft_slot for c in drafting], ids, [c.start for c in drafting],
+            self.write(self.draft, [c.seq.draft_slot for c in drafting], ids, [c.start for c in drafting],
                         drafting, last)
 
     def _drafts(self, chunk: PrefillChunk) -> bool:
@@ -149,7 +149,9 @@ class PrefillLane:
         return chunk.seq.draft_len > 0 and int(self.draft.pool.lengths[chunk.seq.draft_slot]) == chunk.start
 
     @staticmethod
-    def _write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, keep) -> torch.Tensor:
+    def write(runner: ModelRunner, slots: list[int], ids, starts: list[int], chunks, keep) -> torch.Tensor:
+        """One forward of `runner` that writes the chunks' KV into `slots` (padded `ids`, [B, Q]); returns
+        the logits of the positions `keep` names (None: every position)."""
         runner.pool.reserve(slots, [c.start + c.length for c in chunks])
         logits = runner.forward(runner.rows(slots, starts), ids, keep=keep, prefill=True)  # [B, V] or [B, Q, V]
         for slot, chunk in zip(slots, chunks):

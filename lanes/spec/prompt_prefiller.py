@@ -36,7 +36,7 @@ class PrefillRequest:
 @dataclass
 class PrefilledKV:
     first_token: int
-    target_kv: torch.Tensor  # [2, layers, kv_heads, prompt_len, head_dim]
+    target_kv: torch.Tensor | None  # [2, layers, kv_heads, prompt_len, head_dim]; None: kept in place
     draft_kv: torch.Tensor | None
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
     logprobs: TokenLogprobs | None = None  # the first token's, when the request asked (the target's, raw)
@@ -75,13 +75,8 @@ class PromptPrefiller:
                 if d is not None:
                     self.draft.pool.free(d)
 
-        seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d,
-                         grammar=None if r.token_bitmask is None else FirstTokenMask(r.token_bitmask))
-                for r, t, d in zip(requests, t_slots, d_slots)]
         try:
-            for seq in seqs:
-                self._attach(seq)
-            first = self._run(seqs)
+            seqs, first = self._prefill_slots(requests, t_slots, d_slots)
             # Reading a prompt's KV out copies it (the hand-over): it can fail too, and must free the slots.
             return [PrefilledKV(tok, self.target.pool.read_slot(s.target_slot),
                                 self.draft.pool.read_slot(s.draft_slot) if self.draft else None, s.num_cached_tokens,
@@ -90,6 +85,33 @@ class PromptPrefiller:
         except BaseException:
             release()
             raise
+
+    def prefill_in_place(self, requests: list[PrefillRequest]) -> list[tuple[int, PrefilledKV]]:
+        """The target's KV of each prompt prefilled into a slot of its own, which it keeps: (slot, its first
+        token and logprobs) each, no KV read out. For a lane that decodes from this pool itself (pdv's verify
+        lane, deployments/verify_replica.py); a prefiller without a draft. Frees every slot if it fails
+        (PoolFullError where the pool has no slot or blocks for one of them)."""
+        assert self.draft is None, "the draft's KV is written where it drafts"
+        pool, slots = self.target.pool, []
+        try:
+            for _ in requests:
+                slots.append(pool.allocate())
+            seqs, first = self._prefill_slots(requests, slots, [None] * len(requests))
+        except BaseException:
+            for slot in slots:
+                pool.free(slot)
+            raise
+        return [(s.target_slot, PrefilledKV(tok, None, None, 0, logprobs, s.prompt_logprobs))
+                for (tok, logprobs), s in zip(first, seqs)]
+
+    def _prefill_slots(self, requests: list[PrefillRequest], t_slots: list[int], d_slots: list[int | None]
+                       ) -> tuple[list[Sequence], list[tuple[int, TokenLogprobs | None]]]:
+        seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d,
+                         grammar=None if r.token_bitmask is None else FirstTokenMask(r.token_bitmask))
+                for r, t, d in zip(requests, t_slots, d_slots)]
+        for seq in seqs:
+            self._attach(seq)
+        return seqs, self._run(seqs)
 
     def _attach(self, seq: Sequence) -> None:
         """A scratch slot's blocks: the cached ones of the prompt's prefix, then new ones for the rest."""

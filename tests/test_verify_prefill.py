@@ -1,0 +1,228 @@
+"""pdv's split (deployments/verify_prefill.py): a prompt of at most `local_max_tokens` has its target KV
+prefilled by the verify lane into a slot of its own pool, and its draft KV by the decode engine; a
+longer one goes through the prefill lane. The output is the target's either way.
+
+The verify replica here is its real prefiller (`PromptPrefiller.prefill_in_place` over the pool its
+VerifyLane verifies from, as `VerifyServer.prefill` runs it) and the prefill lane its real prefiller
+over scratch pools of its own, behind a link that answers the engine's orders as the decode replica
+does over Ray: later, all at once."""
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from deployments.config import AppConfig
+from deployments.kv_transfer import HostKV, Placement
+from deployments.remote import PrefillDone, PrefillOrder, RemotePrefiller, VerifyPrefillOrder
+from deployments.verify_prefill import VerifyLanePrefiller
+from lanes.engine.core import EngineConfig, EngineCore, build_runners
+from lanes.engine.split_prefill import SplitPrefiller
+from lanes.kv.pool import PoolFullError
+from lanes.sample.params import SamplingParams
+from lanes.spec.prompt_prefiller import PromptPrefiller
+from lanes.spec.verify import VerifyLane
+from tests.conftest import VOCAB
+from tests.engine_helpers import hf_greedy, random_prompts, small_engine
+
+LOCAL_MAX_TOKENS = 16
+LEASE = "verify-0"
+
+
+class VerifyLaneSlots:
+    """pdv's verify lane as the engine sees it (deployments/remote.py RemoteVerifier): a pool it does not
+    own, whose slots are handed out with a prompt's KV (by the verify lane's own prefill or the prefill
+    lane's hand-over), never at admission."""
+
+    def __init__(self, lane: VerifyLane):
+        self.lane = lane
+
+    def launch(self, batch):
+        return self.lane.launch(batch)
+
+    def allocate(self) -> None:
+        return None
+
+    def release(self, target_slot: int, lease: str | None = None) -> None:
+        assert lease == LEASE
+        self.lane.pool.free(target_slot)
+
+
+class PdvLink:
+    """The decode replica's link (deployments/peer_calls.py), to a verify replica and a prefill lane in
+    this process. Orders are held until `answer_all`, then each kind is answered in one batch."""
+
+    node_id = None
+
+    def __init__(self, verify: PromptPrefiller, lane: PromptPrefiller):
+        self.verify, self.lane = verify, lane
+        self.held: list[tuple[object, object]] = []
+        self.by_verify: list[int] = []  # prompt lengths each prefilled, since start
+        self.by_lane: list[int] = []
+        self.pool_full = False  # the verify pool refuses the next batch, as a full one does
+
+    def call(self, order, on_done) -> None:
+        self.held.append((order, on_done))
+
+    def answer_all(self) -> None:
+        held, self.held = self.held, []
+        short = [(o, done) for o, done in held if isinstance(o, VerifyPrefillOrder)]
+        long = [(o, done) for o, done in held if isinstance(o, PrefillOrder)]
+        assert len(short) + len(long) == len(held)
+        if short:
+            self._answer_short(short)
+        if long:
+            self._answer_long(long)
+
+    def _answer_short(self, held) -> None:
+        if self.pool_full:
+            self.pool_full = False
+            for _, on_done in held:
+                on_done((PoolFullError("no free KV blocks"), time.time()))
+            return
+        done = self.verify.prefill_in_place([order.request for order, _ in held])
+        for (order, on_done), (slot, kv) in zip(held, done):
+            self.by_verify.append(len(order.request.prompt_ids))
+            on_done((PrefillDone(kv.first_token, None, None, slot, LEASE, logprobs=kv.logprobs,
+                                 prompt_logprobs=kv.prompt_logprobs), time.time()))
+
+    def _answer_long(self, held) -> None:
+        # The prefill lane copies each prompt's KV into a slot of the verify pool (VerifyServer.load_kv).
+        kvs = self.lane.prefill([order.request for order, _ in held])
+        pool = self.verify.target.pool
+        for (order, on_done), kv in zip(held, kvs):
+            self.by_lane.append(len(order.request.prompt_ids))
+            slot = pool.allocate()
+            pool.write_slot(slot, kv.target_kv)
+            on_done((PrefillDone(kv.first_token, HostKV.from_tensor(kv.draft_kv), None, slot, LEASE,
+                                 logprobs=kv.logprobs, prompt_logprobs=kv.prompt_logprobs), time.time()))
+
+    @staticmethod
+    def record(kind: str, start_s: float, end_s: float, **info) -> None:
+        pass
+
+
+def pdv_engine(target, draft, local_max_tokens: int, **overrides) -> tuple[EngineCore, PdvLink]:
+    """pdv's decode engine as deployments/factories.py builds it, with its verify and prefill lanes here."""
+    values = dict(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
+                  prefill_chunk_tokens=8, idle_prefill_tokens=64, enable_prefix_caching=False)
+    config = EngineConfig(**{**values, **overrides})
+    target_runner, draft_runner = build_runners(config, target.model, draft.model)
+    lane_config = replace(config, num_kv_blocks=None)
+    link = PdvLink(PromptPrefiller(target_runner, None, config.prefill_chunk_tokens, prefix_caching=False),
+                   PromptPrefiller(*build_runners(lane_config, target.model, draft.model), config.idle_prefill_tokens,
+                                   prefix_caching=False))
+    prefiller = RemotePrefiller(link, draft_runner.pool, None, Placement.here("cpu"), "decode-test")
+    if local_max_tokens:
+        short = VerifyLanePrefiller(link, draft_runner, None, Placement.here("cpu"), "decode-test")
+        prefiller = SplitPrefiller(short, prefiller, local_max_tokens)
+    engine = EngineCore(config, target_runner.vocab_size, None, set(), draft_runner,
+                        VerifyLaneSlots(VerifyLane(target_runner)), prefiller)
+    return engine, link
+
+
+def run(engine: EngineCore, link: PdvLink, requests: dict) -> dict[str, list[int]]:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs: dict[str, list[int]] = {rid: [] for rid in requests}
+    for _ in range(5_000):
+        if not (engine.has_work or link.held):
+            return outputs
+        for out in engine.step():
+            assert out.error is None, out.error
+            outputs[out.request_id].extend(out.token_ids)
+        link.answer_all()
+    raise AssertionError("the engine did not finish")
+
+
+def _mixed_prompts(seed: int) -> list[list[int]]:
+    short = random_prompts(4, VOCAB, 3, LOCAL_MAX_TOKENS, seed=seed)
+    long = random_prompts(4, VOCAB, LOCAL_MAX_TOKENS + 1, 90, seed=seed + 1)
+    return [p for pair in zip(short, long) for p in pair]
+
+
+def _slots_free(engine: EngineCore) -> bool:
+    return engine.verifier.lane.pool.num_used == 0 and engine.draft.pool.num_used == 0
+
+
+def test_short_prompts_prefill_in_the_verify_lane_long_ones_in_the_prefill_lane_and_output_is_the_targets(
+        llama_pair):
+    target, draft = llama_pair
+    engine, link = pdv_engine(target, draft, LOCAL_MAX_TOKENS)
+    prompts = _mixed_prompts(seed=401)
+    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=14, ignore_eos=True))
+                                 for i, p in enumerate(prompts)})
+    assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 14) for p in prompts]
+    short = [len(p) for p in prompts if len(p) <= LOCAL_MAX_TOKENS]
+    assert sorted(link.by_verify) == sorted(short)
+    assert sorted(link.by_lane) == sorted(len(p) for p in prompts if len(p) > LOCAL_MAX_TOKENS)
+    assert engine.scheduler.num_prefill_tokens == 0  # no target prefill in the decode engine
+    assert (engine.prefiller.num_local, engine.prefiller.num_remote) == (len(short), len(prompts) - len(short))
+    assert engine.prefiller.num_in_flight == 0 and not engine.scheduler.by_id and _slots_free(engine)
+
+
+@pytest.mark.parametrize("budget_tokens", [8, 64])
+def test_the_draft_kv_the_engine_wrote_is_whole_when_its_request_decodes(llama_pair, budget_tokens):
+    """With the target as its own draft every draft is accepted, unless the draft's KV of a prompt is
+    missing or wrong. At a budget of 8 tokens a step the engine writes one short prompt's draft KV a
+    step, so most replies wait for their write (VerifyLanePrefiller._ready)."""
+    target, _ = llama_pair
+    engine, link = pdv_engine(target, target, LOCAL_MAX_TOKENS, prefill_chunk_tokens=budget_tokens,
+                              idle_prefill_tokens=budget_tokens)
+    prompts = random_prompts(6, VOCAB, 9, LOCAL_MAX_TOKENS, seed=411)
+    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True))
+                                 for i, p in enumerate(prompts)})
+    assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 12) for p in prompts]
+    stats = engine.total_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert sorted(link.by_verify) == sorted(map(len, prompts)) and _slots_free(engine)
+
+
+def test_seeded_sampling_is_the_same_split_or_all_through_the_lane_or_co_located(llama_pair):
+    """The verify lane samples a prompt's first token by the prefill lane's rule (PrefillLane), from the
+    request's seed and the position: where a prompt is prefilled does not change what is sampled."""
+    target, draft = llama_pair
+    prompts = _mixed_prompts(seed=421)
+    requests = {str(i): (p, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=60 + i, ignore_eos=True))
+                for i, p in enumerate(prompts)}
+    split = run(*pdv_engine(target, draft, LOCAL_MAX_TOKENS), requests)
+    through_lane = run(*pdv_engine(target, draft, 0), requests)
+    colocated = small_engine(target, draft, prefill_chunk_tokens=8, enable_prefix_caching=False)
+    assert split == through_lane == run(colocated, PdvLink(None, None), requests)
+
+
+def test_a_full_verify_pool_queues_the_prompts_again_and_loses_nothing(llama_pair):
+    """A verify replica out of slots or blocks refuses a prefill (PoolFullError, nothing held): the engine
+    queues those prompts again, and they are prefilled at a later step."""
+    target, draft = llama_pair
+    engine, link = pdv_engine(target, draft, LOCAL_MAX_TOKENS)
+    link.pool_full = True
+    prompts = random_prompts(4, VOCAB, 3, LOCAL_MAX_TOKENS, seed=431)
+    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=10, ignore_eos=True))
+                                 for i, p in enumerate(prompts)})
+    assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 10) for p in prompts]
+    assert engine.scheduler.num_preemptions >= 1 and _slots_free(engine)
+
+
+def test_a_request_aborted_while_the_verify_lane_prefills_it_frees_both_slots(llama_pair):
+    target, draft = llama_pair
+    engine, link = pdv_engine(target, draft, LOCAL_MAX_TOKENS)
+    engine.add_request("a", random_prompts(1, VOCAB, 10, 10, seed=441)[0], SamplingParams(max_tokens=8))
+    engine.step()  # sends the order and writes the draft's KV
+    assert link.held and engine.draft.pool.num_used == 1
+    engine.abort("a")
+    link.answer_all()  # the verify lane hands out a slot for it anyway
+    assert engine.verifier.lane.pool.num_used == 1
+    while engine.has_work:
+        engine.step()
+    assert _slots_free(engine) and engine.prefiller.num_in_flight == 0
+
+
+def test_the_bound_is_taken_in_pd_and_pdv_within_the_verify_lanes_profile_and_refused_elsewhere():
+    engine = {"max_model_len": 256, "prefill_chunk_tokens": 384}
+    assert AppConfig(mode="pdv", engine=engine).local_prefill_max_tokens == 0
+    assert AppConfig(mode="pdv", engine=engine, local_prefill_max_tokens=384).local_prefill_max_tokens == 384
+    with pytest.raises(ValueError, match="must be at most engine.idle_prefill_tokens"):
+        AppConfig(mode="pdv", engine={**engine, "idle_prefill_tokens": 256}, local_prefill_max_tokens=384)
+    with pytest.raises(ValueError, match="applies to modes 'pd' and 'pdv'"):
+        AppConfig(mode="unified", engine=engine, local_prefill_max_tokens=128)
