@@ -48,7 +48,9 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(directory / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(directory / "log")}
     for path in env.values():
         Path(path).mkdir(parents=True, exist_ok=True)
-    started = subprocess.run([CONTROL, "-d"], env={**os.environ, **env}, capture_output=True, text=True)
+    started = _start(env)
+    if started.returncode != 0 and _quit_stale(env):  # an earlier run's daemon that outlived its quit
+        started = _start(env)
     if started.returncode != 0:
         raise MPSUnavailable(f"{CONTROL} -d exited {started.returncode}: {started.stderr.strip()}")
     saved = {key: os.environ.get(key) for key in env}
@@ -65,6 +67,21 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
             _control("quit", env, timeout_s=60.0)
         except subprocess.TimeoutExpired:  # the results are written; the daemon then goes with the machine
             pass
+
+
+def _start(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([CONTROL, "-d"], env={**os.environ, **env}, capture_output=True, text=True)
+
+
+def _quit_stale(env: dict[str, str]) -> bool:
+    """Quit a daemon still running on these pipes, whose run's `quit` timed out while its clients were
+    exiting (a second `-d` on a warm machine then exited 1, 2026-11-28); True if one answered."""
+    try:
+        _control("get_server_list", env, timeout_s=5.0)
+        _control("quit", env, timeout_s=60.0)
+    except (subprocess.TimeoutExpired, OSError):
+        return False
+    return True
 
 
 def control_log_tail(directory: Path, lines: int = 20) -> str:
