@@ -15,13 +15,14 @@ from typing import Callable
 
 import torch
 
+from lanes.device.batching import HostCopy, to_host_async
 from lanes.engine.sequence import Sequence
 from lanes.kv.prefix_cache import PrefixCache
 from lanes.model.runner import ModelRunner
 from lanes.sample.logprobs import TokenLogprobs, concat
 from lanes.sample.matcher import FirstTokenMask
 from lanes.sample.params import SamplingParams
-from lanes.spec.prefill import PrefillLane, PrefillLogprobs, plan_whole_prompts
+from lanes.spec.prefill import PrefillChunk, PrefillLane, PrefillLogprobs, plan_whole_prompts
 
 
 @dataclass
@@ -89,29 +90,44 @@ class PromptPrefiller:
     def prefill_in_place(self, requests: list[PrefillRequest]) -> list[tuple[int, PrefilledKV]]:
         """The target's KV of each prompt prefilled into a slot of its own, which it keeps: (slot, its first
         token and logprobs) each, no KV read out. For a lane that decodes from this pool itself (pdv's verify
-        lane, deployments/verify_replica.py); a prefiller without a draft. Frees every slot if it fails
-        (PoolFullError where the pool has no slot or blocks for one of them)."""
+        lane); a prefiller without a draft. Frees every slot if it fails (PoolFullError where the pool has no
+        slot or blocks for one of them)."""
+        return self.collect(self.launch_in_place(requests))
+
+    def launch_in_place(self, requests: list[PrefillRequest]) -> "LaunchedPrefill":
+        """`prefill_in_place`'s forwards, launched on the current stream; nothing waits for them here
+        (`collect` does). Frees every slot if a launch fails."""
         assert self.draft is None, "the draft's KV is written where it drafts"
         pool, slots = self.target.pool, []
         try:
             for _ in requests:
                 slots.append(pool.allocate())
-            seqs, first = self._prefill_slots(requests, slots, [None] * len(requests))
+            seqs = self._sequences(requests, slots, [None] * len(requests))
+            return LaunchedPrefill(seqs, self._launch(seqs))
         except BaseException:
             for slot in slots:
                 pool.free(slot)
             raise
+
+    def collect(self, launched: "LaunchedPrefill") -> list[tuple[int, PrefilledKV]]:
+        """Wait for launched forwards and read each prompt's first token: (slot, first token and logprobs)."""
+        first = self._collect(launched.seqs, launched.forwards)
         return [(s.target_slot, PrefilledKV(tok, None, None, 0, logprobs, s.prompt_logprobs))
-                for (tok, logprobs), s in zip(first, seqs)]
+                for (tok, logprobs), s in zip(first, launched.seqs)]
 
     def _prefill_slots(self, requests: list[PrefillRequest], t_slots: list[int], d_slots: list[int | None]
                        ) -> tuple[list[Sequence], list[tuple[int, TokenLogprobs | None]]]:
+        seqs = self._sequences(requests, t_slots, d_slots)
+        return seqs, self._collect(seqs, self._launch(seqs))
+
+    def _sequences(self, requests: list[PrefillRequest], t_slots: list[int], d_slots: list[int | None]
+                   ) -> list[Sequence]:
         seqs = [Sequence(r.request_id, r.prompt_ids, r.params, r.seed, 0, target_slot=t, draft_slot=d,
                          grammar=None if r.token_bitmask is None else FirstTokenMask(r.token_bitmask))
                 for r, t, d in zip(requests, t_slots, d_slots)]
         for seq in seqs:
             self._attach(seq)
-        return seqs, self._run(seqs)
+        return seqs
 
     def _attach(self, seq: Sequence) -> None:
         """A scratch slot's blocks: the cached ones of the prompt's prefix, then new ones for the rest."""
@@ -120,21 +136,44 @@ class PromptPrefiller:
         for pool, slot in self.pools:
             pool.reserve([getattr(seq, slot)], [seq.num_prompt_tokens])
 
-    def _run(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
+    def _launch(self, seqs: list[Sequence]) -> list[tuple[list[PrefillChunk], HostCopy]]:
+        """Every forward of the prompts (whole prompts that fit the budget together; a longer one in
+        chunks), launched in order on the current stream, each with its result's copy to the host."""
+        lane = PrefillLane(self.target, self.draft)
+        forwards, left = [], list(seqs)
+        while left:
+            chunks = plan_whole_prompts(left, self.chunk_tokens)
+            forwards.append((chunks, to_host_async(lane.run(chunks))))  # [B, 1 + packed logprobs]
+            for chunk in chunks:
+                chunk.seq.num_prefilled += chunk.length
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(chunk.seq)
+            left = [s for s in left if s.num_prefilled < s.num_prefill_tokens]
+        return forwards
+
+    @staticmethod
+    def _collect(seqs: list[Sequence], forwards: list[tuple[list[PrefillChunk], HostCopy]]
+                 ) -> list[tuple[int, TokenLogprobs | None]]:
         """Each prompt's first token and its logprobs (when asked); prompt logprobs (echo) are left in
         each sequence's `prompt_logprobs`."""
-        lane = PrefillLane(self.target, self.draft)
         first: dict[str, tuple[int, TokenLogprobs | None]] = {}
-        while len(first) < len(seqs):
-            chunks = plan_whole_prompts([s for s in seqs if s.request_id not in first], self.chunk_tokens)
+        for chunks, copy in forwards:
             layout = PrefillLogprobs.of(chunks)
-            rows = lane.run(chunks).cpu()  # [B, 1 + packed logprobs]: one column unless a row asked
-            for chunk, row in zip(chunks, rows):
+            for chunk, row in zip(chunks, copy.wait()):
                 seq = chunk.seq
-                seq.num_prefilled += chunk.length
                 seq.prompt_logprobs = concat([seq.prompt_logprobs, layout.prompt(chunk, row)])
-                if self.prefix_cache is not None:
-                    self.prefix_cache.register(seq)
                 if chunk.completes_prompt:
                     first[seq.request_id] = int(row[0]), layout.first_token(chunk, row)
         return [first[s.request_id] for s in seqs]
+
+
+@dataclass
+class LaunchedPrefill:
+    """Prompts whose forwards are launched into slots they keep (`PromptPrefiller.launch_in_place`)."""
+
+    seqs: list[Sequence]
+    forwards: list[tuple[list[PrefillChunk], HostCopy]]
+
+    @property
+    def slots(self) -> list[int]:
+        return [s.target_slot for s in self.seqs]
