@@ -226,3 +226,35 @@ def test_the_bound_is_taken_in_pd_and_pdv_within_the_verify_lanes_profile_and_re
         AppConfig(mode="pdv", engine={**engine, "idle_prefill_tokens": 256}, local_prefill_max_tokens=384)
     with pytest.raises(ValueError, match="applies to modes 'pd' and 'pdv'"):
         AppConfig(mode="unified", engine=engine, local_prefill_max_tokens=128)
+
+
+def test_prompt_and_first_token_logprobs_are_the_same_split_or_co_located(llama_pair):
+    """echo and logprobs: the verify lane computes a short prompt's prompt logprobs and its first token's
+    as the engine's own prefill does (PrefillLane), and they reach the request's first output."""
+    target, draft = llama_pair
+    prompts = random_prompts(2, VOCAB, 6, LOCAL_MAX_TOKENS, seed=451)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=2)
+
+    def first_outputs(engine, link):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        first = {}
+        while engine.has_work or link.held:
+            for out in engine.step():
+                assert out.error is None, out.error
+                first.setdefault(out.request_id, out)
+            link.answer_all()
+        return first
+
+    engine, link = pdv_engine(target, draft, LOCAL_MAX_TOKENS)
+    split = first_outputs(engine, link)
+    assert sorted(link.by_verify) == sorted(map(len, prompts))
+    colocated = first_outputs(small_engine(target, draft, prefill_chunk_tokens=8, enable_prefix_caching=False),
+                              PdvLink(None, None))
+    for rid, out in split.items():
+        ref = colocated[rid]
+        assert out.token_ids[:1] == ref.token_ids[:1] and len(out.prompt_logprobs) == len(prompts[int(rid)]) - 1
+        assert out.prompt_logprobs.top_ids == ref.prompt_logprobs.top_ids
+        assert out.prompt_logprobs.logprobs == pytest.approx(ref.prompt_logprobs.logprobs, abs=1e-4)
+        assert out.logprobs.top_ids[0] == ref.logprobs.top_ids[0]
+        assert out.logprobs.logprobs[0] == pytest.approx(ref.logprobs.logprobs[0], abs=1e-4)
