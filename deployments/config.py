@@ -243,8 +243,8 @@ class AppConfig(_Strict):
                                                  "max_local_prefill_length; lanes/engine/split_prefill.py). pd: by "
                                                  "the decode lane itself, in chunks inside its steps as unified "
                                                  "prefills. pdv: the target's KV by a verify replica, into its own "
-                                                 "pool, between its verify forwards, and the draft's by the decode "
-                                                 "lane (deployments/verify_prefill.py); at most "
+                                                 "pool, on a stream below its verify forwards', and the draft's by "
+                                                 "the decode lane (deployments/verify_prefill.py); at most "
                                                  "engine.idle_prefill_tokens, and not with a sharded target. None: "
                                                  "pd: engine.prefill_chunk_tokens, a prompt of at most one chunk; "
                                                  "pdv: 0. 0: every prompt goes to the prefill lane.")

@@ -2,13 +2,13 @@
 
 Through the prefill lane a prompt goes decode replica -> prefill replica (queue, forward) -> its KV
 copied into a verify replica's pool -> back, before its first decode step: under MPS on one H200,
-pdv's TTFT p50 was 197 ms against unified's 113-124, and at 64 requests in flight that wait is what
-held pdv at 0.83x of unified's tok/s (docs/lanes_one_gpu.md). pd prefills its short prompts in its
-decode lane (lanes/engine/split_prefill.py); pdv's decode lane holds only the draft, so a short
-prompt's target half goes to the verify lane, which is where its KV must end up anyway: one call
-prefills it into a slot of that replica's pool and returns the slot and the first token. Meanwhile
-this engine writes the draft's KV on its low-priority prefill stream. The request decodes once both
-have landed.
+pdv's TTFT p50 was 197 ms against unified's 113-124. pd prefills its short prompts in its decode lane
+(lanes/engine/split_prefill.py); pdv's decode lane holds only the draft, so a short prompt's target
+half goes to the verify lane, which is where its KV must end up anyway: one call prefills it into a
+slot of that replica's pool and returns the slot and the first token. Meanwhile this engine writes
+the draft's KV on its low-priority prefill stream. The request decodes once both have landed. On one
+H200 this cut pdv's TTFT p50 by about 60 ms; its tok/s at 64 in flight moved within run-to-run noise
+(0.80x of unified against 0.78x), since pdv's cycle, not its TTFT, sets that (docs/lanes_one_gpu.md).
 """
 
 import torch

@@ -70,7 +70,7 @@ class VerifyServer:
         self.owners = SlotOwners(self._free_slots)
         self._channel: VerifyChannelServer | None = None  # opened when a decode engine first asks
         # Short prompts' target KV, prefilled here into slots of this pool (pdv's split, `prefill`): a
-        # forward of at most `prefill_tokens` prompt tokens at a time, between verify forwards.
+        # forward of at most `prefill_tokens` prompt tokens at a time, beside the verify forwards.
         self.prefiller = PromptPrefiller(self.lane.runner, None, prefill_tokens, prefix_caching=False) \
             if prefill_tokens else None
         self.prefill_batcher = LaneBatcher(self._prefill_forward, VERIFY_CALLS_MAX,
@@ -166,8 +166,8 @@ class VerifyServer:
         """pdv's split (lanes/engine/split_prefill.py): a short prompt's target KV prefilled into a slot of
         this replica's pool, which the caller's request then decodes with. Returns the slot's lease and
         number and the first token (sampled as the prefill lane samples it, so a seeded request gives the
-        same output whichever lane prefilled it). Prompts that arrive together share a forward; verify
-        forwards run between two of them. Raises PoolFullError (nothing held) where the pool is full (for every
+        same output whichever lane prefilled it). Prompts that arrive together share a forward, on a
+        stream below verify's. Raises PoolFullError (nothing held) where the pool is full (for every
         prompt of that forward: the decode replicas queue them again),
         LaneOOM where the forward ran out of device memory (the decode replica recomputes the request)."""
         if self.prefiller is None:

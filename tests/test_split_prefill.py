@@ -10,7 +10,6 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-import pytest
 
 from deployments.config import AppConfig
 from deployments.engine_metrics import EngineMetrics
