@@ -10,7 +10,6 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-
 from deployments.config import AppConfig
 from deployments.engine_metrics import EngineMetrics
 from deployments.factories import build_engine, build_prompt_prefiller
