@@ -133,6 +133,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's high-throughput settings)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="uniform: the c64 load this many times in each deployment, new prompts each time")
+    parser.add_argument("--stream-every-step", action="store_true",
+                        help="every mode streams each engine step's tokens (stream_interval_ms 0, no bound on "
+                             "messages a second). By default a stream message waits at least 50 ms after the "
+                             "one before, so no request's longest gap is under ~50 ms plus a step: that floor, "
+                             "not the decode, is what the p99 stall reads wherever nothing stalls longer")
     args = parser.parse_args(argv)
     args.shape = args.shape or ("tinyllama-7b" if args.device == "cuda" else "small")
     args.max_model_len = args.max_model_len or (8192 if args.device == "cuda" else 256)
@@ -182,6 +187,8 @@ def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tupl
                       lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
     # The ingress is stateless: two replicas keep one busy event loop from bounding the fastest mode (VARIANTS).
     config["ingress"]["num_replicas"] = args.ingress_replicas
+    if args.stream_every_step:
+        config.update(stream_interval_ms=0, max_stream_messages_per_s=None)
     for key, value in overrides.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     return base, config
