@@ -16,6 +16,7 @@ from deployments.config import AppConfig
 from deployments.kv_transfer import HostKV, Placement
 from deployments.remote import PrefillDone, PrefillOrder, RemotePrefiller, VerifyPrefillOrder
 from deployments.verify_prefill import VerifyLanePrefiller
+from lanes.engine.backends import KVLost, LaneOOM
 from lanes.engine.core import EngineConfig, EngineCore, build_runners
 from lanes.engine.split_prefill import SplitPrefiller
 from lanes.kv.pool import PoolFullError
@@ -59,7 +60,7 @@ class PdvLink:
         self.held: list[tuple[object, object]] = []
         self.by_verify: list[int] = []  # prompt lengths each prefilled, since start
         self.by_lane: list[int] = []
-        self.pool_full = False  # the verify pool refuses the next batch, as a full one does
+        self.refuse_next: BaseException | None = None  # the next batch of short prompts fails with this
 
     def call(self, order, on_done) -> None:
         self.held.append((order, on_done))
@@ -75,10 +76,10 @@ class PdvLink:
             self._answer_long(long)
 
     def _answer_short(self, held) -> None:
-        if self.pool_full:
-            self.pool_full = False
+        if self.refuse_next is not None:  # as RemoteVerifier.prefill reads the failed call (lane_error)
+            error, self.refuse_next = self.refuse_next, None
             for _, on_done in held:
-                on_done((PoolFullError("no free KV blocks"), time.time()))
+                on_done((error, time.time()))
             return
         done = self.verify.prefill_in_place([order.request for order, _ in held])
         for (order, on_done), (slot, kv) in zip(held, done):
@@ -191,17 +192,23 @@ def test_seeded_sampling_is_the_same_split_or_all_through_the_lane_or_co_located
     assert split == through_lane == run(colocated, PdvLink(None, None), requests)
 
 
-def test_a_full_verify_pool_queues_the_prompts_again_and_loses_nothing(llama_pair):
-    """A verify replica out of slots or blocks refuses a prefill (PoolFullError, nothing held): the engine
-    queues those prompts again, and they are prefilled at a later step."""
+@pytest.mark.parametrize("error", [PoolFullError("no free KV blocks"),
+                                   KVLost("verify replica verify-0 did not answer in 5 s"),
+                                   LaneOOM("a lane ran out of device memory in the forward that carried this request")],
+                         ids=["pool_full", "replica_lost", "out_of_memory"])
+def test_a_failed_verify_prefill_is_recomputed_and_loses_nothing(llama_pair, error):
+    """A verify replica out of slots or blocks refuses a prefill (PoolFullError, nothing held), one that died
+    or went silent loses it (KVLost), one out of device memory gives it up (LaneOOM): the engine queues those
+    prompts again, and they are prefilled at a later step with the output unchanged."""
     target, draft = llama_pair
     engine, link = pdv_engine(target, draft, LOCAL_MAX_TOKENS)
-    link.pool_full = True
+    link.refuse_next = error
     prompts = random_prompts(4, VOCAB, 3, LOCAL_MAX_TOKENS, seed=431)
     outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=10, ignore_eos=True))
                                  for i, p in enumerate(prompts)})
     assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 10) for p in prompts]
-    assert engine.scheduler.num_preemptions >= 1 and _slots_free(engine)
+    assert engine.scheduler.num_preemptions >= len(prompts) and _slots_free(engine)
+    assert sorted(link.by_verify) == sorted(map(len, prompts))  # each prefilled once, after the failure
 
 
 def test_a_request_aborted_while_the_verify_lane_prefills_it_frees_both_slots(llama_pair):
