@@ -1,10 +1,65 @@
 """Running the engine synchronously and computing references, shared by the tests."""
 
+from dataclasses import replace
+
 import torch
 
-from lanes.engine.core import EngineConfig, EngineCore
+from lanes.engine.core import EngineConfig, EngineCore, build_runners
 from lanes.model.loader import LoadedModel
+from lanes.model.runner import ModelRunner
 from lanes.sample.params import SamplingParams
+from lanes.spec.prompt_prefiller import PromptPrefiller
+
+
+def run_with_lanes(engine: EngineCore, link, requests: dict[str, tuple[list[int], SamplingParams]]
+                   ) -> dict[str, list[int]]:
+    """Every request to its end, over a link to other lanes in this process (`link.held`: orders not answered
+    yet; `link.answer_all()` answers them). The lanes answer between steps, as their replies land while a
+    step runs (tests/test_split_prefill.py, tests/test_verify_prefill.py)."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs: dict[str, list[int]] = {rid: [] for rid in requests}
+    for _ in range(5_000):
+        if not (engine.has_work or link.held):
+            return outputs
+        for out in engine.step():
+            assert out.error is None, out.error
+            outputs[out.request_id].extend(out.token_ids)
+        link.answer_all()
+    raise AssertionError("the engine did not finish")
+
+
+def split_engine_parts(target: LoadedModel, draft: LoadedModel, **overrides
+                       ) -> tuple[EngineConfig, ModelRunner, ModelRunner, PromptPrefiller]:
+    """A small decode engine's config and its target and draft runners, with a prefill lane beside it (its real
+    prefiller, over scratch pools of its own sized for a batch of prompts, whatever the engine's pools)."""
+    values = dict(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
+                  prefill_chunk_tokens=8, idle_prefill_tokens=64, enable_prefix_caching=False)
+    config = EngineConfig(**{**values, **overrides})
+    target_runner, draft_runner = build_runners(config, target.model, draft.model)
+    lane = PromptPrefiller(*build_runners(replace(config, num_kv_blocks=None), target.model, draft.model),
+                           config.idle_prefill_tokens, prefix_caching=False)
+    return config, target_runner, draft_runner, lane
+
+
+def sampled_three_ways(target: LoadedModel, draft: LoadedModel, build, empty_link, local_max_tokens: int, vocab: int,
+                       seed: int) -> tuple[dict, dict, dict]:
+    """Seeded sampled outputs of short and long prompts from a decode engine built by `build(target, draft,
+    local_max_tokens)` (an engine and its link), the same with every prompt through the prefill lane
+    (`local_max_tokens` 0), and a co-located engine: where a prompt is prefilled must not change them."""
+    prompts = short_and_long_prompts(vocab, local_max_tokens, seed=seed)
+    requests = {str(i): (p, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=seed + i, ignore_eos=True))
+                for i, p in enumerate(prompts)}
+    colocated = small_engine(target, draft, prefill_chunk_tokens=8, enable_prefix_caching=False)
+    return (run_with_lanes(*build(target, draft, local_max_tokens), requests),
+            run_with_lanes(*build(target, draft, 0), requests), run_with_lanes(colocated, empty_link, requests))
+
+
+def short_and_long_prompts(vocab: int, max_short_tokens: int, seed: int) -> list[list[int]]:
+    """Four prompts of at most `max_short_tokens` and four longer ones (up to 90), interleaved."""
+    short = random_prompts(4, vocab, 3, max_short_tokens, seed=seed)
+    long = random_prompts(4, vocab, max_short_tokens + 1, 90, seed=seed + 1)
+    return [p for pair in zip(short, long) for p in pair]
 
 
 def run_to_completion(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:

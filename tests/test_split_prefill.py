@@ -1,6 +1,6 @@
-"""pd's conditional disaggregation (lanes/engine/split_prefill.py; pdv's: tests/test_verify_prefill.py): prompts of at most
-`local_max_tokens` are prefilled in the decode engine's own steps, longer ones by the prefill lane,
-and the output is the target's either way.
+"""pd's conditional disaggregation (lanes/engine/split_prefill.py; pdv's: tests/test_verify_prefill.py):
+prompts of at most `local_max_tokens` are prefilled in the decode engine's own steps, longer ones by
+the prefill lane, and the output is the target's either way.
 
 The prefill lane here is its real prefiller (PromptPrefiller over scratch pools of its own, as the
 prefill replica builds it) behind a link that answers the engine's orders as the replica does over
@@ -8,7 +8,6 @@ Ray: later, with a copy of each prompt's KV (the path off the GPU)."""
 
 import time
 from collections import Counter
-from dataclasses import replace
 
 from deployments.config import AppConfig
 from deployments.engine_metrics import EngineMetrics
@@ -16,7 +15,7 @@ from deployments.factories import build_engine, build_prompt_prefiller
 from deployments.kv_transfer import HostKV, Placement
 from deployments.remote import PrefillDone, PrefillOrder, RemotePrefiller
 from lanes.engine.backends import LocalPrefiller, LocalVerifier
-from lanes.engine.core import EngineConfig, EngineCore, build_runners
+from lanes.engine.core import EngineCore
 from lanes.engine.snapshot import core_report, snapshot
 from lanes.engine.split_prefill import SplitPrefiller
 from lanes.sample.params import SamplingParams
@@ -24,7 +23,8 @@ from lanes.spec.prefill import PrefillLane
 from lanes.spec.prompt_prefiller import PromptPrefiller
 from lanes.spec.verify import VerifyLane
 from tests.conftest import VOCAB
-from tests.engine_helpers import hf_greedy, random_prompts, small_engine
+from tests.engine_helpers import (hf_greedy, random_prompts, run_with_lanes, sampled_three_ways,
+                                  short_and_long_prompts, split_engine_parts)
 
 LOCAL_MAX_TOKENS = 16
 
@@ -60,14 +60,8 @@ class PrefillLaneLink:
 
 def pd_engine(target, draft, local_max_tokens: int, **overrides) -> tuple[EngineCore, PrefillLaneLink]:
     """pd's decode engine as deployments/factories.py builds it, over a prefill lane in this process."""
-    values = dict(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
-                  prefill_chunk_tokens=8, idle_prefill_tokens=64, enable_prefix_caching=False)
-    config = EngineConfig(**{**values, **overrides})
-    target_runner, draft_runner = build_runners(config, target.model, draft.model)
-    # The lane's scratch pools are its own (sized for a batch of prompts, whatever the engine's pools).
-    lane_config = replace(config, num_kv_blocks=None)
-    link = PrefillLaneLink(PromptPrefiller(*build_runners(lane_config, target.model, draft.model),
-                                           config.idle_prefill_tokens, prefix_caching=False))
+    config, target_runner, draft_runner, lane = split_engine_parts(target, draft, **overrides)
+    link = PrefillLaneLink(lane)
     remote = RemotePrefiller(link, draft_runner.pool, target_runner.pool, Placement.here("cpu"), "decode-test")
     prefiller = remote
     if local_max_tokens:
@@ -78,35 +72,12 @@ def pd_engine(target, draft, local_max_tokens: int, **overrides) -> tuple[Engine
     return engine, link
 
 
-def run(engine: EngineCore, link: PrefillLaneLink, requests: dict) -> dict[str, list[int]]:
-    """Every request to its end; the prefill lane answers between steps, as its replies land while a
-    step runs."""
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    outputs: dict[str, list[int]] = {rid: [] for rid in requests}
-    for _ in range(5_000):
-        if not (engine.has_work or link.held):
-            return outputs
-        for out in engine.step():
-            assert out.error is None, out.error
-            outputs[out.request_id].extend(out.token_ids)
-        link.answer_all()
-    raise AssertionError("the engine did not finish")
-
-
-def _mixed_prompts(seed: int) -> list[list[int]]:
-    """Short prompts (at most LOCAL_MAX_TOKENS) and long ones, interleaved."""
-    short = random_prompts(4, VOCAB, 3, LOCAL_MAX_TOKENS, seed=seed)
-    long = random_prompts(4, VOCAB, LOCAL_MAX_TOKENS + 1, 90, seed=seed + 1)
-    return [p for pair in zip(short, long) for p in pair]
-
-
 def test_short_prompts_prefill_in_the_engine_long_ones_in_the_lane_and_output_is_the_targets(llama_pair):
     target, draft = llama_pair
     engine, link = pd_engine(target, draft, LOCAL_MAX_TOKENS)
-    prompts = _mixed_prompts(seed=301)
+    prompts = short_and_long_prompts(VOCAB, LOCAL_MAX_TOKENS, seed=301)
     params = SamplingParams(max_tokens=14, ignore_eos=True)
-    outputs = run(engine, link, {str(i): (p, params) for i, p in enumerate(prompts)})
+    outputs = run_with_lanes(engine, link, {str(i): (p, params) for i, p in enumerate(prompts)})
     assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 14) for p in prompts]
     short = [len(p) for p in prompts if len(p) <= LOCAL_MAX_TOKENS]
     assert sorted(link.prompt_lengths) == sorted(len(p) for p in prompts if len(p) > LOCAL_MAX_TOKENS)
@@ -125,7 +96,7 @@ def test_the_decode_replicas_metrics_count_prompts_by_where_they_were_prefilled(
     metrics.metrics.record_prompts_prefilled({"decode_lane": 1, "prefill_lane": 0})  # the Ray counter takes it
     exported: Counter = Counter()
     metrics.metrics.record_prompts_prefilled = exported.update  # each step's increments, as the counter gets them
-    prompts = _mixed_prompts(seed=306)
+    prompts = short_and_long_prompts(VOCAB, LOCAL_MAX_TOKENS, seed=306)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_work or link.held:
@@ -140,14 +111,9 @@ def test_the_decode_replicas_metrics_count_prompts_by_where_they_were_prefilled(
 def test_seeded_sampling_is_the_same_split_or_all_through_the_lane_or_co_located(llama_pair):
     """Where a prompt is prefilled does not change what is sampled: each token is drawn from the
     request's seed and its position (lanes/sample/sampling.py)."""
-    target, draft = llama_pair
-    prompts = _mixed_prompts(seed=311)
-    requests = {str(i): (p, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=50 + i, ignore_eos=True))
-                for i, p in enumerate(prompts)}
-    split = run(*pd_engine(target, draft, LOCAL_MAX_TOKENS), requests)
-    through_lane = run(*pd_engine(target, draft, 0), requests)
-    colocated = small_engine(target, draft, prefill_chunk_tokens=8, enable_prefix_caching=False)
-    assert split == through_lane == run(colocated, PrefillLaneLink(None), requests)
+    split, through_lane, colocated = sampled_three_ways(*llama_pair, pd_engine, PrefillLaneLink(None), LOCAL_MAX_TOKENS,
+                                                        VOCAB, seed=311)
+    assert split == through_lane == colocated
 
 
 def test_a_pool_too_small_for_the_load_preempts_on_both_sides_and_loses_nothing(llama_pair):
@@ -155,9 +121,9 @@ def test_a_pool_too_small_for_the_load_preempts_on_both_sides_and_loses_nothing(
     and output so far are prefilled again (here through the lane). Greedy output is unchanged."""
     target, draft = llama_pair
     engine, link = pd_engine(target, draft, LOCAL_MAX_TOKENS, max_model_len=128, block_size=4, num_kv_blocks=48)
-    prompts = _mixed_prompts(seed=321)
-    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
-                                 for i, p in enumerate(prompts)})
+    prompts = short_and_long_prompts(VOCAB, LOCAL_MAX_TOKENS, seed=321)
+    outputs = run_with_lanes(engine, link, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
+                                            for i, p in enumerate(prompts)})
     assert engine.scheduler.num_preemptions > 0
     long = [len(p) for p in prompts if len(p) > LOCAL_MAX_TOKENS]
     assert len(link.prompt_lengths) > len(long), "no preempted request was prefilled again by the lane"
@@ -181,7 +147,8 @@ def test_pds_decode_lane_is_built_with_the_split_and_serves_through_both(pair_pa
     engine = build_engine(cfg, None, peer_link=link)
     assert isinstance(engine.prefiller, SplitPrefiller) and engine.prefiller.local_max_tokens == 12
     prompts = random_prompts(6, 300, 4, 40, seed=331)
-    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=8, ignore_eos=True)) for i, p in enumerate(prompts)})
+    outputs = run_with_lanes(engine, link, {str(i): (p, SamplingParams(max_tokens=8, ignore_eos=True))
+                                            for i, p in enumerate(prompts)})
     assert all(len(out) == 8 for out in outputs.values())
     short = sum(len(p) <= 12 for p in prompts)
     assert 0 < short < len(prompts)

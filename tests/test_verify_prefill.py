@@ -8,7 +8,6 @@ over scratch pools of its own, behind a link that answers the engine's orders as
 does over Ray: later, all at once."""
 
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -17,14 +16,15 @@ from deployments.kv_transfer import HostKV, Placement
 from deployments.remote import PrefillDone, PrefillOrder, RemotePrefiller, VerifyPrefillOrder
 from deployments.verify_prefill import VerifyLanePrefiller
 from lanes.engine.backends import KVLost, LaneOOM
-from lanes.engine.core import EngineConfig, EngineCore, build_runners
+from lanes.engine.core import EngineCore
 from lanes.engine.split_prefill import SplitPrefiller
 from lanes.kv.pool import PoolFullError
 from lanes.sample.params import SamplingParams
 from lanes.spec.prompt_prefiller import PromptPrefiller
 from lanes.spec.verify import VerifyLane
 from tests.conftest import VOCAB
-from tests.engine_helpers import hf_greedy, random_prompts, small_engine
+from tests.engine_helpers import (hf_greedy, random_prompts, run_with_lanes, sampled_three_ways,
+                                  short_and_long_prompts, small_engine, split_engine_parts)
 
 LOCAL_MAX_TOKENS = 16
 LEASE = "verify-0"
@@ -105,14 +105,8 @@ class PdvLink:
 
 def pdv_engine(target, draft, local_max_tokens: int, **overrides) -> tuple[EngineCore, PdvLink]:
     """pdv's decode engine as deployments/factories.py builds it, with its verify and prefill lanes here."""
-    values = dict(max_model_len=320, max_num_seqs=8, num_speculative_tokens=4, max_draft_len=8,
-                  prefill_chunk_tokens=8, idle_prefill_tokens=64, enable_prefix_caching=False)
-    config = EngineConfig(**{**values, **overrides})
-    target_runner, draft_runner = build_runners(config, target.model, draft.model)
-    lane_config = replace(config, num_kv_blocks=None)
-    link = PdvLink(PromptPrefiller(target_runner, None, config.prefill_chunk_tokens, prefix_caching=False),
-                   PromptPrefiller(*build_runners(lane_config, target.model, draft.model), config.idle_prefill_tokens,
-                                   prefix_caching=False))
+    config, target_runner, draft_runner, lane = split_engine_parts(target, draft, **overrides)
+    link = PdvLink(PromptPrefiller(target_runner, None, config.prefill_chunk_tokens, prefix_caching=False), lane)
     prefiller = RemotePrefiller(link, draft_runner.pool, None, Placement.here("cpu"), "decode-test")
     if local_max_tokens:
         short = VerifyLanePrefiller(link, draft_runner, None, Placement.here("cpu"), "decode-test")
@@ -120,26 +114,6 @@ def pdv_engine(target, draft, local_max_tokens: int, **overrides) -> tuple[Engin
     engine = EngineCore(config, target_runner.vocab_size, None, set(), draft_runner,
                         VerifyLaneSlots(VerifyLane(target_runner)), prefiller)
     return engine, link
-
-
-def run(engine: EngineCore, link: PdvLink, requests: dict) -> dict[str, list[int]]:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    outputs: dict[str, list[int]] = {rid: [] for rid in requests}
-    for _ in range(5_000):
-        if not (engine.has_work or link.held):
-            return outputs
-        for out in engine.step():
-            assert out.error is None, out.error
-            outputs[out.request_id].extend(out.token_ids)
-        link.answer_all()
-    raise AssertionError("the engine did not finish")
-
-
-def _mixed_prompts(seed: int) -> list[list[int]]:
-    short = random_prompts(4, VOCAB, 3, LOCAL_MAX_TOKENS, seed=seed)
-    long = random_prompts(4, VOCAB, LOCAL_MAX_TOKENS + 1, 90, seed=seed + 1)
-    return [p for pair in zip(short, long) for p in pair]
 
 
 def _slots_free(engine: EngineCore) -> bool:
@@ -150,9 +124,9 @@ def test_short_prompts_prefill_in_the_verify_lane_long_ones_in_the_prefill_lane_
         llama_pair):
     target, draft = llama_pair
     engine, link = pdv_engine(target, draft, LOCAL_MAX_TOKENS)
-    prompts = _mixed_prompts(seed=401)
-    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=14, ignore_eos=True))
-                                 for i, p in enumerate(prompts)})
+    prompts = short_and_long_prompts(VOCAB, LOCAL_MAX_TOKENS, seed=401)
+    outputs = run_with_lanes(engine, link, {str(i): (p, SamplingParams(max_tokens=14, ignore_eos=True))
+                                            for i, p in enumerate(prompts)})
     assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 14) for p in prompts]
     short = [len(p) for p in prompts if len(p) <= LOCAL_MAX_TOKENS]
     assert sorted(link.by_verify) == sorted(short)
@@ -171,8 +145,8 @@ def test_the_draft_kv_the_engine_wrote_is_whole_when_its_request_decodes(llama_p
     engine, link = pdv_engine(target, target, LOCAL_MAX_TOKENS, prefill_chunk_tokens=budget_tokens,
                               idle_prefill_tokens=budget_tokens)
     prompts = random_prompts(6, VOCAB, 9, LOCAL_MAX_TOKENS, seed=411)
-    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True))
-                                 for i, p in enumerate(prompts)})
+    outputs = run_with_lanes(engine, link, {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True))
+                                            for i, p in enumerate(prompts)})
     assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 12) for p in prompts]
     stats = engine.total_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
@@ -182,14 +156,9 @@ def test_the_draft_kv_the_engine_wrote_is_whole_when_its_request_decodes(llama_p
 def test_seeded_sampling_is_the_same_split_or_all_through_the_lane_or_co_located(llama_pair):
     """The verify lane samples a prompt's first token by the prefill lane's rule (PrefillLane), from the
     request's seed and the position: where a prompt is prefilled does not change what is sampled."""
-    target, draft = llama_pair
-    prompts = _mixed_prompts(seed=421)
-    requests = {str(i): (p, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=60 + i, ignore_eos=True))
-                for i, p in enumerate(prompts)}
-    split = run(*pdv_engine(target, draft, LOCAL_MAX_TOKENS), requests)
-    through_lane = run(*pdv_engine(target, draft, 0), requests)
-    colocated = small_engine(target, draft, prefill_chunk_tokens=8, enable_prefix_caching=False)
-    assert split == through_lane == run(colocated, PdvLink(None, None), requests)
+    split, through_lane, colocated = sampled_three_ways(*llama_pair, pdv_engine, PdvLink(None, None), LOCAL_MAX_TOKENS,
+                                                        VOCAB, seed=421)
+    assert split == through_lane == colocated
 
 
 @pytest.mark.parametrize("error", [PoolFullError("no free KV blocks"),
@@ -204,8 +173,8 @@ def test_a_failed_verify_prefill_is_recomputed_and_loses_nothing(llama_pair, err
     engine, link = pdv_engine(target, draft, LOCAL_MAX_TOKENS)
     link.refuse_next = error
     prompts = random_prompts(4, VOCAB, 3, LOCAL_MAX_TOKENS, seed=431)
-    outputs = run(engine, link, {str(i): (p, SamplingParams(max_tokens=10, ignore_eos=True))
-                                 for i, p in enumerate(prompts)})
+    outputs = run_with_lanes(engine, link, {str(i): (p, SamplingParams(max_tokens=10, ignore_eos=True))
+                                            for i, p in enumerate(prompts)})
     assert [outputs[str(i)] for i in range(len(prompts))] == [hf_greedy(target, p, 10) for p in prompts]
     assert engine.scheduler.num_preemptions >= len(prompts) and _slots_free(engine)
     assert sorted(link.by_verify) == sorted(map(len, prompts))  # each prefilled once, after the failure
