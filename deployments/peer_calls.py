@@ -24,13 +24,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from deployments.kv_transfer import Placement, PoolHandle
+from deployments.kv_transfer import Placement
 from deployments.remote import (PEER_CALL_TIMEOUT_S, ChannelOrder, PrefillDone, PrefillJob, PrefillOrder,
                                 ReleaseOrder, RemoteVerifier, VerifyOrder, VerifyPrefillOrder, current_actor,
-                                lane_error)
+                                failed_call)
 from deployments.serve_calls import own_request
 from deployments.timeline import TIMELINE
-from lanes.engine.backends import KVLost
 from lanes.engine.process import picklable
 
 log = logging.getLogger(__name__)
@@ -51,11 +50,7 @@ class PrefillLaneClient:
                 self._peer = await own_request(self.handle.placement)
             result = await own_request(self.handle.prefill, self.job(order, self._peer))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
-            result = lane_error(exc, via_prefill=True)
-            if isinstance(result, KVLost):
-                # This call waited for a replica to take the request's KV from its submission on (its
-                # queue at the prefill lane included): the loss dates from then (EngineCore._migrate).
-                result.waited_s = time.monotonic() - since_s
+            result = failed_call(exc, since_s, via_prefill=True)
         return result, time.time()
 
     @staticmethod
@@ -80,6 +75,14 @@ class PrefillLaneClient:
         )
 
 
+async def prefilled_by(order: PrefillOrder | VerifyPrefillOrder, prefill: PrefillLaneClient | None,
+                       verify: RemoteVerifier | None) -> tuple[PrefillDone | BaseException, float]:
+    """A prompt's order answered by the lane that prefills it: the prefill lane, or in pdv's split a verify
+    replica (deployments/verify_prefill.py); (the answer or the error the engine acts on, when it came)."""
+    lane = verify if isinstance(order, VerifyPrefillOrder) else prefill
+    return await lane.prefill(order)
+
+
 class ServeLink:
     """How an engine stepping on a thread of this replica reaches the prefill lane (and in pdv's split
     the verify lane, `verify`, for its short prompts): each order is sent from the replica's event loop,
@@ -95,10 +98,7 @@ class ServeLink:
         asyncio.run_coroutine_threadsafe(self._call(order, on_done), self.loop)
 
     async def _call(self, order: PrefillOrder | VerifyPrefillOrder, on_done: Callable[[tuple], None]) -> None:
-        if isinstance(order, VerifyPrefillOrder):
-            on_done(await self.verify.prefill(order))
-        else:
-            on_done(await self.client.prefill(order))
+        on_done(await prefilled_by(order, self.client, self.verify))
 
     @staticmethod
     def record(kind: str, start_s: float, end_s: float, **info) -> None:
@@ -114,11 +114,8 @@ class EnginePeers:
         self.verify = RemoteVerifier(verify, None, timeout_s) if verify is not None else None
 
     async def answer(self, order):
-        if isinstance(order, PrefillOrder):
-            result, reply_s = await self.prefill.prefill(order)
-            return (picklable(result) if isinstance(result, BaseException) else result), reply_s
-        if isinstance(order, VerifyPrefillOrder):
-            result, reply_s = await self.verify.prefill(order)
+        if isinstance(order, (PrefillOrder, VerifyPrefillOrder)):
+            result, reply_s = await prefilled_by(order, self.prefill, self.verify)
             return (picklable(result) if isinstance(result, BaseException) else result), reply_s
         if isinstance(order, VerifyOrder):
             result = await self.verify.verify(order.batch)

@@ -157,9 +157,7 @@ class RemoteVerifier:
             result = PrefillDone(kv.first_token, None, None, slot, lease, logprobs=kv.logprobs,
                                  prompt_logprobs=kv.prompt_logprobs)
         except BaseException as exc:  # noqa: BLE001 - delivered to the request, the loop goes on
-            result = lane_error(exc)
-            if isinstance(result, KVLost):
-                result.waited_s = time.monotonic() - since_s
+            result = failed_call(exc, since_s)
         return result, time.time()
 
     async def channel(self, lease: str):
@@ -319,6 +317,16 @@ def lane_error(exc: BaseException, via_prefill: bool = False) -> BaseException:
     if any(isinstance(e, (LaneOOM, torch.OutOfMemoryError)) for e in (exc, getattr(exc, "cause", None))):
         return LaneOOM("a lane ran out of device memory in the forward that carried this request")
     return exc
+
+
+def failed_call(exc: BaseException, since_s: float, via_prefill: bool = False) -> BaseException:
+    """`lane_error` of a prefill call begun at `since_s` (time.monotonic). A KVLost dates from then: the call
+    waited for a replica to take the request's KV from its submission on, its queue included
+    (EngineCore._migrate)."""
+    result = lane_error(exc, via_prefill)
+    if isinstance(result, KVLost):
+        result.waited_s = time.monotonic() - since_s
+    return result
 
 
 def merge_rows(num_rows: int, parts: list[tuple[list[int], VerifyResult | BaseException]]) -> VerifyResult:

@@ -71,12 +71,13 @@ class VerifyServer:
         self._channel: VerifyChannelServer | None = None  # opened when a decode engine first asks
         # Short prompts' target KV, prefilled here into slots of this pool (pdv's split, `prefill`): a
         # forward of at most `prefill_tokens` prompt tokens at a time, beside the verify forwards.
-        self.prefiller = PromptPrefiller(self.lane.runner, None, prefill_tokens, prefix_caching=False) \
-            if prefill_tokens else None
-        self.prefill_batcher = LaneBatcher(self._prefill_forward, VERIFY_CALLS_MAX,
-                                           cost=lambda call: len(call[0].prompt_ids), capacity=prefill_tokens)
+        self.prefiller = self.prefill_batcher = self._prefill_stream = None
+        if prefill_tokens:
+            self.prefiller = PromptPrefiller(self.lane.runner, None, prefill_tokens, prefix_caching=False)
+            self.prefill_batcher = LaneBatcher(self._prefill_forward, VERIFY_CALLS_MAX,
+                                               cost=lambda call: len(call[0].prompt_ids), capacity=prefill_tokens)
+            self._prefill_stream = lane_stream(self.lane.runner.device, PREFILL_PRIORITY)
         self.prompts_prefilled = 0
-        self._prefill_stream = lane_stream(self.lane.runner.device, PREFILL_PRIORITY)
 
     async def channel(self, lease: str | None = None) -> ChannelAddress:
         """Where a decode engine sends this replica's batches straight (deployments/verify_channel.py);

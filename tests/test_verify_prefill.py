@@ -2,10 +2,10 @@
 prefilled by the verify lane into a slot of its own pool, and its draft KV by the decode engine; a
 longer one goes through the prefill lane. The output is the target's either way.
 
-The verify replica here is its real prefiller (`PromptPrefiller.prefill_in_place` over the pool its
-VerifyLane verifies from, as `VerifyServer.prefill` runs it) and the prefill lane its real prefiller
-over scratch pools of its own, behind a link that answers the engine's orders as the decode replica
-does over Ray: later, all at once."""
+The verify replica here is its real prefiller (`PromptPrefiller.launch_in_place` and `collect`, over the
+pool its VerifyLane verifies from, as `VerifyServer.prefill` runs them) and the prefill lane its real
+prefiller over scratch pools of its own, behind a link that answers the engine's orders as the decode
+replica does over Ray: later, all at once."""
 
 import time
 
@@ -81,7 +81,7 @@ class PdvLink:
             for _, on_done in held:
                 on_done((error, time.time()))
             return
-        done = self.verify.prefill_in_place([order.request for order, _ in held])
+        done = self.verify.collect(self.verify.launch_in_place([order.request for order, _ in held]))
         for (order, on_done), (slot, kv) in zip(held, done):
             self.by_verify.append(len(order.request.prompt_ids))
             on_done((PrefillDone(kv.first_token, None, None, slot, LEASE, logprobs=kv.logprobs,

@@ -87,16 +87,11 @@ class PromptPrefiller:
             release()
             raise
 
-    def prefill_in_place(self, requests: list[PrefillRequest]) -> list[tuple[int, PrefilledKV]]:
-        """The target's KV of each prompt prefilled into a slot of its own, which it keeps: (slot, its first
-        token and logprobs) each, no KV read out. For a lane that decodes from this pool itself (pdv's verify
-        lane); a prefiller without a draft. Frees every slot if it fails (PoolFullError where the pool has no
-        slot or blocks for one of them)."""
-        return self.collect(self.launch_in_place(requests))
-
     def launch_in_place(self, requests: list[PrefillRequest]) -> "LaunchedPrefill":
-        """`prefill_in_place`'s forwards, launched on the current stream; nothing waits for them here
-        (`collect` does). Frees every slot if a launch fails."""
+        """The target's KV of each prompt prefilled into a slot of its own, which it keeps, no KV read out:
+        for a lane that decodes from this pool itself (pdv's verify lane); a prefiller without a draft. The
+        forwards are launched on the current stream and nothing waits for them here (`collect` does). Frees
+        every slot if a launch fails (PoolFullError where the pool has no slot or blocks for one of them)."""
         assert self.draft is None, "the draft's KV is written where it drafts"
         pool, slots = self.target.pool, []
         try:
