@@ -17,6 +17,7 @@ from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
 from deployments.engine_metrics import STEP_WINDOW_STEPS, EngineMetrics
 from lanes.engine.snapshot import core_report, snapshot
+from lanes.model import forward_cost
 from lanes.model.forward_cost import CALIBRATION_REPEATS, CALIBRATION_ROWS, forward_costs_ms
 from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
@@ -226,18 +227,29 @@ def test_the_engine_times_a_one_token_forward_of_each_model_and_reports_it(llama
 
 
 class _TimedRunner:
-    """A runner whose one-token forward takes `ms`, times `slow` while the host is busy."""
+    """A runner whose one-token forward takes `ms` on `clock`, times 6 while the host is busy."""
 
-    def __init__(self, ms: float, busy):
-        self.ms, self.busy = ms, busy
+    def __init__(self, ms: float, busy, clock: "_Clock"):
+        self.ms, self.busy, self.clock = ms, busy, clock
         self.device = torch.device("cpu")
         self.pool = SimpleNamespace(shape=SimpleNamespace(num_slots=64))
 
     def pad_forward(self, rows, start, q_len, keep_last, prefill):
-        time.sleep(self.ms / 1e3 * (6 if self.busy() else 1))
+        self.clock.s += self.ms / 1e3 * (6 if self.busy() else 1)
 
 
-def test_a_host_busy_for_part_of_the_timing_slows_both_models_alike():
+class _Clock:
+    """time.perf_counter as the forwards advance it: a sleep on the 2-core host overshot by milliseconds
+    while other processes ran, and the test read its host's load instead of the measurement's order."""
+
+    def __init__(self):
+        self.s = 0.0
+
+    def perf_counter(self) -> float:
+        return self.s
+
+
+def test_a_host_busy_for_part_of_the_timing_slows_both_models_alike(monkeypatch):
     """Two equal models, and a host busy with other work for the first half of the measurement: the
     forwards alternate, so their measured ratio stays near 1. Timed one model after the other, the
     first would read 6x the second, and a drafter as large as its target would look 6x cheaper."""
@@ -248,7 +260,10 @@ def test_a_host_busy_for_part_of_the_timing_slows_both_models_alike():
         calls["n"] += 1
         return calls["n"] <= total // 2
 
-    measured = forward_costs_ms({"target": _TimedRunner(2.0, busy), "draft": _TimedRunner(2.0, busy)})
+    clock = _Clock()
+    monkeypatch.setattr(forward_cost, "time", clock)
+    measured = forward_costs_ms({"target": _TimedRunner(2.0, busy, clock), "draft": _TimedRunner(2.0, busy, clock)})
+    assert calls["n"] == total
     for rows in CALIBRATION_ROWS:
         assert 0.5 < measured["draft"][rows] / measured["target"][rows] < 2.0, measured
 
