@@ -9,13 +9,13 @@ import yaml
 from deployments.config import AppConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DOCS = {path: yaml.safe_load(path.read_text()) for path in sorted((REPO_ROOT / "configs").glob("**/*.yaml"))}
 # Serve app configs (a cluster launcher's config sits beside them in placements/)
-CONFIGS = sorted(path for path in (REPO_ROOT / "configs").glob("**/*.yaml")
-                 if "applications" in yaml.safe_load(path.read_text()))
+CONFIGS = [path for path, doc in DOCS.items() if "applications" in doc]
 
 
 def _args(path: Path) -> dict:
-    (app,) = yaml.safe_load(path.read_text())["applications"]
+    (app,) = DOCS[path]["applications"]
     assert app["import_path"] == "deployments.builder:build_app"
     return app["args"]
 
