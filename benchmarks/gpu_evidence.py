@@ -242,7 +242,7 @@ class Report:
         self.runs: dict[str, AppRun] = {}  # by app, from its first point on
 
     def serve(self, name: str, config: dict, port: int, loads: list[Load], deadline_s: float,
-              sampler: Callable[[str], Awaitable[None]] | None = None) -> AppRun:
+              sampler: Callable[[str, Load], Awaitable[None]] | None = None) -> AppRun:
         """Deploy `config` as app `name`, run `loads` in order (a row each as it ends), delete it."""
         a = self.args
         run = run_app(name, config, port, loads, deadline_s, deploy_timeout_s=a.deploy_timeout_s,
@@ -301,7 +301,7 @@ def controller_sampler(trace: list[dict], app: str):
     """An async sampler of the app's /v1/controller every 0.5 s into `trace` (times since the part started)."""
     import httpx
 
-    async def sample(url: str) -> None:
+    async def sample(url: str, _load: Load) -> None:
         async with httpx.AsyncClient(timeout=10) as http:
             while True:
                 try:

@@ -29,6 +29,12 @@ the lanes' kernels share the GPU at once instead of taking turns in time slices.
 pdv with two decode replicas (VARIANTS): one drafts while the verify lane scores the other's batch;
 `pd512` and `pdv512` bound the prefill lane's forwards to 512 tokens.
 
+`--trace-steps N` adds one more load to each mode, like its first c64 load (uniform) or its highest rate
+(mixed), with prompts of its own and out of the results: a second into it, every decode replica's engine
+records its next N steps with torch.profiler (lanes/engine/step_trace.py). The .md then ends with each
+replica's ms a step by region of the step (drafting, the verify call's launch and wait, ...), and the
+traces are under --out/traces/.
+
 Writes lanes_1gpu_<part>.json (every point's summary and requests),
 .md (the table) and .png (stall and TPOT by mode) under --out.
 """
@@ -55,6 +61,7 @@ from benchmarks.lib.mps import control_log_tail, mps_daemon, server_pids  # noqa
 from benchmarks.lib.loads import MIXED, Load, exactly, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
 from benchmarks.lib.results import plot_bars, point_document, row, rows_table, write_document  # noqa: E402
+from benchmarks.lib.traces import decode_tracer, trace_rows, traced_load  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.workload import load_tokenizer, synthetic  # noqa: E402
 
@@ -138,6 +145,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "messages a second). By default a stream message waits at least 50 ms after the "
                              "one before, so no request's longest gap is under ~50 ms plus a step: that floor, "
                              "not the decode, is what the p99 stall reads wherever nothing stalls longer")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="after a mode's loads, one more like its c64 (uniform) or last-rate (mixed) load, with "
+                             "prompts of its own and out of the results, in which every decode replica's engine "
+                             "records this many steps with torch.profiler (benchmarks/lib/traces.py)")
     args = parser.parse_args(argv)
     args.shape = args.shape or ("tinyllama-7b" if args.device == "cuda" else "small")
     args.max_model_len = args.max_model_len or (8192 if args.device == "cuda" else 256)
@@ -160,10 +171,24 @@ def requests_of(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, list
     longest = synthetic(tokenizer, 3, 3, exactly(size["max_len_prompt"]), exactly(size["output"] // 2))
     return {"uniform": uniform, "max_len": longest,
             "warmup": warmup_requests(tokenizer, args.max_num_seqs, 7, exactly(size["prompt"]), 2, size["long"]),
-            "mixed": mixed_requests(tokenizer, size["mixed"], 1, args.device)}
+            "mixed": mixed_requests(tokenizer, size["mixed"], 1, args.device),
+            # The traced load's own prompts (seed 900 and up: none shared with the loads above); uniform: twice
+            # as many, so that the load runs on well past the trace's start (traces.START_AFTER_S).
+            "traced": (synthetic(tokenizer, 2 * size["requests"], 900, exactly(size["prompt"]), exactly(size["output"]))
+                       if args.part == "uniform" else mixed_requests(tokenizer, size["mixed"], 901, args.device))}
 
 
 def loads_of(args: argparse.Namespace, requests: dict, capacity_rps: float | None) -> list[Load]:
+    loads = base_loads(args, requests, capacity_rps)
+    if not args.trace_steps:
+        return loads
+    # Uniform: like the first c64 load (not the max-len check after it); mixed: like the highest rate.
+    like = loads[1] if args.part == "uniform" else loads[-1]
+    return loads + [traced_load(like, requests["traced"])]
+
+
+def base_loads(args: argparse.Namespace, requests: dict, capacity_rps: float | None) -> list[Load]:
+    """The warm-up, then the part's measured loads."""
     size = SIZES[args.device]
     loads = [Load("warmup", requests["warmup"], OpenLoop(float("inf")), measured=False)]
     if args.part == "uniform":
@@ -194,14 +219,19 @@ def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tupl
     return base, config
 
 
-def markdown(rows: list[dict], context: dict) -> str:
+def markdown(rows: list[dict], measured: list[dict], context: dict, traces: list[dict]) -> str:
+    """Every point's row, the goals read from the `measured` ones, and the traces' rows."""
     machine_of = context["machine"]
     where = machine_of.get("gpu") or machine_of.get("cpu_model")
-    goals = goal_rows(rows, lambda mode: VARIANTS.get(mode, (mode, {}))[0])
-    return "\n".join([f"# lanes_1gpu {context['part']}", "", f"`{context['command']}` on {where}, commit "
-                      f"{context['commit']}; pair {context['pair']}; capacity {context.get('capacity_rps')} "
-                      "requests/s", "", rows_table(rows), "## Goals against unified in this call (issue 28)", "",
-                      rows_table(goals) if goals else "(no mode with a goal next to unified)\n"])
+    goals = goal_rows(measured, lambda mode: VARIANTS.get(mode, (mode, {}))[0])
+    lines = [f"# lanes_1gpu {context['part']}", "", f"`{context['command']}` on {where}, commit "
+             f"{context['commit']}; pair {context['pair']}; capacity {context.get('capacity_rps')} "
+             "requests/s", "", rows_table(rows), "## Goals against unified in this call (issue 28)", "",
+             rows_table(goals) if goals else "(no mode with a goal next to unified)\n"]
+    if traces:
+        lines += ["## Decode replicas' steps under torch.profiler (ms a step; the traced load is no result)", "",
+                  rows_table(traces, labels=3)]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,29 +263,36 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
         context["mps"] = {"pipe_directory": mps_env["CUDA_MPS_PIPE_DIRECTORY"], "server_pids": server_pids(mps_env)}
         log(f"MPS: {context['mps']}")
     free_bytes = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
-    rows, docs, capacity_rps = [], [], None
+    rows, measured, docs, capacity_rps = [], [], [], None
     name_of = f"lanes_1gpu_{args.part}"
     try:
         for i, mode in enumerate(args.modes):
             share_s = (deadline_s - time.monotonic()) / (len(args.modes) - i)
             name = f"{mode}-{args.part}"
             base, config = mode_config(mode, args, pair, preset)
+            traces: dict[str, list[dict]] = {}
             run = run_app(name, config, port, loads_of(args, requests, capacity_rps), time.monotonic() + share_s,
                           deploy_timeout_s=preset["deploy_timeout_s"], request_timeout_s=preset["request_timeout_s"],
                           seed=0, lanes_of=lane_reader(name, base) if base in ("unified", "pd", "pdv") else None,
                           # Behind several ingress replicas the server's totals are one replica's: acceptance
                           # from the responses' own counters (a 3-request point read -53 from the totals).
-                          request_counters=True)
+                          request_counters=True,
+                          sampler=decode_tracer(name, args.out / "traces", args.trace_steps, traces)
+                          if args.trace_steps else None)
             docs.append({"mode": mode, "status": run.status, "error": run.error, "deploy_s": run.deploy_s,
-                         "skipped": run.skipped, "lanes": run.lanes,
+                         "skipped": run.skipped, "lanes": run.lanes, "traces": traces,
                          "points": [point_document(load, point) for load, point in run.points]})
-            rows += [row(point, mode=mode, load=load.name) for load, point in run.points]
+            for load, point in run.points:
+                rows.append(row(point, mode=mode, load=load.name))
+                if load.measured:  # not the warm-up, nor a traced load
+                    measured.append(rows[-1])
             closed = next((p for load, p in run.points if load.name.startswith("mixed c")), None)
             if args.part == "mixed" and capacity_rps is None and closed is not None:
                 capacity_rps = closed.summary.request_throughput_rps
                 context["capacity_rps"] = round(capacity_rps, 3)
                 log(f"capacity on mixed traffic ({mode}): {capacity_rps:.2f} requests/s")
-            write_document(args.out, name_of, {"context": context, "rows": rows, "apps": docs}, markdown(rows, context))
+            write_document(args.out, name_of, {"context": context, "rows": rows, "apps": docs},
+                           markdown(rows, measured, context, trace_rows(docs)))
             if args.device == "cuda":
                 wait_for_device_memory(free_bytes)
     finally:
@@ -263,7 +300,6 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
         (args.out / f"{name_of}_memory.txt").write_text(memory)
         serve.shutdown()
         ray.shutdown()
-    measured = [r for r in rows if r["load"] != "warmup"]
     plot_bars(measured, args.out / f"{name_of}.png", ("stall_ms p99", "tpot_ms p99"), x="mode", series="load")
 
 

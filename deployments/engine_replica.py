@@ -23,6 +23,7 @@ from lanes.engine.async_engine import AsyncEngine
 from lanes.engine.outputs import RequestOutput
 from lanes.engine.process import ProcessEngine
 from lanes.engine.snapshot import EngineSnapshot, core_report
+from lanes.engine.step_trace import start_trace, trace_summary
 from lanes.sample.params import ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 # deadlock): the replica then fails Serve's health check and Serve replaces it. A step is
 # milliseconds; the bound is generous for a first step that compiles or captures.
 ENGINE_STALL_S = 60.0
+TRACE_POLL_S = 0.2  # how often `trace` asks the engine whether its trace is written
 PEER_HEALTH_TIMEOUT_S = 3.0
 
 
@@ -165,6 +167,19 @@ class EngineServer:
                 # and the process that steps (the one to profile).
                 "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
                 "step_ms_total": self.engine.step_ms_total, "pid": pid, "replica_pid": os.getpid()}
+
+    async def trace(self, num_steps: int, out_dir: str, timeout_s: float = 60.0) -> dict:
+        """A torch.profiler trace of the engine's next `num_steps` steps, written under `out_dir` on this
+        replica's node (lanes/engine/step_trace.py); returns its summary. If the engine has not stepped
+        that often within `timeout_s` (no load), the trace ends there with the steps it saw."""
+        name = f"{self.lane}-{os.getpid()}"
+        await self.engine.call(partial(start_trace, num_steps=num_steps, out_dir=out_dir, name=name))
+        deadline_s = time.monotonic() + timeout_s
+        while (summary := await self.engine.call(trace_summary)) is None:
+            if time.monotonic() >= deadline_s:
+                return await self.engine.call(partial(trace_summary, stop=True))
+            await asyncio.sleep(TRACE_POLL_S)
+        return summary
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its engine steps (and, in pdv, its waits on the verify lane)

@@ -237,6 +237,27 @@ def test_pdvs_engine_sends_its_verify_batches_over_the_verify_replicas_channel()
         assert asyncio.run(complete())["usage"]["completion_tokens"] == 19
 
 
+def test_each_pdv_decode_replicas_engine_is_traced_step_by_step_while_it_serves(tmp_path):
+    """`DecodeLane.trace` (lanes/engine/step_trace.py): a torch.profiler trace of the next steps of each decode
+    replica's engine process, taken under load. Every region of a pdv step is in it, beside the process's
+    sending of each step's outputs, and its file is where the call said."""
+    async def main():
+        handle = serve.get_deployment_handle("DecodeLane", app_name="pdv")
+        traces = asyncio.ensure_future(handle.broadcast("trace", 8, str(tmp_path)).results_async(timeout_s=120))
+        async with httpx.AsyncClient(timeout=300) as http:
+            while not traces.done():
+                await asyncio.gather(*(_complete(http, "pdv", i) for i in range(4)))
+        return await traces
+
+    summaries = asyncio.run(main())
+    assert len(summaries) == 2  # the app's two decode replicas
+    for summary in summaries:
+        assert summary["steps"] == 8
+        assert {"take_in", "draft", "verify_launch", "verify_wait", "append", "send_outputs"} <= set(
+            summary["region_ms_per_step"])
+        assert (tmp_path / f"{summary['name']}.trace.json.gz").exists()
+
+
 @pytest.mark.parametrize("mode", ["pdv", "pd", "unified"])
 def test_cancelled_stream_frees_its_slots(mode):
     body = {"model": MODEL, "prompt": "class Point:", "max_tokens": 200, "stream": True, "ignore_eos": True}

@@ -103,7 +103,7 @@ def deploy_app(run: AppRun, config: dict, timeout_s: float) -> bool:
 def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, request_timeout_s: float,
               seed: int, on_point: Callable[[AppRun], None] = lambda run: None,
               lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False,
-              sampler: Callable[[str], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> None:
+              sampler: Callable[[str, Load], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> None:
     """Run `loads` in order against the deployed app `run.name`, appending a point to `run` each.
 
     `deadline_s` (time.monotonic) bounds the whole: a load whose estimate (or `min_load_s`, if
@@ -111,7 +111,7 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
     10 s. `on_point(run)` is called after every point; `lanes_of(start_s, end_s)`, if given, reads
     the lanes' timelines over each measured point's wall-clock window. `request_counters`:
     acceptance from the responses' own counters, not the server's totals (which cover one ingress
-    replica of several). `sampler(app_url)`, if given, runs beside every load and is cancelled
+    replica of several). `sampler(app_url, load)`, if given, runs beside every load and is cancelled
     when it ends (e.g. polling the app's state).
     """
     done = {load.name: point.summary for load, point in run.points}
@@ -130,7 +130,7 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
         url = f"http://127.0.0.1:{port}/{run.name}"
         result = asyncio.run(beside(run_load(url, load.requests, arrivals, options=load.options,
                                              timeout_s=timeout_s, seed=seed, progress=False),
-                                    sampler(url) if sampler else None))
+                                    sampler(url, load) if sampler else None))
         run.in_flight[load.name] = in_flight_steps(result.records, clock_s)
         if request_counters:
             result.spec_before = SpecDecodeCounters(0, 0, 0, [])
@@ -149,7 +149,7 @@ def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: f
             deploy_timeout_s: float, request_timeout_s: float, seed: int,
             on_point: Callable[[AppRun], None] = lambda run: None,
             lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False,
-            sampler: Callable[[str], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> AppRun:
+            sampler: Callable[[str, Load], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> AppRun:
     """Deploy `config` as app `name`, run `loads` in order against it (run_loads), delete it."""
     run = AppRun(name)
     if not deploy_app(run, config, deploy_timeout_s):

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from lanes.engine.core import EngineCore
 from lanes.engine.outputs import RequestOutput, merge_outputs
 from lanes.engine.snapshot import EngineSnapshot, snapshot
+from lanes.engine.step_trace import region
 from lanes.sample.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,8 @@ class AsyncEngine(StreamingFront):
         self.num_steps += 1
         self.step_ms_total += step_ms
         self.progress_s = time.monotonic()
-        self._deliver(outputs)
+        with region("deliver"):
+            self._deliver(outputs)
         if self.core.device_fault is not None:
             self._stop_on_fault(self.core.device_fault)
             return

@@ -23,6 +23,7 @@ from lanes.engine.scheduler import Scheduler
 from lanes.engine.sequence import SeqStatus, Sequence
 from lanes.engine.step_cap import StepCap, free_cached_memory, is_oom
 from lanes.engine.step_profile import StepProfile
+from lanes.engine.step_trace import StepTrace, region
 from lanes.kv.pool import KVPool, PoolFullError, PoolShape
 from lanes.kv.sizing import num_kv_blocks
 from lanes.model.families import check_supported
@@ -42,7 +43,7 @@ from lanes.spec.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer,
 from lanes.spec.prefill import PrefillLane
 from lanes.spec.rollback import rollback_after_verify
 from lanes.spec.stats import SpecDecodeStats
-from lanes.spec.verify import VerifyBatch, VerifyLane
+from lanes.spec.verify import VerifyBatch, VerifyLane, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class EngineCore:
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
         self.step_profile = StepProfile()  # steps by what they launched (benchmarks/serving_overhead.py)
+        self.trace: StepTrace | None = None  # a torch.profiler trace of the next steps (lanes/engine/step_trace.py)
         self.num_migrations = 0  # requests recomputed because a remote lane lost their KV
         self._lost: dict[str, Sequence] = {}  # lost requests that no replica holds again yet (recover_within_s)
         # Rows and prefill tokens a step may carry: below the configured maxima after an out-of-memory error.
@@ -281,6 +283,8 @@ class EngineCore:
     # ---- one step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.trace is not None:
+            self.trace.before_step()
         start_s, prefill_tokens = time.perf_counter(), self.scheduler.num_prefill_tokens
         outputs, rows = self._step()
         self.step_profile.observe(rows, self.scheduler.num_prefill_tokens - prefill_tokens,
@@ -289,14 +293,17 @@ class EngineCore:
 
     def _step(self) -> tuple[list[RequestOutput], int]:
         """One step's outputs, and how many running requests it decoded."""
-        expired = self._expire_lost()
-        self.scheduler.admit()
+        with region("admit"):
+            expired = self._expire_lost()
+            self.scheduler.admit()
         # A prefill lane of its own (pd, pdv) takes no device time of this step: its replies are taken
         # in before drafting, so that a prompt whose KV landed while the last step verified decodes in
         # this step rather than the next, and a prompt admitted now goes to the lane before the drafting.
         # Before make_room, which then holds the blocks of those prompts' next tokens too.
-        prefill_outputs = self._prefill_phase(self.prefiller.take_in, decoding=bool(self.scheduler.running))
-        self.scheduler.make_room(self._tokens_after_step)
+        with region("take_in"):
+            prefill_outputs = self._prefill_phase(self.prefiller.take_in, decoding=bool(self.scheduler.running))
+        with region("make_room"):
+            self.scheduler.make_room(self._tokens_after_step)
         ooms = self.step_cap.num_oom_recoveries
         outputs, launched = [], None
         prefill_only = self._prefill_turn()
@@ -308,7 +315,8 @@ class EngineCore:
                 outputs = self._on_error(running, exc, prefill=False)
         # Prefill work here is launched while the GPU (or the verify lane) verifies: its host-side launch
         # cost overlaps the verify step instead of adding to it. prefill_first never mixes the two.
-        prefill_outputs += self._prefill_phase(self.prefiller.step, decoding=bool(running))
+        with region("prefill"):
+            prefill_outputs += self._prefill_phase(self.prefiller.step, decoding=bool(running))
         if launched is not None:
             outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
         self._prefilled_last = prefill_only
@@ -408,8 +416,12 @@ class EngineCore:
         max_draft = self.config.max_draft_len
         draft_lens = [s.step_draft_len(max_draft) for s in running] if self.proposer else [0] * len(running)
         self.streams.decode_after_current()  # verify follows decode, so it is ordered after them too
-        with on(self.streams.decode):
+        with on(self.streams.decode), region("draft"):
             proposal = self._propose(running, draft_lens)
+        with region("verify_launch"):
+            return proposal, self._launch_verify(running, proposal)
+
+    def _launch_verify(self, running: list[Sequence], proposal: DraftProposal) -> PendingResult:
         token_bitmask = verify_bitmask(running, proposal)  # None unless a row has a grammar
         batch = VerifyBatch(
             target_slots=[s.target_slot for s in running],
@@ -426,15 +438,22 @@ class EngineCore:
         )
         self.streams.verify_after_decode()
         with on(self.streams.verify):
-            return proposal, self.verifier.launch(batch)
+            return self.verifier.launch(batch)
 
     def _finish_decode(self, running: list[Sequence], proposal: DraftProposal, pending: PendingResult
                        ) -> list[RequestOutput]:
         """Read the verify step's result, roll the draft cache back, and append what was accepted."""
         num_tokens = [len(s.token_ids) for s in running]
-        result = pending.result()
+        with region("verify_wait"):
+            result = pending.result()
         if self.draft is not None:
-            rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
+            with region("rollback"):
+                rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
+        with region("append"):
+            return self._append_verified(running, proposal, result)
+
+    def _append_verified(self, running: list[Sequence], proposal: DraftProposal, result: VerifyResult
+                         ) -> list[RequestOutput]:
         outputs = []
         logprobs = result.logprobs or [None] * len(running)
         errors = result.errors or [None] * len(running)

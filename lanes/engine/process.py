@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 
 from lanes.engine.async_engine import IDLE_WAIT_S, StreamingFront, _Stream, guarded
 from lanes.engine.snapshot import EngineSnapshot, snapshot
+from lanes.engine.step_trace import region
 from lanes.sample.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -364,7 +365,8 @@ class _EngineLoop:
             # the loop) instead of stepping in a busy loop.
             self._idle_step = self.link is not None and not outputs and not self.core.scheduler.running
             step_ms = (time.perf_counter() - start) * 1e3
-            self._send(("step", outputs, step_ms, batch_size, snapshot(self.core)))
+            with region("send_outputs"):
+                self._send(("step", outputs, step_ms, batch_size, snapshot(self.core)))
             if self.core.device_fault is not None:
                 # Every later step would fail too: report it and exit, so that the replica fails
                 # what it holds and its health check has Serve replace it (vLLM's engine core dies
