@@ -79,6 +79,28 @@ def test_a_trace_that_never_saw_a_step_writes_nothing(tmp_path):
         StepTrace(0, tmp_path, "none")
 
 
+def test_a_profiler_that_fails_ends_the_trace_with_its_error_and_the_engine_steps_on(llama_pair, tmp_path,
+                                                                                    monkeypatch):
+    class Broken:
+        def __init__(self, **_):
+            pass
+
+        def start(self):
+            raise RuntimeError("CUPTI is not available")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(step_trace, "profile", Broken)
+    target, draft = llama_pair
+    expected = run_to_completion(small_engine(target, draft), _requests(count=2, max_tokens=8))
+    engine = small_engine(target, draft)
+    start_trace(engine, 3, str(tmp_path), "broken")
+    assert run_to_completion(engine, _requests(count=2, max_tokens=8)) == expected
+    assert trace_summary(engine) == {"name": "broken", "steps": 0, "error": "RuntimeError: CUPTI is not available"}
+    assert step_trace.region("draft") is step_trace._NO_REGION and not list(tmp_path.iterdir())
+
+
 def test_busy_time_is_the_union_of_the_kernels_intervals():
     assert busy_us([]) == 0
     assert busy_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25

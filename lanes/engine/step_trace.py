@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import logging
 import shutil
 import time
 from collections import Counter
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
+
+log = logging.getLogger(__name__)
 
 REGION_PREFIX = "vpd."
 TOP_OPS = 20
@@ -57,24 +60,46 @@ class StepTrace:
         return self.summary is not None
 
     def before_step(self) -> None:
-        """Count a step about to start: the first starts the recording, the one after the last stops it."""
+        """Count a step about to start: the first starts the recording, the one after the last stops it.
+        Never raises: a profiler that fails ends the trace with the error in its summary, and the engine
+        steps on."""
         if self.done:
             return
-        if self._profile is None:
-            self._begin()
-        elif self.steps_seen == self.num_steps:
-            self.finish()
+        try:
+            if self._profile is None:
+                self._begin()
+            elif self.steps_seen == self.num_steps:
+                self.finish()
+                return
+        except Exception as exc:
+            self._fail(exc)
             return
         self.steps_seen += 1
 
     def finish(self) -> dict:
         """Stop now (after fewer steps if the engine went idle) and write the files; the summary."""
-        global _tracing
         if self.summary is not None:
             return self.summary
         if self._profile is None:
             self.summary = {"name": self.name, "steps": 0}
             return self.summary
+        try:
+            return self._stop_and_write()
+        except Exception as exc:
+            return self._fail(exc)
+
+    def _fail(self, exc: Exception) -> dict:
+        global _tracing
+        _tracing = False
+        if self._profile is not None:
+            with contextlib.suppress(Exception):  # it may never have started, or have stopped already
+                self._profile.stop()
+        log.exception("step trace %s failed; the engine steps on untraced", self.name)
+        self.summary = {"name": self.name, "steps": self.steps_seen, "error": f"{type(exc).__name__}: {exc}"}
+        return self.summary
+
+    def _stop_and_write(self) -> dict:
+        global _tracing
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the last step's kernels end inside the window
         window_ms = (time.perf_counter() - self._start_s) * 1e3
