@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -75,7 +76,8 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # them, deployments/config.py DEFAULT_MPS_PRIORITY): what the priority buys under --mps.
 # unified_thread, pd_thread, pdv_thread: the engine stepped on a thread of its replica (`engine_process:
 # false`) instead of in a process of its own: what that costs. pdv_relay: pdv's engine sends its verify batches
-# through its replica and Serve (`verify_channel: false`) instead of over the verify replica's channel.
+# through its replica and Serve (`verify_channel: false`) instead of over the verify replica's channel. pdv_host:
+# its drafts through the host (`shared_drafts: false`) instead of in a ring of device memory (lanes/device/shared_drafts.py).
 # pd_lane: every prompt through pd's prefill lane (`local_prefill_max_tokens: 0`), as pd ran before prompts of
 # at most one prefill chunk were prefilled in its decode lane (lanes/engine/split_prefill.py); pd512_lane the same
 # with prefill forwards of 512 tokens.
@@ -110,6 +112,7 @@ VARIANTS = {"pdv2": ("pdv", {"prefill_lane": {"num_gpus": 0.3}, "verify_lane": {
             "pd_thread": ("pd", {"engine_process": False}),
             "pdv_thread": ("pdv", {"engine_process": False}),
             "pdv_relay": ("pdv", {"verify_channel": False}),
+            "pdv_host": ("pdv", {"shared_drafts": False}),
             "unified_ing1": ("unified", {"ingress": {"num_replicas": 1}}),
             "pd_ing1": ("pd", {"ingress": {"num_replicas": 1}}),
             "pdv_ing1": ("pdv", {"ingress": {"num_replicas": 1}})}
@@ -219,6 +222,18 @@ def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tupl
     return base, config
 
 
+def verify_calls(app: str, calls: dict[str, dict], run) -> None:
+    """After each of a pdv app's points: how many verify calls came over channels, and how many of those
+    with their drafts in a ring of device memory (`shared_drafts`), summed over the verify replicas."""
+    try:
+        stats = serve.get_deployment_handle("VerifyLane", app_name=app).broadcast("stats").results(timeout_s=30)
+    except Exception as exc:  # a diagnostic: never let it end the run
+        calls[run.points[-1][0].name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return
+    calls[run.points[-1][0].name] = {key: sum(s[key] for s in stats) for key in ("channel_calls", "ring_calls")}
+    log(f"  verify calls so far: {calls[run.points[-1][0].name]}")
+
+
 def markdown(rows: list[dict], measured: list[dict], context: dict, traces: list[dict]) -> str:
     """Every point's row, the goals read from the `measured` ones, and the traces' rows."""
     machine_of = context["machine"]
@@ -271,16 +286,18 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
             name = f"{mode}-{args.part}"
             base, config = mode_config(mode, args, pair, preset)
             traces: dict[str, list[dict]] = {}
+            calls: dict[str, dict] = {}  # pdv: how its verify calls came, after each point
             run = run_app(name, config, port, loads_of(args, requests, capacity_rps), time.monotonic() + share_s,
                           deploy_timeout_s=preset["deploy_timeout_s"], request_timeout_s=preset["request_timeout_s"],
                           seed=0, lanes_of=lane_reader(name, base) if base in ("unified", "pd", "pdv") else None,
                           # Behind several ingress replicas the server's totals are one replica's: acceptance
                           # from the responses' own counters (a 3-request point read -53 from the totals).
                           request_counters=True,
+                          on_point=partial(verify_calls, name, calls) if base == "pdv" else lambda run: None,
                           sampler=decode_tracer(name, args.out / "traces", args.trace_steps, traces)
                           if args.trace_steps else None)
             docs.append({"mode": mode, "status": run.status, "error": run.error, "deploy_s": run.deploy_s,
-                         "skipped": run.skipped, "lanes": run.lanes, "traces": traces,
+                         "skipped": run.skipped, "lanes": run.lanes, "traces": traces, "verify_calls": calls,
                          "points": [point_document(load, point) for load, point in run.points]})
             for load, point in run.points:
                 rows.append(row(point, mode=mode, load=load.name))

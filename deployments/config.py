@@ -257,6 +257,14 @@ class AppConfig(_Strict):
                                         "each opens (deployments/verify_channel.py) rather than through its "
                                         "replica and Serve. None: on, unless the verify lane autoscales "
                                         "(Serve's autoscaler counts only the calls Serve routes).")
+    shared_drafts: bool | None = Field(default=None, description="pdv over verify channels: each batch's "
+                                       "draft tokens go to a verify replica on the same device through a ring of "
+                                       "device buffers it mapped once (CUDA IPC, an interprocess event after each "
+                                       "copy) rather than through the host, so that the engine sends a batch as "
+                                       "soon as its draft kernels are queued (lanes/device/shared_drafts.py). "
+                                       "Batches with sampled drafts' probabilities or a grammar go through the "
+                                       "host. None: on where the decode lane has a GPU; on the CPU the ring is "
+                                       "shared memory.")
     max_stream_messages_per_s: float | None = Field(default=MAX_STREAM_MESSAGES_PER_S, gt=0, description=
                                                     "Bound on the streamed messages a decode replica sends per "
                                                     "second over all its requests: with n requests in flight "
@@ -356,6 +364,13 @@ class AppConfig(_Strict):
         if self.verify_channel is not None:
             return self.verify_channel
         return self.verify_lane.autoscaling_config is None
+
+    @property
+    def uses_shared_drafts(self) -> bool:
+        """Whether pdv's engine offers its verify replicas rings for its drafts (`shared_drafts`)."""
+        if self.shared_drafts is not None:
+            return self.shared_drafts
+        return self.decode_lane.num_gpus > 0
 
     @property
     def draft_model(self) -> DraftModelSpec | None:

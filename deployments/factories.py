@@ -131,7 +131,8 @@ def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill
     else:  # pdv: the target lives in the verify lane
         draft_runner = build_runner(draft.model, config, draft=True) if draft is not None else None
         if peer_link is not None:  # an engine process: batches over channels, or relayed by its replica
-            verifier = LinkedVerifier(peer_link, cfg.request_timeout_s, cfg.uses_verify_channel)
+            verifier = LinkedVerifier(peer_link, cfg.request_timeout_s, cfg.uses_verify_channel,
+                                      (config.max_num_seqs, config.max_draft_len) if cfg.uses_shared_drafts else None)
         else:
             verifier = RemoteVerifier(verify, loop, cfg.request_timeout_s)
         target_pool = None

@@ -23,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from deployments.slot_owners import actor_alive
+from lanes.device.ipc import gpu_uuid, open_cuda_tensor
 from lanes.kv.pool import KVPool, PoolShape
 
 
@@ -39,9 +40,9 @@ class Placement:
         if device.type != "cuda":
             return cls(node, None)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        peers = tuple(_uuid(other) for other in range(torch.cuda.device_count())
+        peers = tuple(gpu_uuid(other) for other in range(torch.cuda.device_count())
                       if other != index and torch.cuda.can_device_access_peer(index, other))
-        return cls(node, _uuid(index), peers)
+        return cls(node, gpu_uuid(index), peers)
 
     @classmethod
     def of_engine(cls, node_id: str | None, core) -> "Placement":
@@ -72,28 +73,11 @@ class PoolHandle:
 
     @classmethod
     def export(cls, owner: str, pool: KVPool, actor=None) -> "PoolHandle":
-        return cls(owner, pool.shape, _uuid(pool.kv.device), reduce_tensor(pool.kv), actor)
+        return cls(owner, pool.shape, gpu_uuid(pool.kv.device), reduce_tensor(pool.kv), actor)
 
     def open(self) -> KVPool:
-        rebuild, args = self.ipc
-        args = list(args)
-        args[_IPC_DEVICE_ARG] = _local_index(self.gpu_uuid)  # the exporter's index for it may differ
-        kv = rebuild(*args)
+        kv = open_cuda_tensor(self.ipc, self.gpu_uuid)
         return KVPool(self.shape, kv.dtype, kv.device, kv=kv)
-
-
-_IPC_DEVICE_ARG = 6  # storage_device in torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments
-
-
-def _uuid(device: int | torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def _local_index(gpu_uuid: str) -> int:
-    for index in range(torch.cuda.device_count()):
-        if _uuid(index) == gpu_uuid:
-            return index
-    raise RuntimeError(f"GPU {gpu_uuid} is not visible to this process")
 
 
 class PoolViews:

@@ -43,6 +43,7 @@ class LaneWorker:
 
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=use_lane_stream)
         self.device = device
+        self.stream = stream  # the jobs' current stream (None on the CPU)
         self.device_fault: str | None = None  # set when a failed job left the device unusable
         self.lost: str | None = None  # set when a part the lane's jobs need is gone (`lose`)
         self._busy_since_s: float | None = None  # monotonic start of the job running now

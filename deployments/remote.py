@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -213,26 +213,46 @@ class LinkedVerifier:
     (lanes/engine/process.py PeerLink), which sends them on with its RemoteVerifier
     (deployments/peer_calls.py)."""
 
-    def __init__(self, link, timeout_s: float = PEER_CALL_TIMEOUT_S, channels: bool = True):
+    def __init__(self, link, timeout_s: float = PEER_CALL_TIMEOUT_S, channels: bool = True,
+                 shared_drafts: tuple[int, int] | None = None):
+        """`shared_drafts`: (max rows, max drafts) of a batch: offer each verify replica reached over a
+        channel a ring of device buffers that size for its drafts (lanes/device/shared_drafts.py)."""
         self.link = link
         self.timeout_s = min(timeout_s, PEER_CALL_TIMEOUT_S)
         self.channels = VerifyChannels(self._ask_channel) if channels else None
+        self.shared_drafts = shared_drafts if channels else None
 
     def launch(self, batch: VerifyBatch) -> "PendingParts":
-        on_host = batch.to("cpu")  # waits for the draft kernels: drafting time, not waiting time
         start_s, rows = time.time(), len(batch.target_slots)
-        parts, relayed = [], []
-        for lease, lease_rows in rows_by_lease(on_host).items():
+        parts, relayed, on_host = [], [], None
+        for lease, lease_rows in rows_by_lease(batch).items():
             channel = self.channels.get(lease) if self.channels is not None and lease is not None else None
             if channel is None:
                 relayed += lease_rows
-            else:
-                parts.append((lease_rows, lease, channel.send(on_host.select(lease_rows))))
+                continue
+            part = self._on_device(batch, lease_rows, channel)
+            if part is None:
+                # Waits for the draft kernels: drafting time, not waiting time.
+                on_host = on_host if on_host is not None else batch.to("cpu")
+                part = on_host.select(lease_rows)
+            parts.append((lease_rows, lease, channel.send(part)))
         if relayed:
+            on_host = on_host if on_host is not None else batch.to("cpu")
             part = on_host if len(relayed) == rows else on_host.select(relayed)
             parts.append((relayed, None, self._relay(part)))
         return PendingParts(rows, parts, self.timeout_s,
                             lambda: self.link.record("verify_wait", start_s, time.time(), rows=rows))
+
+    def _on_device(self, batch: VerifyBatch, rows: list[int], channel) -> VerifyBatch | None:
+        """The part of `batch` for `channel`'s replica with its drafts put in that replica's ring, without
+        waiting for them (None: they go through the host). Only token ids go so: a batch that carries
+        probabilities (sampled drafts) or a grammar's masks, which its drafts were read on the host for,
+        goes the host's way."""
+        if self.shared_drafts is None or batch.draft_probs is not None or batch.token_bitmask is not None:
+            return None
+        part = batch if len(rows) == len(batch.target_slots) else batch.select(rows)
+        ring = channel.ring(part.draft_tokens, *self.shared_drafts)
+        return None if ring is None else replace(part, draft_tokens=ring.put(part.draft_tokens))
 
     def _relay(self, batch: VerifyBatch) -> concurrent.futures.Future:
         """Through the engine's replica (it bounds each call by the timeout, and names a lost replica)."""

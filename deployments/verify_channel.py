@@ -12,6 +12,10 @@ stay on Ray, where the lease router and the slot owners keep their bookkeeping.
 Either end going away shows at the other as the connection's end: the engine takes every call
 waiting on it as lost KV (the requests are recomputed where a replica takes them, as on a lease
 router's LeaseGone), and the verify replica stops reading.
+
+With shared drafts (`shared_drafts`), an engine on the verify replica's device offers it, as the
+channel's first call, a ring of device buffers for its drafts (lanes/device/shared_drafts.py). Once the
+replica has mapped it, a batch's drafts travel as a slot of that ring instead of through the host.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
 
+import torch
+
+from lanes.device.shared_drafts import DraftRing, RingHandle
 from lanes.engine.backends import KVLost
 from lanes.engine.process import picklable, put_message, take_message
 from lanes.spec.verify import VerifyBatch, VerifyResult
@@ -66,8 +73,12 @@ class VerifyChannelServer:
     into one forward, whether they came over a channel or through Ray."""
 
     def __init__(self, verify: Callable[[VerifyBatch], Awaitable[VerifyResult]], loop: asyncio.AbstractEventLoop,
-                 host: str):
+                 host: str, open_ring: Callable[[RingHandle], bool] = lambda handle: False,
+                 close_ring: Callable[[str], None] = lambda ring_id: None):
+        """`open_ring(handle)`: map an engine's ring of drafts, True if mapped; `close_ring(ring_id)`: unmap it
+        once its engine's connection ends."""
         self._verify, self._loop = verify, loop
+        self._open_ring, self._close_ring = open_ring, close_ring
         authkey = secrets.token_bytes(32)
         self._listener = Listener((host, 0), authkey=authkey)
         self.address = ChannelAddress(host, self._listener.address[1], authkey)
@@ -101,10 +112,16 @@ class VerifyChannelServer:
 
     def _serve(self, conn: Connection) -> None:
         lock = threading.Lock()  # answers are sent from the event loop, in the order they finish
+        rings = []
         try:
             while True:
-                call_id, batch = take_message(conn)
-                call = asyncio.run_coroutine_threadsafe(self._verify(batch), self._loop)
+                call_id, message = take_message(conn)
+                if isinstance(message, RingHandle):  # the engine's offer of its ring, before its batches
+                    mapped = self._open_ring(message)
+                    rings += [message.ring_id] if mapped else []
+                    _send(conn, lock, (call_id, True, mapped))
+                    continue
+                call = asyncio.run_coroutine_threadsafe(self._verify(message), self._loop)
                 call.add_done_callback(partial(self._answer, conn, lock, call_id))
         except (EOFError, OSError):  # the engine is gone, or this server closed
             pass
@@ -112,6 +129,8 @@ class VerifyChannelServer:
             log.exception("verify channel: a message failed; closing the connection")
         self._conns.discard(conn)
         conn.close()
+        for ring_id in rings:
+            self._close_ring(ring_id)
 
     def _answer(self, conn: Connection, lock: threading.Lock, call_id: int, call: concurrent.futures.Future) -> None:
         self.num_calls += 1
@@ -137,6 +156,8 @@ class VerifyChannel:
         self.lease = lease
         self._conn = conn
         self._on_close = on_close
+        self._ring: DraftRing | None = None  # offered to the replica
+        self._ring_mapped = False  # and mapped there
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._pending: dict[int, concurrent.futures.Future] = {}
@@ -148,7 +169,23 @@ class VerifyChannel:
     def connect(cls, lease: str, address: ChannelAddress, on_close: Callable[[str], None]) -> VerifyChannel:
         return cls(lease, Client((address.host, address.port), authkey=address.authkey), on_close)
 
-    def send(self, batch: VerifyBatch) -> concurrent.futures.Future:
+    def ring(self, drafts: torch.Tensor, max_rows: int, width: int) -> DraftRing | None:
+        """The ring that this batch's drafts can go by: the replica's mapped ring if they fit it. The first
+        call offers the replica a ring of `max_rows` x `width` on the drafts' device; until it has mapped it,
+        and for good if it does not (another device), None: the drafts go through the host."""
+        if self._ring is None:
+            self._ring = DraftRing(drafts.device, max_rows, width)
+            self.send(self._ring.handle()).add_done_callback(self._ring_answered)
+            return None
+        return self._ring if self._ring_mapped and self._ring.fits(drafts) else None
+
+    def _ring_answered(self, answer: concurrent.futures.Future) -> None:
+        self._ring_mapped = answer.exception() is None and answer.result() is True
+        if not self._ring_mapped:
+            log.info("verify replica %s did not map this engine's ring of drafts; they go through the host",
+                     self.lease)
+
+    def send(self, batch: VerifyBatch | RingHandle) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             closed = self._closed
@@ -183,6 +220,8 @@ class VerifyChannel:
         for future in pending.values():
             if not future.done():
                 future.set_exception(self._lost())
+        if self._ring is not None:
+            self._ring.close()
         self._on_close(self.lease)
 
     def _lost(self) -> KVLost:

@@ -4,6 +4,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import replace
 
 import torch
 from ray import serve
@@ -19,6 +20,7 @@ from deployments.slot_owners import SlotOwners
 from deployments.timeline import TIMELINE, replica_report
 from deployments.verify_channel import ChannelAddress, VerifyChannelServer
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
+from lanes.device.shared_drafts import DraftRef, OpenRing, RingHandle, can_open
 from lanes.device.streams import PREFILL_PRIORITY, VERIFY_PRIORITY, lane_stream, on
 from lanes.engine.backends import LaneOOM
 from lanes.kv.pool import PoolFullError
@@ -69,6 +71,8 @@ class VerifyServer:
         self.stale_releases = 0  # slots of another replica whose release was ignored
         self.owners = SlotOwners(self._free_slots)
         self._channel: VerifyChannelServer | None = None  # opened when a decode engine first asks
+        self.rings: dict[str, OpenRing] = {}  # decode engines' rings of drafts, mapped over their channels
+        self.ring_calls = 0  # verify calls whose drafts came in a ring (stats)
         # Short prompts' target KV, prefilled here into slots of this pool (pdv's split, `prefill`): a
         # forward of at most `prefill_tokens` prompt tokens at a time, beside the verify forwards.
         self.prefiller = self.prefill_batcher = self._prefill_stream = None
@@ -84,8 +88,33 @@ class VerifyServer:
         they are verified as `verify` calls are, merged with them into the same forwards."""
         self._check_lease(lease)
         if self._channel is None:
-            self._channel = VerifyChannelServer(self.verify, asyncio.get_running_loop(), node_ip())
+            self._channel = VerifyChannelServer(self.verify, asyncio.get_running_loop(), node_ip(),
+                                                self._open_ring, self._close_ring)
         return self._channel.address
+
+    def _open_ring(self, handle: RingHandle) -> bool:
+        """Map a decode engine's ring of drafts if it is on this replica's device (lanes/device/shared_drafts.py)."""
+        if not can_open(handle, self.lane.runner.device):
+            return False
+        try:
+            self.rings[handle.ring_id] = OpenRing(handle)
+        except Exception:  # noqa: BLE001 - the engine's drafts then come through the host
+            log.warning("verify: could not map a decode engine's ring of drafts", exc_info=True)
+            return False
+        return True
+
+    def _close_ring(self, ring_id: str) -> None:
+        if (ring := self.rings.pop(ring_id, None)) is not None:
+            ring.close()
+
+    def _take_drafts(self, batch: VerifyBatch) -> VerifyBatch:
+        """`batch` with its drafts copied out of the engine's ring, on the worker's stream behind the engine's
+        copy into it (no host wait). Every later use of them on this loop runs on that stream too (`_forward`)."""
+        ref = batch.draft_tokens
+        if (ring := self.rings.get(ref.ring_id)) is None:
+            raise RuntimeError(f"drafts in ring {ref.ring_id}, which this replica has not mapped (or its engine left)")
+        with on(self.worker.stream):
+            return replace(batch, draft_tokens=ring.take(ref))
 
     async def placement(self, lease: str | None = None) -> Placement:
         """Where this replica runs (`lease`: the replica asked about, for the router)."""
@@ -235,6 +264,9 @@ class VerifyServer:
             self.stale_rows += stale
             raise StaleTargetSlots(f"{stale} of {rows} rows hold KV slots of another verify replica, or of one "
                                    "that is gone")
+        if isinstance(batch.draft_tokens, DraftRef):  # sent over a channel, in the engine's ring
+            batch = self._take_drafts(batch)
+            self.ring_calls += 1
         self._set_queue_depth(rows)
         arrive_s = time.time()
         try:
@@ -247,7 +279,8 @@ class VerifyServer:
             self._set_queue_depth(-rows)
 
     async def _forward(self, batches: list[VerifyBatch]) -> list[VerifyResult]:
-        merged = merge_batches(batches)
+        with on(self.worker.stream):  # drafts taken from a ring are ordered on the worker's stream
+            merged = merge_batches(batches)
         start = time.perf_counter()
         rows = len(merged.target_slots)
         timed = TIMELINE.timed("verify", self.lane.verify, rows=rows, calls=len(batches))
@@ -262,7 +295,9 @@ class VerifyServer:
             parts = [(shed, PoolFullError(f"no free KV blocks for this row's drafts ({len(shed)} of {rows} "
                                           "rows shed)"))]
             if fit:
-                parts.append((fit, await self._verify_in_halves_on_oom(timed, merged.select(fit))))
+                with on(self.worker.stream):
+                    kept_rows = merged.select(fit)
+                parts.append((fit, await self._verify_in_halves_on_oom(timed, kept_rows)))
             result = merge_rows(rows, parts)
         self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
         pool = self.lane.pool
@@ -283,9 +318,9 @@ class VerifyServer:
             log.warning("verify: out of device memory in a forward of %d rows; retrying in halves: %s", rows, exc)
             if rows == 1:
                 return merge_rows(1, [([0], LaneOOM("the verify lane ran out of device memory for this row"))])
-            halves = [list(range(rows // 2)), list(range(rows // 2, rows))]
-            return merge_rows(rows, [(half, await self._verify_in_halves_on_oom(timed, batch.select(half)))
-                                     for half in halves])
+            with on(self.worker.stream):
+                halves = [(half, batch.select(half)) for half in (list(range(rows // 2)), list(range(rows // 2, rows)))]
+            return merge_rows(rows, [(half, await self._verify_in_halves_on_oom(timed, part)) for half, part in halves])
 
     def _check_lease(self, lease: str | None) -> None:
         if lease is not None and lease != self.lease:
@@ -303,7 +338,7 @@ class VerifyServer:
                 "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed,
                 "oom_retries": self.oom_retries, "forward_ms": self.forward_ms,
                 "channel_calls": self._channel.num_calls if self._channel is not None else 0,
-                "prompts_prefilled": self.prompts_prefilled}
+                "ring_calls": self.ring_calls, "prompts_prefilled": self.prompts_prefilled}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""

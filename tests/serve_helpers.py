@@ -112,6 +112,10 @@ def app_config(mode: str, target: str, draft: str, **overrides) -> dict:
         # Every prompt through the prefill lane: the path these tests are about. Short prompts prefilled in
         # the decode lane (the default) are tests/test_split_prefill.py's.
         config["local_prefill_max_tokens"] = 0
+    if mode == "pdv":
+        # Drafts in rings of shared memory, as they go in rings of device memory on a GPU (the default there;
+        # lanes/device/shared_drafts.py). test_serve_modes' pdv_split keeps them on the host.
+        config["shared_drafts"] = True
     config.update(overrides)
     return config
 

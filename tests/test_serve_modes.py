@@ -26,8 +26,9 @@ def apps(pair_paths):
     configs = {mode: app_config(mode, target, draft) for mode in ALL_MODES}
     configs["limited"] = app_config("unified", target, draft, max_queued_requests=2)
     # pdv's split (deployments/verify_prefill.py): prompts of at most 40 tokens prefilled where they decode.
+    # Its drafts through the host (pdv's go in rings: serve_helpers.app_config).
     configs["pdv_split"] = app_config("pdv", target, draft, local_prefill_max_tokens=SPLIT_MAX_TOKENS,
-                                      decode_lane={"num_cpus": 0.05})
+                                      decode_lane={"num_cpus": 0.05}, shared_drafts=False)
     with serving(configs, shared=True):
         yield
 
@@ -225,16 +226,18 @@ def test_the_decode_lane_steps_its_engine_in_a_process_of_its_own(mode):
 
 def test_pdvs_engine_sends_its_verify_batches_over_the_verify_replicas_channel():
     """Once its first batch has asked for the verify replica's channel (deployments/verify_channel.py),
-    pdv's engine sends its batches there instead of through its replica and Serve; the output is the
-    target's greedy output either way (the greedy tests above run both paths)."""
+    pdv's engine sends its batches there instead of through its replica and Serve, and once the replica has
+    mapped its ring (`shared_drafts`), their drafts go in it; the output is the target's greedy output every way
+    (the greedy tests above run every path)."""
     async def complete():
         async with httpx.AsyncClient(timeout=300) as http:
             return await _complete(http, "pdv", 3)
 
     deadline_s = time.monotonic() + 60
-    while sum(s["channel_calls"] for s in lane_stats("pdv", "VerifyLane")) == 0:
-        assert time.monotonic() < deadline_s, "no verify batch came over a channel"
+    while sum(s["ring_calls"] for s in lane_stats("pdv", "VerifyLane")) == 0:
+        assert time.monotonic() < deadline_s, "no verify batch's drafts came in a ring"
         assert asyncio.run(complete())["usage"]["completion_tokens"] == 19
+    assert sum(s["channel_calls"] for s in lane_stats("pdv", "VerifyLane")) > 0
 
 
 def test_each_pdv_decode_replicas_engine_is_traced_step_by_step_while_it_serves(tmp_path):

@@ -10,6 +10,7 @@ reached which replica. The engine's replica is `_Relay`: it answers what an engi
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
@@ -18,6 +19,7 @@ import torch
 
 from deployments.remote import ChannelOrder, LinkedVerifier, VerifyOrder, merge_rows, rows_by_lease
 from deployments.verify_channel import VerifyChannelServer
+from lanes.device.shared_drafts import DraftRef, OpenRing, RingHandle, can_open
 from lanes.engine.backends import KVLost
 from lanes.kv.pool import PoolFullError
 from lanes.sample.params import SamplingParams
@@ -37,15 +39,30 @@ def loop():
 class _Replica:
     """A verify replica's channel and what it verified; `hold` keeps its answers back until set."""
 
-    def __init__(self, lease: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, lease: str, loop: asyncio.AbstractEventLoop, maps_rings: bool = False):
+        """`maps_rings`: it maps an engine's ring of drafts, as a verify replica on the engine's device does."""
         self.lease = lease
         self.rows_seen: list[int] = []
         self.hold = threading.Event()
         self.hold.set()
         self.shed_slots: set[int] = set()  # rows it sheds for want of blocks
-        self.server = VerifyChannelServer(self.verify, loop, "127.0.0.1")
+        self.maps_rings = maps_rings
+        self.rings: dict[str, OpenRing] = {}
+        self.ring_batches = 0  # batches whose drafts came in a ring
+        self.server = VerifyChannelServer(self.verify, loop, "127.0.0.1", self._open_ring, self._close_ring)
+
+    def _open_ring(self, handle: RingHandle) -> bool:
+        if self.maps_rings and can_open(handle, torch.device("cpu")):
+            self.rings[handle.ring_id] = OpenRing(handle)
+        return handle.ring_id in self.rings
+
+    def _close_ring(self, ring_id: str) -> None:
+        self.rings.pop(ring_id).close()
 
     async def verify(self, batch: VerifyBatch) -> VerifyResult:
+        if isinstance(batch.draft_tokens, DraftRef):
+            self.ring_batches += 1
+            batch = replace(batch, draft_tokens=self.rings[batch.draft_tokens.ring_id].take(batch.draft_tokens))
         assert all(lease == self.lease for lease in batch.target_leases)
         while not self.hold.is_set():
             await asyncio.sleep(0.01)
@@ -113,6 +130,32 @@ def test_rows_go_over_their_replicas_channel_once_it_is_open_and_through_the_rep
     assert replicas["a"].server.num_calls == 1 and replicas["b"].server.num_calls == 1
     assert sorted(replicas["a"].rows_seen) == [0, 0, 2, 2, 4, 4] and sorted(replicas["b"].rows_seen) == [1, 1, 3, 3]
     assert [r[0] for r in relay.records] == ["verify_wait", "verify_wait"] and relay.records[1][3] == {"rows": 5}
+
+
+def test_drafts_go_in_the_ring_a_replica_mapped_and_through_the_host_to_one_that_did_not(loop):
+    """lanes/device/shared_drafts.py: an engine offers each replica a ring with its first batch over the
+    channel; "a" maps it (on the engine's device) and "b" does not (another device). Once "a" has, its rows'
+    drafts go in the ring, "b"'s still through the host, and every row's answer is the same either way. The
+    ring goes when the engine's channel ends."""
+    replicas = {"a": _Replica("a", loop, maps_rings=True), "b": _Replica("b", loop)}
+    verifier = LinkedVerifier(_Relay(replicas, loop), timeout_s=5.0, shared_drafts=(8, 4))
+    leases = ["a", "b", "a", "b", "a"]
+    assert verifier.launch(_batch(leases)).result().tokens == _expected(leases)  # relayed; channels asked for
+    _wait_for(lambda: all(verifier.channels.get(lease) is not None for lease in replicas))
+    assert verifier.launch(_batch(leases)).result().tokens == _expected(leases)  # rings offered; host meanwhile
+    _wait_for(lambda: verifier.channels.get("a")._ring_mapped)
+    assert verifier.channels.get("b").ring(torch.zeros(1, 1, dtype=torch.long), 8, 4) is None  # refused
+    third = verifier.launch(_batch(leases)).result()
+    assert third.tokens == _expected(leases) and third.num_accepted == [2] * 5
+    assert (replicas["a"].ring_batches, replicas["b"].ring_batches) == (1, 0)
+    # Rows past the ring's size, sampled drafts' probabilities: through the host.
+    wide = _batch(["a"] * 9)
+    assert verifier.launch(wide).result().tokens == _expected(["a"] * 9)
+    sampled = replace(_batch(["a"]), draft_probs=torch.full((1, 2, 4), 0.25))
+    assert verifier.launch(sampled).result().tokens == _expected(["a"])
+    assert replicas["a"].ring_batches == 1
+    verifier.channels.close()
+    _wait_for(lambda: not replicas["a"].rings)
 
 
 def test_a_replicas_shed_rows_keep_their_error_over_the_channel(loop):

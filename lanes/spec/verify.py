@@ -27,7 +27,9 @@ class VerifyBatch:
     target_slots: list[int]
     num_tokens: list[int]  # T per row: committed tokens, the last of which the target has not seen
     last_tokens: list[int]
-    draft_tokens: torch.Tensor  # [B, L] int64
+    # [B, L] int64. Over a verify channel on one device, a DraftRef in transit: the slot of the engine's ring
+    # that holds them (lanes/device/shared_drafts.py), turned back into a tensor by the verify replica.
+    draft_tokens: torch.Tensor
     draft_probs: torch.Tensor | None  # [B, L, V] q; None when q is one-hot at every draft (greedy, lookup)
     num_draft: list[int]  # drafts per row, 0 <= n <= L
     params: list[SamplingParams]
