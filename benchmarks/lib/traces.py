@@ -72,6 +72,7 @@ def trace_rows(apps: list[dict]) -> list[dict]:
                 rows.append({"mode": app["mode"], "load": load, "replica": summary["name"], "steps": summary["steps"],
                              "step ms": summary.get("window_ms_per_step"),
                              "device busy ms": summary.get("device_busy_ms_per_step"),
+                             "draft kernels' span": summary.get("region_device_span_ms_per_step", {}).get("draft"),
                              "outside regions": summary.get("outside_regions_ms_per_step"),
                              **{k: regions.get(k) for k in REGIONS}})
     return rows

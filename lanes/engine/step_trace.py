@@ -6,8 +6,8 @@ starts at a step's start and ends at the next step's start, so the loop's work b
 sending the outputs to the replica, is inside it) and writes:
 - `<name>.trace.json.gz`: the Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev);
 - `<name>.summary.json`: per step, the host time of each region of the step (`region`, named
-  `vpd.*`), the device's busy time (the union of its kernels' intervals) and the largest host ops and
-  kernels.
+  `vpd.*`) and the device-side span of its kernels, the device's busy time (the union of this process's
+  kernels' intervals) and the largest host ops and kernels.
 
 Started between two steps by a call into the engine (`start_trace`, e.g. through
 `EngineServer.trace`), so a replica serving load can be traced where it stands, as vLLM's
@@ -131,14 +131,17 @@ def summarize(events, num_steps: int, window_ms: float, name: str) -> dict:
     """Per step (ms): the window, each region's host time, the device's busy time and kernel time, and
     the largest host ops (self time) and kernels."""
     per_step = 1.0 / max(num_steps, 1)
-    regions, host_ops, kernels, intervals = Counter(), Counter(), Counter(), []
+    regions, spans, host_ops, kernels, intervals = Counter(), Counter(), Counter(), Counter(), []
     for event in events:
         us = event.time_range.elapsed_us()
-        if event.device_type == DeviceType.CUDA:
+        region = event.name[len(REGION_PREFIX):] if event.name.startswith(REGION_PREFIX) else None
+        if event.device_type == DeviceType.CUDA and region is not None:
+            spans[region] += us  # the profiler's device-side mark of a region: its kernels' first start to last end
+        elif event.device_type == DeviceType.CUDA:
             kernels[event.name[:100]] += us
             intervals.append((event.time_range.start, event.time_range.end))
-        elif event.name.startswith(REGION_PREFIX):
-            regions[event.name[len(REGION_PREFIX):]] += us
+        elif region is not None:
+            regions[region] += us
         else:
             host_ops[event.name[:100]] += event.self_cpu_time_total
     ms = lambda us: round(us * per_step / 1e3, 3)  # noqa: E731 (per step, in ms)
@@ -146,6 +149,9 @@ def summarize(events, num_steps: int, window_ms: float, name: str) -> dict:
             "region_ms_per_step": {k: ms(v) for k, v in regions.most_common()},
             # The regions do not nest: the rest of the window is the loop's own (waiting for work included).
             "outside_regions_ms_per_step": round(window_ms * per_step - ms(sum(regions.values())), 3),
+            # Per region, from the start of the first kernel it launched to the end of the last (kernels run
+            # after the host launched them: drafting's kernels can end well after its host part).
+            "region_device_span_ms_per_step": {k: ms(v) for k, v in spans.most_common()},
             "device_busy_ms_per_step": ms(busy_us(intervals)),
             "kernel_ms_per_step": ms(sum(kernels.values())),
             "top_host_ops_self_ms_per_step": {k: ms(v) for k, v in host_ops.most_common(TOP_OPS)},
