@@ -28,6 +28,7 @@ import benchmarks.gpu_check as gpu_check  # the tree on PYTHONPATH, not this fil
 STEPS = 10
 
 
+# lanes/engine/step_trace.py has the same function; this script runs against trees on PYTHONPATH that may predate it.
 def busy_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
