@@ -17,10 +17,13 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
+STALE_WAIT_S = 90.0  # how long a new run waits for an earlier run's daemon to go
+STALE_POLL_S = 2.0
 
 
 class MPSUnavailable(RuntimeError):
@@ -49,7 +52,13 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
     for path in env.values():
         Path(path).mkdir(parents=True, exist_ok=True)
     started = _start(env)
-    if started.returncode != 0 and _quit_stale(env):  # an earlier run's daemon that outlived its quit
+    deadline_s = time.monotonic() + STALE_WAIT_S
+    while started.returncode != 0 and time.monotonic() < deadline_s:
+        # An earlier run's daemon that outlived its quit: it waits for its clients (Ray's workers) to exit, and
+        # a `-d` meanwhile exits 1 with nothing on stderr (twice on a warm H200, 2026-11-29). Ask it again and
+        # wait for it to go.
+        _quit_stale(env)
+        time.sleep(STALE_POLL_S)
         started = _start(env)
     if started.returncode != 0:
         raise MPSUnavailable(f"{CONTROL} -d exited {started.returncode}: {started.stderr.strip()}")
@@ -73,15 +82,14 @@ def _start(env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([CONTROL, "-d"], env={**os.environ, **env}, capture_output=True, text=True)
 
 
-def _quit_stale(env: dict[str, str]) -> bool:
-    """Quit a daemon still running on these pipes, whose run's `quit` timed out while its clients were
-    exiting (a second `-d` on a warm machine then exited 1, 2026-11-28); True if one answered."""
+def _quit_stale(env: dict[str, str]) -> None:
+    """Ask a daemon still running on these pipes to quit (its run's `quit` timed out while its clients were
+    exiting: a second `-d` on a warm machine then exited 1, 2026-11-28)."""
     try:
         _control("get_server_list", env, timeout_s=5.0)
         _control("quit", env, timeout_s=60.0)
     except (subprocess.TimeoutExpired, OSError):
-        return False
-    return True
+        pass
 
 
 def control_log_tail(directory: Path, lines: int = 20) -> str:
