@@ -225,13 +225,14 @@ def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tupl
 def verify_calls(app: str, calls: dict[str, dict], run) -> None:
     """After each of a pdv app's points: how many verify calls came over channels, and how many of those
     with their drafts in a ring of device memory (`shared_drafts`), summed over the verify replicas."""
+    load = run.points[-1][0].name
     try:
         stats = serve.get_deployment_handle("VerifyLane", app_name=app).broadcast("stats").results(timeout_s=30)
     except Exception as exc:  # a diagnostic: never let it end the run
-        calls[run.points[-1][0].name] = {"error": f"{type(exc).__name__}: {exc}"}
+        calls[load] = {"error": f"{type(exc).__name__}: {exc}"}
         return
-    calls[run.points[-1][0].name] = {key: sum(s[key] for s in stats) for key in ("channel_calls", "ring_calls")}
-    log(f"  verify calls so far: {calls[run.points[-1][0].name]}")
+    calls[load] = {key: sum(s[key] for s in stats) for key in ("channel_calls", "ring_calls")}
+    log(f"  verify calls so far: {calls[load]}")
 
 
 def markdown(rows: list[dict], measured: list[dict], context: dict, traces: list[dict]) -> str:

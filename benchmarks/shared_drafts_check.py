@@ -43,8 +43,8 @@ def verify_side(conn) -> None:
 
 
 def check(batches: int, delay_ms: float, device_type: str = "cuda") -> dict:
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    cuda = device.type == "cuda"
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     ring = DraftRing(device, ROWS, WIDTH)
     here, there = mp.get_context("spawn").Pipe()
     verify = mp.get_context("spawn").Process(target=verify_side, args=(there,), daemon=True)
@@ -107,10 +107,9 @@ def main() -> None:
             runs["mps"] = in_new_process(args.batches, args.delay_ms, args.device)
         print("mps:", runs["mps"], flush=True)
         runs["mps_control_log"] = control_log_tail(directory, 40)
-    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    (args.out / "shared_drafts_check.json").write_text(json.dumps({"device": name, **runs},
-                                                                 indent=1))
-    if not all(run["ok"] for name, run in runs.items() if isinstance(run, dict)):
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    (args.out / "shared_drafts_check.json").write_text(json.dumps({"device": device, **runs}, indent=1))
+    if not all(run["ok"] for run in runs.values() if isinstance(run, dict)):
         raise SystemExit("a batch read back wrong")
 
 

@@ -26,10 +26,8 @@ def test_each_batch_lands_in_the_next_slot_and_reads_back_where_the_ring_is_mapp
             assert torch.equal(taken, drafts)
         # A taken batch is a copy: the slot's next batch does not change it.
         first = mapped.take(refs[-1])
-        ring.put(torch.zeros_like(batches[-1]))
-        ring.put(torch.zeros_like(batches[-1]))
-        ring.put(torch.zeros_like(batches[-1]))
-        ring.put(torch.zeros_like(batches[-1]))
+        for _ in range(RING_SLOTS):  # every slot written again, that one included
+            ring.put(torch.zeros_like(batches[-1]))
         assert torch.equal(first, batches[-1])
         mapped.close()
     finally:
