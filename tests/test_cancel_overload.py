@@ -13,7 +13,8 @@ is measured to serve just before, so that refusals outnumber admissions on a fas
 one. Every response is a 200 stream that completes, or a 429 with `Retry-After` in OpenAI's error
 shape; no 5xx; each request ends within a bound; `/v1/lanes`, sampled during the load, never shows a
 queue past the admission bound; after it every slot is free and every replica's RSS is back near its
-start (RSS_SLACK_MB, RSS_SLACK_FRACTION).
+start (RSS_SLACK_MB, RSS_SLACK_FRACTION). A burst of plain (not streamed) requests, three times the bound
+at once, in unified: the same answers, without streams.
 
 Long runs: `VPD_CANCEL_COUNT=1000 VPD_OVERLOAD_S=120 pytest tests/test_cancel_overload.py`
 (results in docs/serving.md, "Cancellation and overload").
@@ -354,3 +355,27 @@ def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
           f"{ {k: round(v) for k, v in rss_before.items()} }, growth { {k: round(v, 1) for k, v in growth.items()} }")
     for name in pids:
         assert growth[name] <= max(RSS_SLACK_MB, RSS_SLACK_FRACTION * rss_before[name]), (name, growth)
+
+
+def test_plain_requests_past_the_admission_bound_get_429_with_retry_after_and_the_admitted_complete():
+    """Not streamed, at once, three times as many as unified admits: at least MAX_QUEUED are admitted and complete
+    with every token asked for; the rest get a 429 with `Retry-After` in OpenAI's error shape (the overload test
+    above proves the same of streams, under sustained load)."""
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 120, "ignore_eos": True}
+
+    async def main():
+        limits = httpx.Limits(max_connections=3 * MAX_QUEUED)
+        async with httpx.AsyncClient(timeout=REQUEST_BOUND_S, limits=limits) as http:
+            return await asyncio.gather(*(http.post(f"{base_url('unified')}/completions", json=body)
+                                          for _ in range(3 * MAX_QUEUED)))
+
+    responses = asyncio.run(main())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= MAX_QUEUED and 429 in statuses and set(statuses) <= {200, 429}, statuses
+    for r in responses:
+        if r.status_code == 429:
+            error = r.json()["error"]
+            assert r.headers["retry-after"] == "1" and error["type"] == "rate_limit_error", error
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 120
+    wait_until_idle("unified", "unified", timeout_s=30)
