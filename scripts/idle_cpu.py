@@ -17,23 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+from scripts.proc_cpu import read_process  # noqa: E402
 
 
 def cpu_by_process() -> dict[str, tuple[float, str]]:
     """pid -> (CPU seconds so far, command line) for every process readable now."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/cmdline") as f:
-                cmd = f.read().replace("\0", " ").strip()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
-        out[pid] = ((int(fields[11]) + int(fields[12])) / TICKS_PER_S, cmd)
-    return out
+    return {pid: (read[0], read[2]) for pid in filter(str.isdigit, os.listdir("/proc"))
+            if (read := read_process(pid)) is not None}
 
 
 def main(argv=None) -> None:

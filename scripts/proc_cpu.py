@@ -32,7 +32,7 @@ ROLES = ("lanes.engine.process", "ServeController", "ProxyActor", "ShardWorker",
          "lm_eval", "lm-eval")
 
 
-def _read(pid: str) -> tuple[float, float, str] | None:
+def read_process(pid: str) -> tuple[float, float, str] | None:
     """(cpu_s, start ticks, command line) of one process, or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -54,7 +54,7 @@ def sample(out: str, interval_s: float) -> None:
     while not stop:
         now_s = time.time()
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            read = _read(pid)
+            read = read_process(pid)
             if read is None:
                 continue
             cpu_s, start, cmdline = read
