@@ -34,12 +34,21 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=25, help="processes listed, the busiest last")
     args = parser.parse_args(argv)
 
-    from tests.serve_helpers import app_config, deploy, greedy_choice, ray_cluster, stop_ray, wait_answering
+    from tests.serve_helpers import app_config, ray_cluster, stop_ray
     from tests.tiny_pair import save_tiny_pair
 
-    target, draft = save_tiny_pair(Path(tempfile.mkdtemp(prefix="vpd-idle-")))
-    ray_cluster()
-    apps = {mode: app_config(mode, target, draft) for mode in args.modes.split(",")}
+    with tempfile.TemporaryDirectory(prefix="vpd-idle-") as tmp:
+        target, draft = save_tiny_pair(Path(tmp))
+        ray_cluster()
+        try:
+            measure({mode: app_config(mode, target, draft) for mode in args.modes.split(",")}, args)
+        finally:
+            stop_ray()
+
+
+def measure(apps: dict[str, dict], args: argparse.Namespace) -> None:
+    from tests.serve_helpers import deploy, greedy_choice, wait_answering
+
     start = time.monotonic()
     deploy(apps)
     wait_answering(list(apps))
@@ -55,7 +64,6 @@ def main(argv=None) -> None:
     for share, cmd in shares[-args.top:]:
         print(f"{share * 100:6.1f} %  {cmd}")
     print(f"all processes: {sum(s for s, _ in shares) * 100:.1f} % of one core over {args.window_s:.0f} s")
-    stop_ray()
 
 
 if __name__ == "__main__":
