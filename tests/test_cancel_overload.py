@@ -303,6 +303,11 @@ def _queue_depths(sample: dict) -> dict[str, int]:
     return depths
 
 
+def _assert_refused(retry_after: str | None, error: dict) -> None:
+    """A 429 as the ingress refuses past its admission bound: `Retry-After: 1` and OpenAI's error shape."""
+    assert retry_after == "1" and error["type"] == "rate_limit_error" and error["code"] == 429, (retry_after, error)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
@@ -330,7 +335,7 @@ def test_overload_gets_429s_bounded_queues_no_5xx_no_hang_and_memory_back(mode):
     for status, retry_after, error, events, max_tokens, took_s in results:
         assert took_s < REQUEST_BOUND_S
         if status == 429:
-            assert retry_after == "1" and error["type"] == "rate_limit_error" and error["code"] == 429, error
+            _assert_refused(retry_after, error)
         else:
             assert events[-1] == "[DONE]" and '"error"' not in events[-2], events[-2:]
             assert json.loads(events[-2])["usage"]["completion_tokens"] == max_tokens
@@ -374,8 +379,7 @@ def test_plain_requests_past_the_admission_bound_get_429_with_retry_after_and_th
     assert statuses.count(200) >= MAX_QUEUED and 429 in statuses and set(statuses) <= {200, 429}, statuses
     for r in responses:
         if r.status_code == 429:
-            error = r.json()["error"]
-            assert r.headers["retry-after"] == "1" and error["type"] == "rate_limit_error", error
+            _assert_refused(r.headers["retry-after"], r.json()["error"])
         else:
             assert r.json()["usage"]["completion_tokens"] == 120
     wait_until_idle("unified", "unified", timeout_s=30)
