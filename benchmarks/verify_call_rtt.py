@@ -32,7 +32,8 @@ from ray.serve.config import RequestRouterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from deployments.lease_router import LeaseRouter, replica_lease  # noqa: E402
+from deployments.lease_router import LeaseRouter  # noqa: E402
+from deployments.leases import replica_lease  # noqa: E402
 from deployments.serve_calls import own_request  # noqa: E402
 from lanes.sample.params import SamplingParams  # noqa: E402
 from lanes.spec.verify import VerifyBatch, VerifyResult  # noqa: E402

@@ -21,33 +21,15 @@ held.
 
 import random
 import time
-import uuid
 
-from ray import serve
-from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from lanes.engine.backends import KVLost
+from deployments.leases import LeaseGone
 
 LEASE_KWARG = "lease"
 # Serve tells each caller's router of a new replica within a moment of its start; a lease unknown
 # for longer belongs to a replica that died before this router saw it.
 UNKNOWN_LEASE_WAIT_S = 5.0
-
-
-class LeaseGone(KVLost):
-    """The verify replica that owns this lease (and the KV of the requests it holds) is gone.
-
-    Serve pickles a request router's module by value, so a router in another process raises a copy of
-    this class: callers there recognise it by its base, KVLost (lanes/engine/backends.py, pickled by reference)."""
-
-
-def replica_lease() -> str:
-    """This verify replica's lease: its Serve replica id (a fresh id outside Serve, in tests)."""
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except RayServeException:  # not in a Serve replica
-        return uuid.uuid4().hex
 
 
 class LeaseRouter(RequestRouter):

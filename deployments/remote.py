@@ -95,7 +95,7 @@ def replica_silent(lease: str) -> KVLost:
     gone, so its requests are recomputed on a replica that answers (at most `max_migrations` times).
     A stopping replica can be silent so while the routers have not yet learnt that it stops: on a
     busy 2-core host, a 3 -> 1 scale-down failed one stream with this timeout before it was taken as
-    a loss (tests/test_verify_drain.py). A verify call that names no replica and times out means no
+    a loss (tests/test_verify_replicas_serve.py). A verify call that names no replica and times out means no
     verify replica answered at all: it fails as it is. (A prompt's KV that no replica takes in time is
     recomputed too: deployments/prefill_replica.py.)"""
     return KVLost.after_waiting(f"verify replica {lease} did not answer in {PEER_CALL_TIMEOUT_S:g} s",

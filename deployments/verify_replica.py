@@ -13,7 +13,8 @@ from ray.serve.config import RequestRouterConfig
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
-from deployments.lease_router import LeaseRouter, replica_lease
+from deployments.lease_router import LeaseRouter
+from deployments.leases import replica_lease
 from deployments.metrics import LaneMetrics
 from deployments.remote import current_actor, merge_rows
 from deployments.slot_owners import SlotOwners

@@ -7,14 +7,14 @@ mid-stream (after k chunks), or while a long prompt is prefilling (before its fi
 the client; in pdv while the prefill lane has it or hands its KV over). Then no lane holds a slot,
 `/v1/lanes` says so, and the app serves the same greedy output.
 
-Overload: 10x as many concurrent streams as the app admits (`max_queued_requests`), for
-`VPD_OVERLOAD_S` seconds (CI: 30), each admitted one about ADMITTED_HOLD_S long at the speed the app
-is measured to serve just before, so that refusals outnumber admissions on a fast machine as on a slow
-one. Every response is a 200 stream that completes, or a 429 with `Retry-After` in OpenAI's error
-shape; no 5xx; each request ends within a bound; `/v1/lanes`, sampled during the load, never shows a
-queue past the admission bound; after it every slot is free and every replica's RSS is back near its
-start (RSS_SLACK_MB, RSS_SLACK_FRACTION). A burst of plain (not streamed) requests, three times the bound
-at once, in unified: the same answers, without streams.
+Overload: 10x as many concurrent streams as the app admits (`max_queued_requests`), for `VPD_OVERLOAD_S`
+seconds (CI: 15, the burst issue 15 asks of CI; the long run below holds it 120 s), each admitted one about
+ADMITTED_HOLD_S long at the speed the app is measured to serve just before, so that refusals outnumber admissions
+on a fast machine as on a slow one. Every response is a 200 stream that completes, or a 429 with `Retry-After` in
+OpenAI's error shape; no 5xx; each request ends within a bound; `/v1/lanes`, sampled during the load, never shows
+a queue past the admission bound; after it every slot is free and every replica's RSS is back near its start
+(RSS_SLACK_MB, RSS_SLACK_FRACTION). A burst of plain (not streamed) requests, three times the bound at once, in
+unified: the same answers, without streams.
 
 Long runs: `VPD_CANCEL_COUNT=1000 VPD_OVERLOAD_S=120 pytest tests/test_cancel_overload.py`
 (results in docs/serving.md, "Cancellation and overload").
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.serve
 MODES = ("pdv", "unified")
 CANCEL_COUNT = int(os.environ.get("VPD_CANCEL_COUNT", "200"))  # per mode
 CANCEL_IN_FLIGHT = 12  # below MAX_QUEUED: a client gone must give its admission back at once
-OVERLOAD_S = float(os.environ.get("VPD_OVERLOAD_S", "30"))
+OVERLOAD_S = float(os.environ.get("VPD_OVERLOAD_S", "15"))
 MAX_QUEUED = 16  # the app admits this many requests at once; more get 429
 MAX_NUM_SEQS = 8
 OVERLOAD_CLIENTS = 10 * MAX_QUEUED

@@ -13,7 +13,7 @@ import time
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from deployments.lease_router import LeaseGone
+from deployments.leases import LeaseGone
 from deployments.remote import lane_error, merge_rows
 from lanes.engine.backends import KVLost
 from lanes.kv.pool import PoolFullError

@@ -1,5 +1,8 @@
 """The verify lane scales in the YAML like every other lane, and its deployment routes by lease."""
 
+import subprocess
+import sys
+
 from deployments.config import AppConfig
 from deployments.lease_router import LeaseRouter
 from deployments.verify_replica import VerifyDeployment
@@ -22,3 +25,29 @@ def test_every_handle_to_the_verify_lane_routes_by_lease():
     rebound = VerifyDeployment.options(**opts)
     assert rebound._deployment_config.request_router_config.get_request_router_class() is LeaseRouter
     assert rebound._deployment_config.num_replicas == 3
+
+
+def test_a_router_shipped_by_value_raises_the_lease_gone_its_callers_catch():
+    """Serve ships the router's module by value: every other process that routes to the verify lane runs a copy of
+    the class. What the copy raises for a gone lease is still deployments.leases.LeaseGone, so `except LeaseGone`
+    holds in an app declared by `serve deploy` too (tests/test_verify_replicas_serve.py kills a replica of one)."""
+    blob = VerifyDeployment._deployment_config.request_router_config.get_serialized_request_router_cls()
+    # Unpickled in this process, cloudpickle would hand back the class it pickled: another process gets a copy.
+    other_process = subprocess.run([sys.executable, "-c", _ROUTE_TO_A_GONE_LEASE], input=blob, capture_output=True,
+                                   check=True, timeout=120)
+    assert other_process.stdout.decode().split() == ["copy", "LeaseGone", "caught"], other_process.stdout
+
+
+_ROUTE_TO_A_GONE_LEASE = """
+import concurrent.futures, sys
+from types import SimpleNamespace
+from ray import cloudpickle
+import deployments.lease_router
+from deployments.leases import LeaseGone
+shipped = cloudpickle.loads(sys.stdin.buffer.read())
+print("copy" if shipped is not deployments.lease_router.LeaseRouter else "original")
+pending = SimpleNamespace(future=concurrent.futures.Future())
+assert shipped._fail(pending, ["a replica"], "verify replica x is gone") == [["a replica"]]
+error = pending.future.exception(timeout=0)
+print(type(error).__name__, "caught" if isinstance(error, LeaseGone) else "missed")
+"""

@@ -419,8 +419,8 @@ class _EngineLoop:
 
 def picklable(exc: BaseException) -> BaseException:
     """`exc`, or a copy that crosses the socket keeping what the engine reads it by. A class pickle
-    cannot find by its name (one that Serve shipped by value, such as a request router's LeaseGone)
-    becomes its nearest base that can (KVLost: the request is recomputed, not failed)."""
+    cannot find by its name (one that Serve shipped by value: a class defined in a request router's module)
+    becomes its nearest base that can (a KVLost: the request is recomputed, not failed)."""
     for cls in type(exc).__mro__:
         if not issubclass(cls, BaseException):
             break
