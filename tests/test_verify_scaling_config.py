@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 from deployments.config import AppConfig
 from deployments.lease_router import LeaseRouter
@@ -34,7 +35,7 @@ def test_a_router_shipped_by_value_raises_the_lease_gone_its_callers_catch():
     blob = VerifyDeployment._deployment_config.request_router_config.get_serialized_request_router_cls()
     # Unpickled in this process, cloudpickle would hand back the class it pickled: another process gets a copy.
     other_process = subprocess.run([sys.executable, "-c", _ROUTE_TO_A_GONE_LEASE], input=blob, capture_output=True,
-                                   check=True, timeout=120)
+                                   cwd=Path(__file__).resolve().parents[1], check=True, timeout=120)
     assert other_process.stdout.decode().split() == ["copy", "LeaseGone", "caught"], other_process.stdout
 
 
