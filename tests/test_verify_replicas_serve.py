@@ -75,22 +75,26 @@ def app(config):
 
 
 @pytest.fixture(scope="module")
-def greedy_refs(pair_paths) -> list[tuple[list[int], list[int]]]:
-    target = load_model(pair_paths[0])
+def target(pair_paths):
+    """The tiny target, loaded once for every part's greedy references."""
+    return load_model(pair_paths[0])
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(target) -> list[tuple[list[int], list[int]]]:
     prompts = random_prompts(REQUESTS, len(target.tokenizer), 1, 40, seed=18)
     return [(p, hf_greedy(target, p, GREEDY_TOKENS)) for p in prompts]
 
 
 @pytest.fixture(scope="module")
-def stream_refs(pair_paths) -> list[tuple[list[int], list[int]]]:
-    target = load_model(pair_paths[0])
+def stream_refs(target) -> list[tuple[list[int], list[int]]]:
     prompts = random_prompts(STREAMS, len(target.tokenizer), 4, 24, seed=1819)
     return [(p, hf_greedy(target, p, STREAM_TOKENS)) for p in prompts]
 
 
 @pytest.fixture(scope="module")
-def rescale_streams(pair_paths) -> list[tuple[list[int], list[int]]]:
-    return greedy_references(load_model(pair_paths[0]), STREAMS, RESCALE_TOKENS, seed=1818)
+def rescale_streams(target) -> list[tuple[list[int], list[int]]]:
+    return greedy_references(target, STREAMS, RESCALE_TOKENS, seed=1818)
 
 
 def _scale_verify_lane(config: dict, num_replicas: int) -> None:
