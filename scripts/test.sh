@@ -22,11 +22,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ] || ! command -v prometheus >/d
 fi
 export OMP_NUM_THREADS=1
 if [ $# -eq 0 ]; then
-    # The whole suite as two pytest runs, one after the other: the tests that need no Ray cluster on both cores,
-    # then those that need one in one process, over one cluster. Run side by side, the quick tier's worker slowed
-    # the replicas' starts and their forward timings (docs/testing.md, fourth pass); after it, nothing does.
+    # The whole suite as two pytest runs, one after the other: the tests that need no Ray cluster on every core
+    # (up to 8 workers: each holds torch and the tiny models), then those that need one in one process, over one
+    # cluster, whose replicas use every core. Run side by side, the quick tier's worker slowed the replicas'
+    # starts and their forward timings (docs/testing.md, fourth pass); after it, nothing does.
+    cores=$(nproc)
     status=0
-    .venv/bin/python -m pytest -q -n 2 --dist loadgroup -m "not serve" || status=$?
+    .venv/bin/python -m pytest -q -n "$(( cores < 8 ? cores : 8 ))" --dist loadgroup -m "not serve" || status=$?
     .venv/bin/python -m pytest -q -n 0 -m serve || status=$?
     exit "$status"
 fi
