@@ -240,14 +240,7 @@ def test_scale_up_while_streaming_loses_nothing_and_new_replicas_take_new_reques
     new = set(before) - set(held)
     assert len(new) == 2
 
-    async def burst():
-        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        async with httpx.AsyncClient(timeout=300) as http:
-            answers = await asyncio.gather(*(http.post(f"{base_url(APP)}/completions", json={**body, "prompt": p})
-                                             for p, _ in rescale_streams * 2))
-        assert all(a.status_code == 200 for a in answers)
-
-    asyncio.run(burst())
+    asyncio.run(_completions([p for p, _ in rescale_streams * 2]))  # each answered 200
     rows = {s["lease"]: s["rows_verified"] - before[s["lease"]] for s in lane_stats(APP, "VerifyLane")}
     print("rows verified per verify replica after the scale-up:", rows)
     assert sum(rows[lease] for lease in new) > 0
