@@ -8,12 +8,12 @@ Shapes: residual add + RMSNorm over Llama-2-7B's and TinyLlama's hidden rows, Qw
 (rows of 128), rotary + KV-pool write of Llama-2-7B (32 query and 32 KV heads), Llama-3-8B / Qwen3-8B
 (32 and 8) and TinyLlama (32 and 4, head_dim 64), SiLU-and-multiply of 7B's and TinyLlama's MLPs; at 1, 64
 and 320 tokens (decode at batch 1 and 64, verify of 64 rows of 5) and 4,096 (a prefill chunk). bf16.
-Then whole forwards through the fused decoder (lanes/model/fused_decoder.py) with either file's kernels:
-one prompt's prefill of PREFILL_TOKENS and a decode forward of 64 rows at context 512, for Llama-2-7B- and
-Qwen3-8B-shaped models with random bf16 weights (median of 10, CUDA-synchronised wall time).
-Each time is the median of `triton.testing.do_bench_cudagraph` (the kernel replayed in a CUDA graph, as
-served: no launch cost). Each row counts the output elements where this file's kernels and the
-baseline's differ. Writes fused_ops.json and fused_ops.md under --out.
+Each kernel time is the median of `triton.testing.do_bench_cudagraph` (the kernel replayed in a CUDA graph,
+as served: no launch cost), and each row counts the output elements where this file's kernels and the
+baseline's differ. Then whole forwards through the fused decoder (lanes/model/fused_decoder.py) with either
+file's kernels: one prompt's prefill of PREFILL_TOKENS and a decode forward of 64 rows at context 512, for
+Llama-2-7B- and Qwen3-8B-shaped models with random bf16 weights (median of 10 after a warm-up,
+CUDA-synchronised wall time). Writes fused_ops.json and fused_ops.md under --out.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def rope_rows(base) -> list[dict]:
                      for _ in range(4)]
 
             def run(module, k_pool, v_pool):
-                return module.rope_store(qkv, cos, sin, table, slots, starts, k_pool, v_pool, q_heads, True), k_pool, v_pool
+                query = module.rope_store(qkv, cos, sin, table, slots, starts, k_pool, v_pool, q_heads, True)
+                return query, k_pool, v_pool
 
             rows.append(compare("rope_store", shape, tokens, lambda: run(fused_ops, *pools[:2]),
                                 lambda: run(base, *pools[2:])))
@@ -191,8 +192,10 @@ def write(out: Path, document: dict) -> str:
     (out / "fused_ops.json").write_text(json.dumps(document, indent=2))
     tables = (f"## Kernels (µs)\n\n{rows_table(document['kernels'], labels=3)}\n"
               f"## Whole forwards (ms)\n\n{rows_table(document['forwards'])}")
-    (out / "fused_ops.md").write_text(f"# Fused kernels against {document['baseline']} ({document['device']})\n\n{tables}")
+    title = f"# Fused kernels against {document['baseline']} ({document['device']})"
+    (out / "fused_ops.md").write_text(f"{title}\n\n{tables}")
     return tables
+
 
 if __name__ == "__main__":
     main()

@@ -13,16 +13,17 @@ import statistics
 import subprocess
 import sys
 
-# (label, the imports); later rows hold the earlier ones, so differences are what a layer adds.
+# (label, the imports). The rows after the floor (ray + serve + torch) add one layer each to it, so their
+# differences from it are what that layer costs.
+FLOOR = "import ray; from ray import serve; import torch"
 ROWS = (
     ("an empty interpreter", "pass"),
     ("ray + ray.serve (every Ray worker)", "import ray; from ray import serve"),
     ("torch", "import torch"),
-    ("ray + serve + torch: the floor of a process that runs a model", "import ray; from ray import serve; import torch"),
-    ("+ transformers' AutoConfig", "import ray; from ray import serve; import torch; from transformers import AutoConfig"),
-    ("+ transformers' AutoTokenizer", "import ray; from ray import serve; import torch; from transformers import AutoTokenizer"),
-    ("+ transformers' modeling (AttentionInterface)",
-     "import ray; from ray import serve; import torch; from transformers import AttentionInterface"),
+    ("ray + serve + torch: the floor of a process that runs a model", FLOOR),
+    ("+ transformers' AutoConfig", f"{FLOOR}; from transformers import AutoConfig"),
+    ("+ transformers' AutoTokenizer", f"{FLOOR}; from transformers import AutoTokenizer"),
+    ("+ transformers' modeling (AttentionInterface)", f"{FLOOR}; from transformers import AttentionInterface"),
     ("the engine process (lanes.engine.process, deployments.factories)",
      "import lanes.engine.process, deployments.factories"),
     ("a replica (deployments.app: every deployment's module)", "import deployments.app"),
