@@ -43,7 +43,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify,
         stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s,
         engine_process=cfg.engine_process, start_workers=_workers(cfg, "decode_lane", load_shards),
-        peer_timeout_s=cfg.request_timeout_s)
+        peer_timeout_s=cfg.request_timeout_s, num_gpus=cfg.decode_lane.num_gpus)
     controller = None
     if cfg.controller.enabled:
         controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)

@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from deployments.engine_metrics import EngineMetrics
+from deployments.gpu_binding import lane_device
 from deployments.kv_transfer import Placement
 from deployments.metrics import read_gpu_stats
 from deployments.peer_calls import EnginePeers
@@ -63,16 +64,22 @@ def _lane_state(replies: list[str]) -> str:
 class EngineServer:
     def __init__(self, engine_factory, mode: str, prefill=None, verify=None, stream_interval_s: float = 0.0,
                  max_stream_messages_per_s: float | None = None, engine_process: bool = False,
-                 start_workers=None, peer_timeout_s: float = PEER_CALL_TIMEOUT_S):
+                 start_workers=None, peer_timeout_s: float = PEER_CALL_TIMEOUT_S, num_gpus: float = 0):
         """`start_workers()`: starts the worker ranks of a tensor-parallel engine in this replica's
         placement group (deployments/tp_workers.py `ShardWorkers`); the engine, rank 0, is built with
-        `tp_address=` the address they meet at."""
+        `tp_address=` the address they meet at. `num_gpus`: the replica's share of GPUs (its lane's)."""
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
         self.lane = "decode" if mode in ("pd", "pdv") else "engine"
         # The workers are held, so that they live as long as this replica.
         engine_factory, self.shard_workers = bind_workers(engine_factory, start_workers)
         streams = dict(stream_interval_s=stream_interval_s, max_stream_messages_per_s=max_stream_messages_per_s)
         if engine_process:
+            # The engine process is no Ray worker: it cannot ask Ray which GPU is this replica's, and with
+            # kv_peer_access Ray leaves CUDA_VISIBLE_DEVICES unset, so it saw every GPU and took the first,
+            # whichever GPU Ray gave this replica (two H200s: both replicas of a data-parallel app on
+            # GPU 0). Bound here, CUDA_VISIBLE_DEVICES names this replica's GPU first, and the engine
+            # process inherits it (lanes/engine/process.py passes this process's environment on).
+            lane_device(num_gpus)
             # pd's and pdv's engine reach their other lanes through this replica (deployments/peer_calls.py).
             self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)
             peers = EnginePeers(prefill, verify, peer_timeout_s) if prefill is not None or verify is not None else None

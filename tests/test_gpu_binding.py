@@ -111,3 +111,44 @@ def test_with_peer_access_each_replica_sees_both_gpus_its_own_first(two_fake_gpu
 def test_without_it_ray_shows_each_replica_only_its_own_gpu(two_fake_gpus):
     for device, visible, ids in _start(peer_access=False):
         assert device == "cuda" and visible == ids[0]
+
+
+def _tiny_engine(loop=None, prefill=None, verify=None):
+    """The decode replica's engine factory, as EngineServer calls it, over the tests' tiny pair (on the CPU:
+    only where the engine process runs and what it is told matters here)."""
+    from tests.engine_helpers import pair_engine
+
+    return pair_engine("llama")
+
+
+@ray.remote(num_cpus=0)
+class _DecodeReplica:
+    """A decode-lane replica as Serve runs it, with its engine in a process of its own."""
+
+    def engine_visible_devices(self) -> tuple[str | None, list[str]]:
+        from deployments.engine_replica import EngineServer
+
+        server = EngineServer(_tiny_engine, "unified", engine_process=True, num_gpus=1)
+        try:
+            with open(f"/proc/{server.engine.pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        finally:
+            server.engine.shutdown()
+        visible = env.get(b"CUDA_VISIBLE_DEVICES")
+        return visible.decode() if visible is not None else None, [str(i) for i in ray.get_gpu_ids()]
+
+
+def test_each_decode_replicas_engine_process_sees_that_replicas_gpu_first(two_fake_gpus):
+    """The engine process, no Ray worker, cannot ask Ray for its GPU: it inherits what its replica bound.
+    Before the fix, it saw every GPU and took the first (two H200s: both replicas of a data-parallel
+    app on GPU 0, benchmarks/results/dual_gpu_h200x2_issue32/)."""
+    env = peer_access_env(1, True)
+    replicas = [_DecodeReplica.options(num_gpus=1, runtime_env={"env_vars": env}).remote() for _ in range(2)]
+    try:
+        results = ray.get([r.engine_visible_devices.remote() for r in replicas], timeout=300)
+    finally:
+        for replica in replicas:
+            ray.kill(replica)
+    assert sorted(ids[0] for _, ids in results) == ["0", "1"]
+    for visible, ids in results:
+        assert visible == ("0,1" if ids == ["0"] else "1,0")
