@@ -86,7 +86,7 @@ def rope_rows(base) -> list[dict]:
     for shape, (q_heads, kv_heads, dim) in ROPES.items():
         for tokens in TOKENS:
             batch, q_len = (tokens, 1) if tokens <= 64 else (64, tokens // 64)
-            blocks_per_slot = (512 + q_len) // PAGE + 1
+            blocks_per_slot = (CONTEXT + q_len) // PAGE + 1
             qkv = torch.randn(batch, q_len, (q_heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda")
             cos, sin = (torch.randn(1024, dim // 2, dtype=torch.bfloat16, device="cuda") for _ in range(2))
             table = torch.randperm(batch * blocks_per_slot, device="cuda", dtype=torch.int32).view(batch, -1)
@@ -124,22 +124,17 @@ def use_kernels(module) -> None:
 
 
 def forward_ms(runner, batch: int, q_len: int, start: int) -> float:
-    import statistics
-    import time
+    """One forward of `batch` rows of `q_len` new tokens after `start` cached ones (median of 10 after a
+    warm-up, families_fused's timing)."""
+    from benchmarks.families_fused import median_ms
 
     slots = [runner.pool.allocate() for _ in range(batch)]
     runner.pool.reserve(slots, [start + q_len] * batch)
     ids = torch.randint(0, runner.vocab_size, (batch, q_len), device="cuda")
-    times = []
-    for _ in range(11):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.forward(runner.rows(slots, [start] * batch), ids)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
+    ms = median_ms(lambda: runner.forward(runner.rows(slots, [start] * batch), ids), "cuda")
     for slot in slots:
         runner.pool.free(slot)
-    return statistics.median(times[1:])
+    return ms
 
 
 def forward_rows(base) -> list[dict]:
