@@ -4,7 +4,7 @@ streamed chunk or for the whole answer.
 
 Token strings are each token decoded on its own, as vLLM writes them, and kept per tokenizer: with
 `logprobs: 5` every output token needs six, and decoding them each time made `render` cost 16.5 us a
-token against 7.6 us (2-core CPU, benchmarks/host_costs.py), a host cost that grows with the stream count.
+token against 7.6 us (2-core CPU, docs/diagnoses.md: host_costs), a host cost that grows with the stream count.
 """
 
 from weakref import WeakKeyDictionary

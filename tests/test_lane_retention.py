@@ -1,6 +1,6 @@
 """pdv's three lane replicas keep nothing per request once their requests have ended: every container
 they key by request (or by a request's slot) is empty again. In one process (benchmarks/lib/pdv_in_process.py),
-so that what the replicas' own code holds is all there is to see; benchmarks/lane_retention.py measures the
+so that what the replicas' own code holds is all there is to see; lane_retention (docs/diagnoses.md) measured the
 bytes a request leaves behind the same way."""
 
 import asyncio

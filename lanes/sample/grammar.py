@@ -121,7 +121,7 @@ class ColumnMasks:
         self.host = torch.full((len(seqs), columns, words), _ALL_ALLOWED, dtype=torch.int32)  # [B, L + 1, W]
         # [B, W] what each row's fills are narrowed by (JSON's tokens), in one operation per use rather
         # than one per fill (with the flat view, a 64-row step: 1.99 -> 1.52 ms on the 2-core CPU,
-        # benchmarks/host_costs.py); None when no row narrows.
+        # docs/diagnoses.md, host_costs); None when no row narrows.
         self.allowed = _row_narrowing(self.grammars, words)
         self.matched = np.zeros((len(seqs), columns), dtype=bool)  # the columns a matcher filled
         self._cells = self.host.view(len(seqs) * columns, words)  # row i, column c at i * (L + 1) + c: no view per fill

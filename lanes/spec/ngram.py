@@ -65,7 +65,7 @@ class NgramIndex:
     """A sequence's tokens as a numpy array, and where each of their n-grams first ends, for one n. A
     sequence's tokens only grow (rejected drafts never reach them, a preemption keeps them), so each
     call takes in only the tokens appended since the last (with the index, a step at 16 rows of 1,700
-    matching tokens went from 0.71 to 0.32 ms on the 2-core CPU: benchmarks/host_costs.py)."""
+    matching tokens went from 0.71 to 0.32 ms on the 2-core CPU: docs/diagnoses.md, host_costs)."""
 
     def __init__(self, n: int):
         self.n = n
