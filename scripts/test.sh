@@ -25,7 +25,7 @@ if [ $# -eq 0 ]; then
     # The whole suite as two pytest runs, one after the other: the tests that need no Ray cluster on every core
     # (up to 8 workers: each holds torch and the tiny models), then those that need one in one process, over one
     # cluster, whose replicas use every core. Run side by side, the quick tier's worker slowed the replicas'
-    # starts and their forward timings (docs/testing.md, fourth pass); after it, nothing does.
+    # starts and their forward timings (docs/testing.md); after it, nothing does.
     cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc honours OMP_NUM_THREADS, set above
     status=0
     .venv/bin/python -m pytest -q -n "$(( cores < 8 ? cores : 8 ))" --dist loadgroup -m "not serve" || status=$?
