@@ -91,6 +91,7 @@ class EngineServer:
             self.metrics = EngineMetrics(self.lane, mode)
             self.engine, self.placement_ = self._start_thread(engine_factory, prefill, verify, streams)
         self._last_snap: EngineSnapshot | None = None  # the previous step's, for the step timeline's deltas
+        self._streamed = (0, 0)  # the engine's (num_messages, num_coalesced) exported so far
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
         self.peers = {"prefill": prefill, "verify": verify}
         self._stopping = False
@@ -173,6 +174,7 @@ class EngineServer:
                 # Engine steps and the stream messages they became (what serving_overhead.py reads),
                 # and the process that steps (the one to profile).
                 "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
+                "num_coalesced": self.engine.num_coalesced,
                 "step_ms_total": self.engine.step_ms_total, "pid": pid, "replica_pid": os.getpid()}
 
     async def trace(self, num_steps: int, out_dir: str, timeout_s: float = 60.0) -> dict:
@@ -203,6 +205,10 @@ class EngineServer:
                         ooms=snap.num_oom_recoveries - (last.num_oom_recoveries if last else 0))
         self._last_snap = snap
         self.metrics.on_step(snap, step_ms, batch_size)
+        # Read off the event loop's counters without a lock: a delta missed now is exported next step.
+        streamed = (self.engine.num_messages, self.engine.num_coalesced)
+        self.metrics.metrics.record_stream_messages(streamed[0] - self._streamed[0], streamed[1] - self._streamed[1])
+        self._streamed = streamed
 
     def __del__(self):
         self._stopping = True  # its workers stop with the engine: no loss

@@ -96,6 +96,8 @@ class _Registry:
     gpu_memory_used_bytes: Any
     ignored_request_fields: Any
     oom_recoveries: Any
+    stream_messages: Any
+    stream_coalesced: Any
     prompts_prefilled: Any
     internal_errors: Any
 
@@ -159,6 +161,12 @@ def _registry() -> _Registry:
                                        "accepted and ignored, by name.", tag_keys=("mode", "field")),
         oom_recoveries=Counter("vpd_oom_recoveries", "Forwards that ran out of device memory and whose requests "
                                "were recomputed or retried smaller (never sent to a client).", tag_keys=lane_tags),
+        stream_messages=Counter("vpd_stream_messages", "Streamed messages a decode (or engine) replica sent "
+                                "towards the ingress.", tag_keys=lane_tags),
+        stream_coalesced=Counter("vpd_stream_coalesced_outputs", "Engine steps' outputs of a request that went "
+                                 "out merged into another step's message: its consumer had not taken the previous "
+                                 "one (the ingress or Serve could not keep up), or stream_interval_ms / "
+                                 "max_stream_messages_per_s held it.", tag_keys=lane_tags),
         prompts_prefilled=Counter("vpd_prompts_prefilled", "Prompts prefilled where they decode (where=decode_lane: "
                                   "at most local_prefill_max_tokens; in pdv the target's KV by the verify lane) and "
                                   "by the prefill lane.",
@@ -263,6 +271,13 @@ class LaneMetrics:
         """Out-of-memory errors this lane recovered from since the last call."""
         if count > 0:  # Ray counters refuse increments of 0
             self._metrics.oom_recoveries.inc(count, tags=self._tags)
+
+    def record_stream_messages(self, messages: int, coalesced: int) -> None:
+        """Stream messages sent, and step outputs merged into another's message, since the last call."""
+        if messages > 0:  # Ray counters refuse increments of 0
+            self._metrics.stream_messages.inc(messages, tags=self._tags)
+        if coalesced > 0:
+            self._metrics.stream_coalesced.inc(coalesced, tags=self._tags)
 
     def record_prompts_prefilled(self, by_lane: dict[str, int]) -> None:
         """Prompts prefilled since the last call, by where: {"decode_lane": n, "prefill_lane": m} (pd's split)."""

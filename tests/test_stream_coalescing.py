@@ -1,5 +1,6 @@
-"""Coalesced streams (issue 14): a request's chunks are merged between messages, never lost or
-reordered, the first chunk is never held, and the last one is not held either."""
+"""Coalesced streams: a request's chunks are merged between messages, never lost or reordered, the
+first chunk is never held, and the last one is not held either; without a time floor, a consumer
+that keeps up gets each step's tokens alone and one that falls behind gets them merged."""
 
 import asyncio
 import time
@@ -106,3 +107,42 @@ def test_a_message_budget_lengthens_every_streams_interval(llama_pair):
     # Besides each stream's first and last chunk, messages leave at no more than 10 a second.
     middle = sum(len(chunks) - 2 for chunks in runs)
     assert middle <= 10 * elapsed_s + len(runs), (middle, elapsed_s)
+
+
+def test_without_a_floor_a_slow_consumer_gets_merged_chunks_and_a_fast_one_each_steps(llama_pair):
+    target, draft = llama_pair
+    prompt = random_prompts(1, VOCAB, 10, 10, seed=5)[0]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    pause_s = 0.25
+
+    async def read(engine: AsyncEngine, pause: float) -> tuple[list[RequestOutput], int, int]:
+        messages, coalesced = engine.num_messages, engine.num_coalesced
+        chunks = []
+        async for out in engine.generate(prompt, params):
+            chunks.append(out)
+            await asyncio.sleep(pause)  # a consumer that takes its chunks this slowly
+        return chunks, engine.num_messages - messages, engine.num_coalesced - coalesced
+
+    async def main():
+        engine = AsyncEngine(small_engine(target, draft))  # the defaults: no interval, no bound
+        try:
+            await read(engine, 0.0)  # warm-up
+            steps = engine.num_steps
+            fast = await read(engine, 0.0)
+            fast_steps = engine.num_steps - steps
+            return fast, fast_steps, await read(engine, pause_s)
+        finally:
+            engine.shutdown()
+
+    (fast, fast_messages, fast_coalesced), fast_steps, (slow, slow_messages, slow_coalesced) = asyncio.run(main())
+    expected = hf_greedy(target, prompt, params.max_tokens)
+    for chunks in (fast, slow):
+        assert [t for out in chunks for t in out.token_ids] == expected  # all, in order, once
+        assert chunks[-1].finished and not any(out.finished for out in chunks[:-1])
+    # A consumer that keeps up: about one message per step (the engine thread may still end two steps
+    # between two turns of the event loop); each step output is a message or merged into one.
+    assert fast_messages == len(fast) and fast_messages + fast_coalesced >= fast_steps * 0.9
+    assert fast_messages >= fast_steps / 2, (fast_messages, fast_steps)
+    # A slow one: the steps made while it paused went out together, not as a queue of messages.
+    assert slow_messages == len(slow) and slow_coalesced > 0
+    assert max(len(out.token_ids) for out in slow) > 1

@@ -4,9 +4,13 @@ lanes/engine/process.py steps it in a process of its own behind the same front (
 The engine thread owns all engine state. Callers talk to it through a thread-safe inbox (new
 requests, aborts, draft-length changes); it hands each step's outputs to the event loop in one
 call, and each request's stream takes whatever has arrived since its last message, merged. So the
-event loop never blocks on a forward pass, no lock is held across a step, and the cost of handing
-outputs on (a loop wake-up per step, a message per stream per `stream_interval_s`) does not grow
-with the number of tokens.
+event loop never blocks on a forward pass and no lock is held across a step.
+
+By default a stream sends each step's tokens as the step ends. Its next message is made only when
+its consumer asks for it: a consumer that has not yet taken the previous one (an event loop, a
+Serve hop or an ingress that cannot keep up) gets the steps made meanwhile merged into one message
+rather than a queue of them (`num_coalesced` counts those merges). `stream_interval_s` and
+`max_stream_messages_per_s` add a time floor between a stream's messages for those who want fewer.
 """
 
 import asyncio
@@ -50,24 +54,21 @@ class _Stream:
     def ended(self) -> bool:
         return self.error is not None or bool(self.pending and self.pending[-1].finished)
 
-    async def take(self, not_before_s: float) -> RequestOutput:
-        """What arrived since the last take, merged. Waits for at least one chunk, then holds it
-        until `not_before_s` (loop time) so that later steps' tokens join it, unless the request ends
-        first: the last chunk is never held back."""
+    async def take(self, not_before_s: float) -> list[RequestOutput]:
+        """What arrived since the last take (to be merged into one message). Waits for at least one
+        chunk, then holds it until `not_before_s` (loop time) so that later steps' tokens join it,
+        unless the request ends first: the last chunk is never held back."""
         while not (self.pending or self.error):
-            await self._wait(None)
+            self._waiter = self.loop.create_future()
+            await self._waiter  # cancelled with the task: push() then finds it done
         while not self.ended and (left_s := not_before_s - self.loop.time()) > 0:
-            await self._wait(left_s)
+            self._waiter = self.loop.create_future()
+            # asyncio.wait, not wait_for: a timeout must not cancel the waiter that push() resolves.
+            await asyncio.wait([self._waiter], timeout=left_s)
         if self.error is not None:
             raise self.error
-        merged = merge_outputs(self.pending)
-        self.pending = []
-        return merged
-
-    async def _wait(self, timeout_s: float | None) -> None:
-        self._waiter = self.loop.create_future()
-        # asyncio.wait, not wait_for: a timeout must not cancel the waiter that push() resolves.
-        await asyncio.wait([self._waiter], timeout=timeout_s)
+        taken, self.pending = self.pending, []
+        return taken
 
 
 def guarded(fn: Callable | None, *args) -> None:
@@ -89,12 +90,16 @@ class StreamingFront:
     `_deliver` with each step's outputs from their own thread."""
 
     def __init__(self, stream_interval_s: float = 0.0, max_stream_messages_per_s: float | None = None):
-        # Least time between two messages of one stream after its first; 0 sends what each step made.
+        # Least time between two messages of one stream after its first; 0: each step's tokens as it ends.
         self.stream_interval_s = stream_interval_s
-        # Bound on messages per second over all streams: each one costs the event-loop threads GIL
-        # time (that a step loop in this process waits for), so with many streams each one's interval grows.
+        # Bound on messages per second over all streams (None: none): with n streams each one's interval
+        # is at least n / this. Each message costs this process's event loop time; with the engine on a
+        # thread here (AsyncEngine) that is GIL time its step loop waits for.
         self.max_stream_messages_per_s = max_stream_messages_per_s
         self.num_messages = 0  # chunks yielded to callers (each one a Ray message when served)
+        # Step outputs that went out merged into another's message: their consumer had not taken the
+        # previous message yet (backpressure), or a time floor above held it.
+        self.num_coalesced = 0
         self.num_steps = 0
         self.step_ms_total = 0.0  # time inside core.step(), summed
         self.progress_s = time.monotonic()  # when the engine last stepped or last reported itself idle
@@ -133,10 +138,11 @@ class StreamingFront:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's output chunks. Raises ParamError (before any chunk) on bad input.
 
-        The first chunk goes out as soon as it exists; later ones carry every token made since the
-        previous chunk, at most one per `stream_interval_s` (longer when `max_stream_messages_per_s`
-        shared by every stream asks for it). Leaving the iteration early (client
-        gone, task cancelled) aborts the request and frees its KV slots.
+        Each chunk carries every token made since the previous one: a step's tokens as it ends while
+        the caller keeps up, several steps' once it takes its chunks more slowly than steps end; with
+        `stream_interval_s` (or `max_stream_messages_per_s`, shared by every stream) at most one chunk
+        per interval after the first. The first and the last chunk are never held. Leaving the
+        iteration early (client gone, task cancelled) aborts the request and frees its KV slots.
         """
         if (refused := self.refusal()) is not None:
             raise refused
@@ -146,10 +152,13 @@ class StreamingFront:
         finished, not_before_s = False, 0.0
         try:
             while not finished:
-                out = await stream.take(not_before_s)
-                not_before_s = stream.loop.time() + self._interval_s()
+                chunks = await stream.take(not_before_s)
+                if interval_s := self._interval_s():
+                    not_before_s = stream.loop.time() + interval_s
+                out = merge_outputs(chunks)
                 finished = out.finished
                 self.num_messages += 1
+                self.num_coalesced += len(chunks) - 1
                 yield out
         finally:
             if not finished:

@@ -1,0 +1,197 @@
+"""What a streaming client sees under each stream-coalescing setting: one deployment per setting, each
+loaded at several concurrencies through Serve's proxy and the OpenAI ingress, in one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stream_latency.py --device cpu --modes nospec --out /tmp/sl
+    python3 benchmarks/stream_latency.py --device cuda --modes nospec,spec --out OUT
+
+`--settings` names each setting as NAME:STREAM_INTERVAL_MS:MAX_STREAM_MESSAGES_PER_S (0: no bound);
+the default compares the old default (50 ms, 400/s) with streaming every step (0, none). Each point is
+a closed loop of random token-id prompts (greedy, ignore_eos) with the load tester's streaming client,
+after a warm-up at the largest concurrency. Per point: tok/s, the client's ITL p50/p99 (the gap between
+two chunks of a request), TPOT p50/p99, the p99 over requests of each one's longest gap (decode stall),
+TTFT p50, every request counted, and from the decode replica's counters over the point: the engine's
+mean step and decode-only step (ms), stream messages per step, and the share of step outputs that went
+out merged into another's message (num_coalesced / (messages + num_coalesced)).
+
+Writes stream_latency_<device>.json and .md under --out, after every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import ray
+from ray import serve
+from transformers import AutoConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
+
+from benchmarks.lib.cluster import deploy, free_device_memory, git_commit, log, machine, start_cluster  # noqa: E402
+from benchmarks.lib.pairs import save_pair  # noqa: E402
+from benchmarks.serving_overhead import _options, app_config, random_work, replica_counters  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
+from loadtest.arrivals import ClosedLoop  # noqa: E402
+from loadtest.runner import run_load  # noqa: E402
+
+DEFAULT_SETTINGS = "old:50:400,every_step:0:0"
+
+
+def parse_settings(text: str) -> list[tuple[str, float, float | None]]:
+    settings = []
+    for item in text.split(","):
+        name, interval_ms, rate = item.split(":")
+        settings.append((name, float(interval_ms), float(rate) or None))
+    return settings
+
+
+def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -> dict:
+    handle = serve.get_deployment_handle("DecodeLane", app_name=name)
+    before = replica_counters(handle)
+    before_coalesced = handle.stats.remote().result().get("num_coalesced", 0)
+    result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work.workload(), ClosedLoop(concurrency),
+                                  options=_options(), timeout_s=timeout_s, progress=False))
+    after = replica_counters(handle)
+    coalesced = handle.stats.remote().result().get("num_coalesced", 0) - before_coalesced
+    s = result.summary()
+    steps, step_ms, messages = (after[k] - before[k] for k in ("num_steps", "step_ms_total", "num_messages"))
+    profile = after["profile"].since(before["profile"]).summary()
+    gaps = [max(r.itl_ms) for r in result.records if r.status == "completed" and r.itl_ms]
+    lat = s.latency_ms
+    return {"concurrency": concurrency, "submitted": s.submitted, "completed": s.completed, "failed": s.failed,
+            "timed_out": s.timed_out, "output_tok_s": _r(s.output_token_throughput_tps, 1),
+            "itl_p50_ms": _r(lat["itl_ms"].p50), "itl_p99_ms": _r(lat["itl_ms"].p99),
+            "tpot_p50_ms": _r(lat["tpot_ms"].p50), "tpot_p99_ms": _r(lat["tpot_ms"].p99),
+            "stall_p99_ms": _r(float(np.percentile(gaps, 99)) if gaps else None),
+            "ttft_p50_ms": _r(lat["ttft_ms"].p50),
+            "step_ms_mean": _r(step_ms / steps if steps else None),
+            "decode_step_ms": _r(profile.get("decode_only_step_ms")),
+            "itl_p50_over_step": _r(lat["itl_ms"].p50 / (step_ms / steps) if steps and lat["itl_ms"].p50 else None, 3),
+            "messages_per_step": _r(messages / steps if steps else None),
+            "coalesced_share": _r(coalesced / (messages + coalesced) if messages + coalesced else None, 3)}
+
+
+def _r(value, digits: int = 2):
+    return None if value is None else round(value, digits)
+
+
+def markdown(doc: dict) -> str:
+    rows = doc["rows"]
+    cols = list(rows[0]) if rows else []
+    lines = [f"# Stream latency ({doc['machine'].get('gpu') or doc['machine']['cpu_model']})", "",
+             f"`{doc['command']}` (commit {doc['commit']}); {doc['work']}", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
+    if doc["errors"]:
+        lines += ["", "## Failures", ""] + [f"- {k}: {e}" for k, e in doc["errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write(doc: dict, out: Path, device: str) -> None:
+    (out / f"stream_latency_{device}.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / f"stream_latency_{device}.md").write_text(markdown(doc))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--shape", default="tinyllama-7b", help="cuda: the constructed pair's shape")
+    parser.add_argument("--agreement", type=float, default=0.8, help="cuda: the constructed pair's agreement")
+    parser.add_argument("--pair-dir", type=Path, default=Path("/tmp/vpd_gpu_modes"))
+    parser.add_argument("--modes", default="nospec,spec")
+    parser.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS))
+    parser.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                        help="default 1,64,256 on cuda, 1,8 on cpu")
+    parser.add_argument("--requests", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                        help="per concurrency; default 16,256,512 on cuda, 4,16 on cpu")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 on cuda, 32 on cpu")
+    parser.add_argument("--output-len", type=int, default=None, help="default 128 on cuda, 32 on cpu")
+    parser.add_argument("--draft-len", type=int, default=3)
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--budget-s", type=float, default=None, help="start no deployment after this long")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    for key, gpu, cpu in (("concurrency", [1, 64, 256], [1, 8]), ("requests", [16, 256, 512], [4, 16]),
+                          ("prompt_len", 128, 32), ("output_len", 128, 32)):
+        if getattr(args, key) is None:
+            setattr(args, key, gpu if cuda else cpu)
+    assert len(args.requests) == len(args.concurrency), "one --requests count per --concurrency"
+    args.dtype = "bfloat16" if cuda else "float32"
+    args.max_num_seqs = max(max(args.concurrency), 8)  # one deployment serves every concurrency
+    args.lane_num_cpus = 1.0 if cuda else 0.25
+    args.prefill_chunk_tokens = None
+    args.stream_interval_ms = None
+    args.modes = args.modes.split(",")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started_s = time.monotonic()
+    target = draft = None
+    if args.device == "cuda":
+        pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device)
+        target, draft = pair.target, pair.draft
+    probe = AppConfig.model_validate(app_config("nospec", target, draft, args))
+    vocab = AutoConfig.from_pretrained(probe.target.path).get_text_config().vocab_size
+    top = max(args.concurrency)
+    warmup = replace(random_work(vocab, replace_concurrency(args, top), 2 * top, seed=1),
+                     output_len=min(16, args.output_len))
+    doc = {"command": "python benchmarks/stream_latency.py " + " ".join(argv), "commit": git_commit(),
+           "machine": machine(), "work": f"closed loops of {args.concurrency} in flight ({args.requests} requests), "
+           f"prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
+           f"L = {args.draft_len}, {args.dtype}, max_num_seqs {args.max_num_seqs}",
+           "rows": [], "errors": {}}
+    port = start_cluster({"TRITON_INTERPRET": "0"} if args.device == "cuda" else None)
+    try:
+        for mode in args.modes:
+            for name, interval_ms, rate in args.settings:
+                label = f"{mode}-{name}"
+                if args.budget_s is not None and time.monotonic() - started_s > args.budget_s:
+                    doc["errors"][label] = "skipped: --budget-s spent"
+                    continue
+                config = app_config(mode, target, draft, args)
+                config.update(stream_interval_ms=interval_ms, max_stream_messages_per_s=rate)
+                try:
+                    log(f"{label}: deploying (stream_interval_ms {interval_ms:g}, max_stream_messages_per_s {rate})")
+                    deploy(label, config, timeout_s=600)
+                    asyncio.run(run_load(f"http://127.0.0.1:{port}/{label}", warmup.workload(), ClosedLoop(top),
+                                         options=_options(), timeout_s=args.request_timeout_s, progress=False))
+                    for i, (concurrency, count) in enumerate(zip(args.concurrency, args.requests)):
+                        # Prompts of their own per point: none reads another's prefix cache.
+                        work = random_work(vocab, replace_concurrency(args, concurrency), count, seed=10 + i)
+                        row = {"mode": mode, "setting": name, "interval_ms": interval_ms, "max_msgs_s": rate,
+                               **load_point(label, port, work, concurrency, args.request_timeout_s)}
+                        doc["rows"].append(row)
+                        log(json.dumps(row))
+                        write(doc, args.out, args.device)
+                except Exception as exc:  # one setting failing leaves the others measured
+                    doc["errors"][label] = repr(exc)
+                    log(f"{label}: failed: {exc!r}")
+                finally:
+                    serve.delete(label)
+                    free_device_memory()
+                write(doc, args.out, args.device)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    log("done")
+
+
+def replace_concurrency(args: argparse.Namespace, concurrency: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "concurrency": concurrency})
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
+    main()
