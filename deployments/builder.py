@@ -29,6 +29,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     check_pair(cfg)
     check_tensor_parallel(cfg)
     check_gpus(cfg)
+    check_resources(cfg)
     check_controller(cfg)
     verify = prefill = None
     if cfg.mode == "pdv":
@@ -89,6 +90,24 @@ def check_controller(cfg: AppConfig) -> None:
     # Without a draft model every L is clamped to 0: the controller would push forever and change nothing.
     if cfg.controller.enabled and cfg.mode == "nospec":
         raise ConfigError("controller.enabled needs a draft model; mode 'nospec' has none")
+
+
+def check_resources(cfg: AppConfig) -> None:
+    """A lane pinned by custom resources to nodes that no node offers would wait forever: fail now instead."""
+    wanted = [(lane, name, amount * cfg.lane_ranks(lane)) for lane in cfg.lanes
+              for name, amount in getattr(cfg, lane).resources.items()]
+    if not wanted or not cfg.require_gpus_present:
+        return
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)
+    # Per node, not summed: one replica's resources must all be on one node.
+    offered = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    for lane, name, amount in wanted:
+        most = max((resources.get(name, 0) for resources in offered), default=0)
+        if most < amount:
+            raise ConfigError(f"{lane}.resources asks for {name}={amount:g} but no node of the Ray cluster offers "
+                              f"it (the most on one node: {most:g}); start nodes with it, or set "
+                              "require_gpus_present: false where the autoscaler starts such nodes on demand")
 
 
 def check_gpus(cfg: AppConfig) -> None:

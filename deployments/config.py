@@ -8,6 +8,7 @@
     prefill_lane: {num_gpus: 0.2}
     decode_lane:  {num_gpus: 0.2, num_replicas: 2}
     verify_lane:  {num_gpus: 0.5}                       # num_replicas / autoscaling_config as any lane
+                                                        # resources: {verify_node: 1} pins a lane to such nodes
 """
 
 from pathlib import Path
@@ -104,6 +105,10 @@ DraftSpec = Annotated[Annotated[DraftModelSpec, Tag("model")] | Annotated[NgramS
                       Discriminator(_draft_kind)]
 
 
+# Ray's own resource names, which a lane asks for through num_cpus / num_gpus (and Ray itself accounts).
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
 class LaneConfig(_Strict):
     """Placement and scaling of one lane's deployment."""
 
@@ -111,6 +116,12 @@ class LaneConfig(_Strict):
     num_gpus: float = Field(default=0, ge=0, description="GPU share per replica: a fraction shares one GPU, "
                             "1 or more gives whole GPUs. 0 runs the lane on the CPU.")
     num_cpus: float = Field(default=0.25, ge=0, description="CPU share per replica (Ray scheduling).")
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources each replica "
+                                        "asks for (Serve's ray_actor_options.resources), which pin the lane to the "
+                                        "nodes that offer them: {verify_node: 1} places it only on nodes started "
+                                        "with that resource (`ray start --resources`, or a node type's `resources` "
+                                        "in cluster.yaml). Names of Ray's own (CPU, GPU, memory) are refused: "
+                                        "num_cpus and num_gpus say those.")
     max_ongoing_requests: int = Field(default=256, ge=1, description="Concurrent calls a replica accepts.")
     autoscaling_config: dict | None = Field(default=None, description="Ray Serve autoscaling_config; "
                                             "replaces num_replicas.")
@@ -126,6 +137,16 @@ class LaneConfig(_Strict):
         "of the GPU's SMs this lane's kernels may occupy at once (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that the "
         "others always find SMs free. Unset: no cap. No effect without MPS.")
 
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(f"resources: {name!r} is Ray's own; set num_cpus / num_gpus instead")
+            if amount <= 0:
+                raise ValueError(f"resources: {name} must be > 0, not {amount:g}")
+        return resources
+
     def bind_device(self) -> str:
         """Inside this lane's replica, before CUDA starts: the device to run on (and which GPUs it sees)."""
         device = lane_device(self.num_gpus)
@@ -140,6 +161,8 @@ class LaneConfig(_Strict):
         with the replica's GPUs and CPUs (deployments/tp_workers.py places the workers in them).
         `default_mps_priority`: the lane's MPS priority where `mps_priority` is unset."""
         actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            actor["resources"] = dict(self.resources)
         priority = self.mps_priority or default_mps_priority
         if env_vars := {**peer_access_env(self.num_gpus, peer_access), **mps_priority_env(priority, self.num_gpus),
                         **mps_sm_percent_env(self.mps_sm_percent, self.num_gpus)}:
@@ -158,7 +181,8 @@ class LaneConfig(_Strict):
     @property
     def bundle(self) -> dict[str, float]:
         """One rank's resources in a placement group."""
-        return {"CPU": self.num_cpus, "GPU": self.num_gpus} if self.num_gpus > 0 else {"CPU": self.num_cpus}
+        gpus = {"GPU": self.num_gpus} if self.num_gpus > 0 else {}
+        return {"CPU": self.num_cpus, **gpus, **self.resources}
 
 
 class EngineArgs(_Strict):
@@ -280,8 +304,8 @@ class AppConfig(_Strict):
                                  "a prompt's KV crosses GPUs by a peer copy (NVLink or PCIe) into its owner's "
                                  "pool. False: it goes through host memory and Ray's object store.")
     require_gpus_present: bool = Field(default=True, description="Fail at build time when a lane asks for "
-                                       "GPUs the cluster does not have (set false on an autoscaling cluster "
-                                       "whose GPU nodes start on demand).")
+                                       "GPUs, or custom `resources`, that no node of the cluster has (set false "
+                                       "on an autoscaling cluster whose nodes of that kind start on demand).")
 
     @model_validator(mode="after")
     def _check(self) -> Self:

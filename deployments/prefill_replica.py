@@ -71,6 +71,8 @@ class PrefillServer:
         self.pending = 0
         # Draft KV hand-overs by transport ("none": drafting by prompt lookup, there is no draft KV).
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
+        # KV bytes by how they went (both models'): "copied" went through Ray's object store.
+        self.handed_over_bytes = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
         # pdv: each verify replica's target pool (by lease) when this replica can write into it, else None.
         self._verify_pools: dict[str, PoolHandle | None] = {}
         self._verify_route_lock = asyncio.Lock()
@@ -132,6 +134,8 @@ class PrefillServer:
                                                                   out.done.target_slot))
                 raise replica_silent(out.done.target_lease) from exc
         self.handed_over[out.draft] += 1
+        self.handed_over_bytes[out.target] += out.target_bytes
+        self.handed_over_bytes[out.draft] += out.draft_bytes
         TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target,
                         draft=out.draft, target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
                         received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
@@ -322,7 +326,8 @@ class PrefillServer:
         self.metrics.set_queue_depth(self.pending)
 
     async def stats(self) -> dict:
-        return {"pending": self.pending, "handed_over": dict(self.handed_over), "oom_retries": self.oom_retries,
+        return {"pending": self.pending, "handed_over": dict(self.handed_over),
+                "handed_over_bytes": dict(self.handed_over_bytes), "oom_retries": self.oom_retries,
                 "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
                 "slot_calls_resent": self.slot_calls_resent, "views_dropped": self.views_dropped,
                 "replica_pid": os.getpid()}

@@ -74,6 +74,7 @@ class VerifyServer:
         self._channel: VerifyChannelServer | None = None  # opened when a decode engine first asks
         self.rings: dict[str, OpenRing] = {}  # decode engines' rings of drafts, mapped over their channels
         self.ring_calls = 0  # verify calls whose drafts came in a ring (stats)
+        self.kv_loaded_bytes = 0  # prompt KV taken through the object store (load_kv: from another GPU or node)
         # Short prompts' target KV, prefilled here into slots of this pool (pdv's split, `prefill`): a
         # forward of at most `prefill_tokens` prompt tokens at a time, beside the verify forwards.
         self.prefiller = self.prefill_batcher = self._prefill_stream = None
@@ -190,6 +191,7 @@ class VerifyServer:
             return slot
         timed = TIMELINE.timed("load_kv", load, tokens=kv.num_tokens, bytes=kv.nbytes)
         slot = await self.worker.run(timed)
+        self.kv_loaded_bytes += kv.nbytes
         self.owners.hold(slot, owner)
         return self.lease, slot
 
@@ -339,7 +341,8 @@ class VerifyServer:
                 "stale_rows": self.stale_rows, "stale_releases": self.stale_releases, "rows_shed": self.rows_shed,
                 "oom_retries": self.oom_retries, "forward_ms": self.forward_ms,
                 "channel_calls": self._channel.num_calls if self._channel is not None else 0,
-                "ring_calls": self.ring_calls, "prompts_prefilled": self.prompts_prefilled}
+                "ring_calls": self.ring_calls, "rings_mapped": len(self.rings), "kv_loaded_bytes": self.kv_loaded_bytes,
+                "prompts_prefilled": self.prompts_prefilled}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""

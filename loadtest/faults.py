@@ -1,4 +1,4 @@
-"""Kill a lane replica's process under load, and account for every stream (issue 33).
+"""Kill a lane replica's process, or its whole node, under load, and account for every stream.
 
 The same harness serves the CPU tests (tests/test_lane_faults.py) and a GPU run: it finds a lane's
 replica processes in Ray's actor table (Serve names a replica's actor `ServeReplica:<app>:<deployment>`),
@@ -21,6 +21,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -70,6 +71,32 @@ def kill(process: LaneProcess) -> None:
 @ray.remote(num_cpus=0)
 def _kill_on_node(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def kill_node(process: LaneProcess) -> None:
+    """SIGKILL every Ray process of the node `process` runs on, as a lost machine: its raylet (with the
+    node's object store) first, so that nothing on the node reports its workers' deaths, then everything
+    under it (workers, replicas' engine processes, agents). A task placed on that node does it, so the
+    node may be any host of the cluster; it ends with the node."""
+    strategy = NodeAffinitySchedulingStrategy(process.node_id, soft=False)
+    try:
+        ray.get(_kill_own_node.options(scheduling_strategy=strategy).remote(), timeout=30)
+    except ray.exceptions.RayError:
+        pass  # the task died with its node: the expected end
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _kill_own_node() -> None:
+    import psutil  # Ray's own dependency
+
+    raylet = psutil.Process(int(os.environ["RAY_RAYLET_PID"]))  # set by Ray in every worker
+    others = [p for p in raylet.children(recursive=True) if p.pid != os.getpid()]
+    for victim in [raylet, *others]:
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -128,10 +155,12 @@ def _counts(records: list[RequestRecord]) -> dict[str, int]:
 
 async def kill_under_streams(base_url: str, model: str, process: LaneProcess, requests: list[WorkloadRequest],
                              late: list[WorkloadRequest] = (), late_after_s: float = 1.0,
-                             timeout_s: float = 120.0, headers: dict | None = None) -> KillResult:
+                             timeout_s: float = 120.0, headers: dict | None = None,
+                             stop: Callable[[LaneProcess], None] = kill) -> KillResult:
     """Stream `requests` (greedy, ignore_eos), kill `process` once each is under way (its first
     chunk, or its end), send `late` `late_after_s` later, and wait for every stream to end (or time
-    out after `timeout_s`). Record times are seconds after the kill."""
+    out after `timeout_s`). Record times are seconds after the kill. `stop`: how it is killed (`kill`:
+    the process alone; `kill_node`: its whole node)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), headers=headers) as http:
         under_way = [asyncio.Event() for _ in requests]
         origin_s = time.perf_counter()
@@ -139,7 +168,7 @@ async def kill_under_streams(base_url: str, model: str, process: LaneProcess, re
                  for i, (r, event) in enumerate(zip(requests, under_way))]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in under_way)), timeout_s)
         killed_s = time.perf_counter()
-        await asyncio.to_thread(kill, process)
+        await asyncio.to_thread(stop, process)
         await asyncio.sleep(max(0.0, late_after_s - (time.perf_counter() - killed_s)))
         late_tasks = [asyncio.ensure_future(_stream(http, base_url, model, r, len(requests) + i, timeout_s, killed_s))
                       for i, r in enumerate(late)]
@@ -216,7 +245,7 @@ def _total(lanes: dict[str, float] | None) -> float | None:
 def kill_and_recover(base_url: str, model: str, app: str, deployment: str, deployments: list[str],
                      requests: list[WorkloadRequest], late: list[WorkloadRequest], greedy_prompts: list[str],
                      greedy_max_tokens: int = 32, late_after_s: float = 1.0, recover_timeout_s: float = 180.0,
-                     headers: dict | None = None) -> KillResult:
+                     headers: dict | None = None, stop: Callable[[LaneProcess], None] = kill) -> KillResult:
     """The whole experiment for one lane: greedy outputs and device memory before; a kill of the
     lane's first replica under `requests` (and `late` after it); the wait for /health, then for the
     killed replica's replacement and its memory's release (wait_replaced); greedy outputs and device
@@ -227,7 +256,7 @@ def kill_and_recover(base_url: str, model: str, app: str, deployment: str, deplo
     before = greedy_texts(base_url, model, greedy_prompts, greedy_max_tokens, headers)
     lanes_before, used_before = lane_device_mib(app, deployments), device_used_mib()
     result = asyncio.run(kill_under_streams(base_url, model, processes[0], requests, late, late_after_s,
-                                            headers=headers))
+                                            headers=headers, stop=stop))
     # /health is waited for from the kill: the streams' own wait already counts towards it.
     waited_s = max(result.ends_s(result.in_flight + result.after), default=0.0)
     healthy_s = wait_healthy(base_url, recover_timeout_s, headers)

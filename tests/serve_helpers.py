@@ -16,6 +16,7 @@ import httpx
 import ray
 from openai import OpenAI
 from ray import serve
+from ray.cluster_utils import Cluster
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
@@ -34,7 +35,10 @@ MODEL = "vpd-python"  # the served model name of app_config's apps
 ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
 LANE = {"num_cpus": 0.05}
 
+RUNTIME_ENV = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+
 _cluster: tuple | None = None  # the settings of the Ray cluster this process runs; None: none
+_nodes: Cluster | None = None  # where that cluster has several nodes (`multinode`): Ray's handle to them
 _serve_started = False
 _deployed: dict[str, dict] = {}  # app name -> config, of every app deployed on it
 _shared: set[str] = set()  # those kept by a module that shares its apps (`serving(shared=True)`)
@@ -52,21 +56,44 @@ def ray_cluster(num_gpus: int | None = None, env_vars: dict[str, str] | None = N
         # RAY_* settings are read by the raylet and every worker it starts: in the environment as Ray starts.
         with _environment(env_vars or {}):
             # Replica logs stay in Ray's session log files (/tmp/ray/session_latest/logs), out of pytest's output.
-            ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            # address="local": a new cluster of this process's own, never one that `ray start` left running
+            # on this host (bare ray.init() would join it; tests/fake_cluster.py's autoscaler runs one).
+            ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env=RUNTIME_ENV)
         _cluster = settings
     if with_serve and not _serve_started:
         _start_serve()
         _serve_started = True
 
 
-def _start_serve(attempts: int = 3) -> None:
+def multinode(head: dict, workers: list[dict], system_config: dict | None = None) -> Cluster:
+    """A Ray cluster of several nodes on this host, for one module: Ray's own `cluster_utils.Cluster`, each
+    node a raylet with its own object store (objects between nodes go through Ray's object manager, as
+    between hosts), `head` and each of `workers` the arguments of one node (num_cpus, resources, ...).
+    Serve runs on it with its HTTP proxy on the head only: on one host every node's proxy would share the
+    port, and a client's connection could run through a node a test kills. The session's cluster goes
+    down first; the next module that asks for another starts its own."""
+    global _cluster, _serve_started, _nodes
+    stop_ray()
+    node = dict(object_store_memory=96 << 20, include_dashboard=False)  # Ray's least is 75 MiB
+    _nodes = Cluster(initialize_head=True, head_node_args={**node, **head, "_system_config": system_config or {}})
+    for worker in workers:
+        _nodes.add_node(**node, **worker)
+    _nodes.wait_for_nodes()
+    ray.init(address=_nodes.address, log_to_driver=False, runtime_env=RUNTIME_ENV)
+    _cluster = ("multinode", id(_nodes))
+    _start_serve(proxy_location="HeadOnly")
+    _serve_started = True
+    return _nodes
+
+
+def _start_serve(attempts: int = 3, proxy_location: str = "EveryNode") -> None:
     """serve.start, again after a failure: Serve gives its proxy 60 s to come up, and on the 2-core
     host under load (other test processes, a build beside the suite) the proxy actor once missed it
     and was killed, failing the setup of a whole module's tests."""
     for attempt in range(1, attempts + 1):
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+            serve.start(proxy_location=proxy_location, http_options={"host": "127.0.0.1", "port": HTTP_PORT})
             return
         except ray.exceptions.RayError:
             if attempt == attempts:
@@ -76,12 +103,14 @@ def _start_serve(attempts: int = 3) -> None:
 
 def stop_ray() -> None:
     """Shut down Serve and Ray where this process started them (at the session's end, or for other settings)."""
-    global _cluster, _serve_started
+    global _cluster, _serve_started, _nodes
     if _cluster is not None:
         if _serve_started:
             serve.shutdown()
         ray.shutdown()
-        _cluster, _serve_started = None, False
+        if _nodes is not None:
+            _nodes.shutdown()  # this cluster's processes only (not `ray stop`, which ends every Ray on the host)
+        _cluster, _serve_started, _nodes = None, False, None
         _deployed.clear()
         _shared.clear()
 

@@ -1,4 +1,4 @@
-"""What AppConfig fills in: max_model_len from the target's own context, as vLLM does."""
+"""What AppConfig fills in (max_model_len from the target's own context, as vLLM does) and what it refuses."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, LaneConfig
 
 
 def test_max_model_len_defaults_to_the_targets_context_and_an_explicit_value_wins(pair_paths):
@@ -29,3 +29,14 @@ def test_cuda_graphs_can_be_turned_off_by_config(pair_paths):
     assert AppConfig(mode="spec", **models).engine.engine_config("spec").cuda_graphs is None  # on where CUDA is
     off = AppConfig(mode="spec", engine={"cuda_graphs": False}, **models)
     assert off.engine.engine_config("spec").cuda_graphs is False
+
+
+def test_a_lanes_custom_resources_go_to_its_actor_and_each_rank_and_rays_own_names_are_refused():
+    lane = LaneConfig(num_cpus=0.5, num_gpus=1, resources={"verify_node": 1})
+    opts = lane.deployment_options(tensor_parallel_size=2)
+    assert opts["ray_actor_options"]["resources"] == {"verify_node": 1}
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 1, "verify_node": 1}] * 2
+    assert "resources" not in LaneConfig().deployment_options()["ray_actor_options"]
+    for wrong in ({"GPU": 1}, {"verify_node": 0}):
+        with pytest.raises(ValidationError, match="resources"):
+            LaneConfig(resources=wrong)

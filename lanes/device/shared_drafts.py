@@ -37,8 +37,12 @@ RING_SLOTS = 4
 
 
 def device_id(device: torch.device) -> str:
-    """Where a ring can be mapped: the GPU (by UUID), or this host's memory."""
-    return f"cuda:{gpu_uuid(device)}" if device.type == "cuda" else f"cpu:{socket.gethostname()}"
+    """Where a ring can be mapped: the GPU (by UUID), or the host memory of this Ray node. Processes under
+    another raylet of the same host (a test cluster of several nodes on one machine) count as another
+    host, as they would be on a real cluster: they get their drafts through the host, not shared memory."""
+    if device.type == "cuda":
+        return f"cuda:{gpu_uuid(device)}"
+    return f"cpu:{socket.gethostname()}:{os.environ.get('RAY_RAYLET_PID', '')}"  # set by Ray in its workers
 
 
 @dataclass(frozen=True)
