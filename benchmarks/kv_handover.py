@@ -197,13 +197,14 @@ commit {document["commit"]}; load average {document["load_average_before"]} befo
 Per request: the sender (node A) copies the KV out with `HostKV.from_tensor` and puts it into its object
 store (serialize = both); the receiver gets it (same node: mapped from shared memory; cross node: pulled
 into node B's store by Ray's object manager over loopback TCP, a real store-to-store transfer but no
-network: {largest["loopback_pull_gb_s"]} GB/s for the largest KV; small ones are latency-bound) and writes it into a `KVPool` (`write_slot`, as
-`load_kv`). e2e: the sender's start to the pool write done. Same- and cross-node repeats alternate, except
-for KV over {POOLS_TOGETHER_BYTES // 2**21} MiB (two pools of it do not fit this shared machine): same-node ones first.
-Predicted at 25 and 200 Gb/s: the same-node e2e (every step but the network) + bytes / link bandwidth, a
-floor that assumes Ray's pull keeps the link full. The shipped pair in its checkpoints' bfloat16 (the CPU
-configs run float32: twice the bytes); its context is 2,048 tokens, so its 4,096-token rows are a KV size,
-not a prompt it serves. `load_1m` in results.json: the machine's load average when each row ended.
+network: {largest["loopback_pull_gb_s"]} GB/s for the largest KV, small ones are latency-bound) and writes it
+into a `KVPool` (`write_slot`, as `load_kv`). e2e: the sender's start to the pool write done. Same- and
+cross-node repeats alternate, except for KV over {POOLS_TOGETHER_BYTES // 2**21} MiB (two pools of it do not fit this
+shared machine): same-node ones first. Predicted at 25 and 200 Gb/s: the same-node e2e (every step but the
+network) + bytes / link bandwidth, a floor that assumes Ray's pull keeps the link full. The shipped pair in
+its checkpoints' bfloat16 (the CPU configs run float32: twice the bytes); its context is 2,048 tokens, so
+its 4,096-token rows are a KV size, not a prompt it serves. `load_1m` in results.json: the machine's load
+average when each row ended.
 
 {table(document["rows"])}"""
 
