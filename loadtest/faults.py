@@ -87,16 +87,22 @@ def kill_node(process: LaneProcess) -> None:
 
 @ray.remote(num_cpus=0, max_retries=0)
 def _kill_own_node() -> None:
+    kill_raylet_tree(int(os.environ["RAY_RAYLET_PID"]))  # set by Ray in every worker: this one dies too
+
+
+def kill_raylet_tree(raylet_pid: int) -> None:
+    """SIGKILL a raylet, then every process under it, this one last if it is among them."""
     import psutil  # Ray's own dependency
 
-    raylet = psutil.Process(int(os.environ["RAY_RAYLET_PID"]))  # set by Ray in every worker
-    others = [p for p in raylet.children(recursive=True) if p.pid != os.getpid()]
-    for victim in [raylet, *others]:
+    raylet = psutil.Process(raylet_pid)
+    under = raylet.children(recursive=True)
+    for victim in [raylet, *(p for p in under if p.pid != os.getpid())]:
         try:
             victim.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    if any(p.pid == os.getpid() for p in under):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass

@@ -66,7 +66,7 @@ def ray_cluster(num_gpus: int | None = None, env_vars: dict[str, str] | None = N
         _serve_started = True
 
 
-def multinode(head: dict, workers: list[dict], system_config: dict | None = None) -> Cluster:
+def multinode(head: dict, workers: list[dict]) -> Cluster:
     """A Ray cluster of several nodes on this host, for one module: Ray's own `cluster_utils.Cluster`, each
     node a raylet with its own object store (objects between nodes go through Ray's object manager, as
     between hosts), `head` and each of `workers` the arguments of one node (num_cpus, resources, ...).
@@ -76,7 +76,7 @@ def multinode(head: dict, workers: list[dict], system_config: dict | None = None
     global _cluster, _serve_started, _nodes
     stop_ray()
     node = dict(object_store_memory=96 << 20, include_dashboard=False)  # Ray's least is 75 MiB
-    _nodes = Cluster(initialize_head=True, head_node_args={**node, **head, "_system_config": system_config or {}})
+    _nodes = Cluster(initialize_head=True, head_node_args={**node, **head})
     for worker in workers:
         _nodes.add_node(**node, **worker)
     _nodes.wait_for_nodes()
