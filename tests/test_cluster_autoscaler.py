@@ -1,0 +1,285 @@
+"""cluster.yaml started, not just written: Ray's autoscaler, over Ray's fake multi-node provider
+(tests/fake_cluster.py), runs the file with only its provider block replaced (and a 6 s idle timeout), and
+adds and removes nodes of its types as pdv's verify lane (shipped pair, CPU) scales.
+
+- The fake variant differs from the file (as `ray up` prepares it) in the provider and the idle timeout
+  only: the same node types, resources, worker bounds and head.
+- A lane pinned to a node type none of whose nodes is up fails at build time (naming lane and resource)
+  unless require_gpus_present is false, as an autoscaling cluster needs.
+- The verify lane, pinned by `resources: {verify_node: 1}` to decode_verify_worker nodes, scaled 1 -> 3 by
+  `num_replicas` (Serve's lightweight update: the other lanes keep running) under streams: the autoscaler
+  starts two nodes of that type and the new replicas run there (node ids from Ray's actor table); back to
+  1 under streams, the two idle nodes are terminated. Then by an `autoscaling_config` (1 to 3) and a burst
+  of streams: Serve scales the lane to 3, the autoscaler starts nodes for the new replicas, and once the
+  burst ends the lane shrinks to 1 and the idle nodes go. Every stream sent meanwhile completes with the
+  target's greedy output (requests on a stopped replica are recomputed on another). Handing the lane to
+  Serve's autoscaler redeploys every lane (Serve counts deployments' autoscaling policies in the app's code
+  version), which the test waits out before the burst.
+
+The ingress, prefill and decode lanes stay on the head (head_node), so only the verify lane's nodes come
+and go, and the two cores run one replica process per verify node.
+"""
+
+import time
+
+import pytest
+import ray
+import torch
+from ray import serve
+
+from deployments.builder import ConfigError, build_app
+from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET, AppConfig
+from lanes.model.loader import load_model
+from loadtest.faults import lane_processes
+from tests.engine_helpers import greedy_references
+from tests.fake_cluster import FAKE_OVERRIDES, FakeCluster, fake_variant, launcher_config, node_layout
+from tests.serve_helpers import (HTTP_PORT, Streamed, app_config, declare, decode_state, delete, lane_stats,
+                                 stop_ray, streams_across, wait_answering, wait_for_replicas, wait_until_idle)
+
+pytestmark = pytest.mark.serve(cluster="fake_multinode")
+
+APP = "cluster"
+VERIFY_TYPE = "decode_verify_worker"
+LANE = {"num_cpus": 0.05, "health_check_period_s": 1.0}
+ON_HEAD = {**LANE, "resources": {"head_node": 0.01}}
+DEPLOYMENTS = ("Ingress", "PrefillLane", "DecodeLane", "VerifyLane")
+STREAMS = 8
+MAX_TOKENS = 96
+NODES_TIMEOUT_S = 120
+# Serve's autoscaling metrics every 0.5 s (10 s by default): read by every replica and handle, so set where
+# the cluster starts.
+SERVE_ENV = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+             "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+# A stream keeps about one verify call in flight per verify replica holding its sequences: 0.3 a replica asks
+# for 3 replicas while any stream runs, and for 1 once none does.
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 0.3, "metrics_interval_s": 0.5,
+               "look_back_period_s": 2, "upscale_delay_s": 1, "downscale_delay_s": 3}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    stop_ray()  # the session's cluster: later modules start theirs again
+    fake = FakeCluster(launcher_config(), env_vars=SERVE_ENV)
+    try:
+        fake.start()
+        ray.init(address=fake.address, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        # One proxy, on the head: on one host every node's proxy would want the same port.
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+        yield fake
+    finally:
+        if ray.is_initialized():
+            delete([APP])
+            serve.shutdown()
+            ray.shutdown()
+        fake.shutdown()
+    assert not fake.processes()
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    config = app_config("pdv", DEFAULT_TARGET, DEFAULT_DRAFT, ingress=ON_HEAD, prefill_lane=ON_HEAD,
+                        decode_lane={**ON_HEAD, "num_replicas": 1},
+                        verify_lane={**LANE, "resources": {"verify_node": 1}},
+                        # The autoscaler starts verify nodes on demand: none is up at deploy time.
+                        require_gpus_present=False,
+                        # Verify calls through Serve (which Serve's autoscaler counts), drafts through the host
+                        # (verify replicas sit on other nodes than the decode replica).
+                        verify_channel=False, shared_drafts=False)
+    config["engine"].update(max_model_len=256, max_num_seqs=STREAMS)
+    return config
+
+
+@pytest.fixture(scope="module")
+def app(cluster, config):
+    _scale(config, {"num_replicas": 1})
+    wait_answering([APP])
+    wait_for_replicas(APP, "VerifyLane", 1, NODES_TIMEOUT_S)
+    return config
+
+
+@pytest.fixture(scope="module")
+def streams() -> list[tuple[list[int], list[int]]]:
+    return greedy_references(load_model(DEFAULT_TARGET, dtype=torch.float32), STREAMS, MAX_TOKENS, seed=44)
+
+
+def _scale(config: dict, options: dict) -> None:
+    """`serve deploy` of the same args with the verify lane's count or autoscaling in `deployments:`."""
+    declare({APP: config}, {APP: [{"name": "VerifyLane", **options}]})
+
+
+def _node_type(node: dict, layout: dict) -> str | None:
+    """The node type whose resources (CPU, GPU and custom) the node offers, exactly."""
+    for name, spec in layout.items():
+        wanted = {k: v for k, v in spec["resources"].items() if v}
+        offered = {k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU") or not _ray_own(k)}
+        if offered == wanted:
+            return name
+    return None
+
+
+def _ray_own(resource: str) -> bool:
+    return resource in ("memory", "object_store_memory") or resource.startswith("node:")
+
+
+def _nodes_by_type(cluster: FakeCluster) -> dict[str, set[str]]:
+    """Live nodes' ids by node type."""
+    layout = node_layout(cluster.config)
+    out: dict[str, set[str]] = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            out.setdefault(_node_type(node, layout), set()).add(node["NodeID"])
+    return out
+
+
+def _wait_for_verify_nodes(cluster: FakeCluster, count: int) -> set[str]:
+    deadline = time.monotonic() + NODES_TIMEOUT_S
+    while len(nodes := _nodes_by_type(cluster).get(VERIFY_TYPE, set())) != count:
+        assert time.monotonic() < deadline, f"{len(nodes)} {VERIFY_TYPE} nodes, not {count}: {_nodes_by_type(cluster)}"
+        time.sleep(0.5)
+    return nodes
+
+
+def _pids(deployment: str) -> set[int]:
+    return {p.pid for p in lane_processes(APP, deployment)}
+
+
+def _verify_replica_nodes() -> dict[int, str]:
+    """The verify replicas' process ids and the node each runs on, from Ray's actor table."""
+    return {p.pid: p.node_id for p in lane_processes(APP, "VerifyLane")}
+
+
+def _outcomes(results: list[Streamed], refs: list[list[int]]) -> dict[str, int]:
+    return {"completed": sum(r.error is None and r.tokens == ref for r, ref in zip(results, refs)),
+            "wrong output": sum(r.error is None and r.tokens != ref for r, ref in zip(results, refs)),
+            "failed": sum(r.error is not None for r in results)}
+
+
+def _under_streams(streams, action):
+    """Run `action` while every prompt of `streams` is streamed again and again (serve_helpers.streams_across);
+    returns what it returned, each stream with its greedy reference, and when `action` began."""
+    result, began_s, runs = streams_across(APP, [p for p, _ in streams], MAX_TOKENS, action, repeat=True)
+    results = [r for rs in runs for r in rs]
+    refs = [ref for (_, ref), rs in zip(streams, runs) for _ in rs]
+    return result, results, refs, began_s
+
+
+def test_the_fake_variant_differs_from_cluster_yaml_only_in_its_provider():
+    real = launcher_config()  # cluster.yaml as `ray up` hands it to the autoscaler
+    fake = fake_variant(real, "127.0.0.1:6379")
+    assert {key for key in real.keys() | fake.keys() if real.get(key) != fake.get(key)} == {"provider",
+                                                                                           *FAKE_OVERRIDES}
+    assert fake["provider"]["type"] == "fake_multinode" and real["provider"]["type"] == "aws"
+    layout = node_layout(fake)
+    assert layout == node_layout(real)
+    assert [name for name, spec in layout.items() if spec["head"]] == ["ray.head.default"]
+    assert layout["ray.head.default"]["resources"].get("GPU", 0) == 0  # a CPU head: no lane on it needs a GPU
+    # Each lane's resource on exactly one worker type; decode and verify on the same one.
+    offered = {name: [t for t, spec in layout.items() if spec["resources"].get(name)]
+               for name in ("prefill_node", "decode_node", "verify_node")}
+    assert offered == {"prefill_node": ["prefill_worker"], "decode_node": [VERIFY_TYPE], "verify_node": [VERIFY_TYPE]}
+
+
+def test_a_lane_pinned_to_nodes_not_up_yet_fails_at_build_unless_require_gpus_present_false(cluster, config):
+    assert VERIFY_TYPE not in _nodes_by_type(cluster)  # min_workers 0: none until a replica asks
+    with pytest.raises(ConfigError) as error:
+        build_app(AppConfig.model_validate({**config, "require_gpus_present": True}))
+    message = str(error.value)
+    assert "verify_lane" in message and "verify_node" in message and "\n" not in message, message
+    build_app(AppConfig.model_validate(config))  # the autoscaler will start such a node
+
+
+def test_the_head_and_the_first_verify_node_are_what_cluster_yaml_says(cluster, app):
+    nodes = _nodes_by_type(cluster)
+    assert set(nodes) == {"ray.head.default", VERIFY_TYPE}, nodes  # no node of unknown resources
+    assert len(nodes["ray.head.default"]) == len(nodes[VERIFY_TYPE]) == 1
+    assert set(_verify_replica_nodes().values()) == nodes[VERIFY_TYPE]
+    (head,) = nodes["ray.head.default"]
+    for deployment in DEPLOYMENTS[:3]:
+        assert {p.node_id for p in lane_processes(APP, deployment)} == {head}, deployment
+
+
+def test_num_replicas_1_to_3_adds_verify_nodes_and_back_to_1_removes_them(cluster, app, streams):
+    first = _wait_for_verify_nodes(cluster, 1)
+    decode_pids, migrated_before = decode_state(APP)
+
+    def grow():
+        began = time.monotonic()
+        _scale(app, {"num_replicas": 3})
+        nodes = _wait_for_verify_nodes(cluster, 3)
+        nodes_s = time.monotonic() - began
+        wait_for_replicas(APP, "VerifyLane", 3, NODES_TIMEOUT_S)
+        return nodes, nodes_s, time.monotonic() - began
+
+    (nodes, nodes_s, grown_s), results, refs, _ = _under_streams(streams, grow)
+    placed = _verify_replica_nodes()
+    print(f"verify 1 -> 3 by num_replicas: {len(nodes - first)} nodes added in {nodes_s:.1f} s, replicas up "
+          f"in {grown_s:.1f} s; {len(results)} streams: {_outcomes(results, refs)}")
+    assert first < nodes and len(nodes) == 3  # two new nodes, of the verify type
+    assert set(placed.values()) == nodes  # one replica on each: the new ones on the new nodes
+    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}
+
+    def shrink():
+        held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
+        began = time.monotonic()
+        _scale(app, {"num_replicas": 1})
+        wait_for_replicas(APP, "VerifyLane", 1, NODES_TIMEOUT_S)
+        shrunk_s = time.monotonic() - began
+        left = _wait_for_verify_nodes(cluster, 1)
+        return held, shrunk_s, left, time.monotonic() - began
+
+    (held, shrunk_s, left, removed_s), results, refs, _ = _under_streams(streams, shrink)
+    migrated = decode_state(APP)[1] - migrated_before
+    print(f"verify 3 -> 1 by num_replicas: replicas stopped in {shrunk_s:.1f} s, {len(nodes - left)} idle nodes "
+          f"removed after {removed_s:.1f} s; {migrated} requests recomputed; {len(results)} streams: "
+          f"{_outcomes(results, refs)}")
+    assert left < nodes and set(_verify_replica_nodes().values()) == left  # the survivor's node stays
+    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}
+    assert sum(held.values()) == 0 or migrated >= 1, held
+    assert decode_state(APP)[0] == decode_pids  # only the verify lane changed
+    wait_until_idle(APP, "pdv")
+
+
+def test_autoscaling_config_under_load_adds_verify_nodes_and_removes_them_after(cluster, app, streams):
+    before = {name: _pids(name) for name in DEPLOYMENTS}
+    began = time.monotonic()
+    _scale(app, {"num_replicas": "auto", "autoscaling_config": AUTOSCALING})
+    # Serve counts a deployment's autoscaling policy in its app's code version: handing the lane to Serve's
+    # autoscaler redeploys every lane (a new replica each), which this test waits out before the load.
+    deadline = time.monotonic() + NODES_TIMEOUT_S
+    while not all(len(now := _pids(name)) == 1 and not now & before[name] for name in DEPLOYMENTS):
+        assert time.monotonic() < deadline, {name: (before[name], _pids(name)) for name in DEPLOYMENTS}
+        time.sleep(0.5)
+    wait_answering([APP])
+    first = _wait_for_verify_nodes(cluster, 1)
+    print(f"verify lane handed to Serve's autoscaler: every lane redeployed in {time.monotonic() - began:.1f} s")
+
+    def grow():  # the burst under way: Serve's autoscaler asks for 3 replicas, Ray's for 2 more nodes
+        began = time.monotonic()
+        nodes = _wait_for_verify_nodes(cluster, 3)
+        nodes_s = time.monotonic() - began
+        stats = wait_for_replicas(APP, "VerifyLane", 3, NODES_TIMEOUT_S)
+        grown_s = time.monotonic() - began
+        placed = _verify_replica_nodes()
+        # The new replicas take new requests of the burst.
+        before = {s["lease"]: s["rows_verified"] for s in stats}
+        deadline = time.monotonic() + 60
+        while not all(s["rows_verified"] > before.get(s["lease"], 0) for s in lane_stats(APP, "VerifyLane")):
+            assert time.monotonic() < deadline, "a verify replica took no request of the burst"
+            time.sleep(0.5)
+        return nodes, placed, nodes_s, grown_s
+
+    (nodes, placed, nodes_s, grown_s), results, refs, _ = _under_streams(streams, grow)
+    ended_s = time.monotonic()
+    print(f"verify 1 -> 3 by autoscaling_config under {STREAMS} streams: {len(nodes - first)} nodes added in "
+          f"{nodes_s:.1f} s, replicas up in {grown_s:.1f} s; {len(results)} streams: {_outcomes(results, refs)}")
+    assert first < nodes and len(nodes) == 3
+    assert set(placed.values()) == nodes
+    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}
+
+    wait_for_replicas(APP, "VerifyLane", 1, NODES_TIMEOUT_S)  # the load over: back to min_replicas
+    shrunk_s = time.monotonic() - ended_s
+    left = _wait_for_verify_nodes(cluster, 1)
+    print(f"after the burst: verify 3 -> 1 in {shrunk_s:.1f} s, {len(nodes - left)} idle nodes removed after "
+          f"{time.monotonic() - ended_s:.1f} s")
+    assert left < nodes and set(_verify_replica_nodes().values()) == left
+    wait_until_idle(APP, "pdv")
