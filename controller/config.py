@@ -83,6 +83,12 @@ class ControllerConfig(BaseModel):
         default=0.9, gt=0, le=1, description="Verify batch occupancy (fraction of the batch capacity in use) "
         "at or above which L is not raised: longer drafts would not fit without a queue forming.",
     )
+    slo_headroom_frac: float = Field(
+        default=0.6, gt=0, lt=1, description="With `slo:` targets: the decode replicas' TTFT and TPOT p95 must be at "
+        "most this fraction of their targets for the lanes to count as having headroom (room to raise L). Wider "
+        "than `decode_headroom_frac`: near saturation a queue's wait, and so TTFT, grows far faster than the "
+        "compute a longer draft takes, and a narrower band let L rise straight back over the target.",
+    )
     accept_raise_min: float = Field(
         default=0.6, gt=0, lt=1, description="Fleet acceptance rate (per draft token) at or above which the "
         "default L may rise when there is headroom.",
@@ -163,4 +169,80 @@ class ControllerConfig(BaseModel):
                 f"accept_lower_below ({self.accept_lower_below}) must be below accept_raise_min "
                 f"({self.accept_raise_min})"
             )
+        return self
+
+
+class SloConfig(BaseModel):
+    """Latency targets the replica planner (controller/planner.py) holds by scaling each lane, as written in
+    the app YAML; every lane then autoscales under Serve with the planner as its policy:
+
+        slo:
+          ttft_p95_ms: 500
+          tpot_p95_ms: 40
+          max_replicas: 4
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_p95_ms: float | None = Field(
+        default=None, gt=0, description="Time to first token, p95, that the lanes owning it (the prefill lane in pd "
+        "and pdv, the one deployment in unified and spec) are scaled to hold. None: no TTFT target.",
+    )
+    tpot_p95_ms: float | None = Field(
+        default=None, gt=0, description="Time per output token after the first, p95, that the lanes owning it (the "
+        "decode lane, and pdv's verify lane) are scaled to hold. None: no TPOT target.",
+    )
+    max_replicas: int = Field(
+        default=4, ge=1, description="Most replicas of any lane, unless its own `autoscaling_config` says otherwise. "
+        "A lane's `num_replicas` is the count it starts at; it never falls below one.",
+    )
+    upscale_delay_s: float = Field(
+        default=3.0, ge=0, description="Seconds a lane must want more replicas before it gets them (Serve's "
+        "upscale_delay_s). Longer than the draft-length controller's shed (`lower_dwell` decisions), so L is shed "
+        "first.",
+    )
+    downscale_delay_s: float = Field(
+        default=20.0, ge=0, description="Seconds a lane must want fewer replicas before one is stopped (Serve's "
+        "downscale_delay_s). Longer than L's rise (`raise_dwell` decisions), so L takes freed capacity first.",
+    )
+    draft_shed_grace_s: float = Field(
+        default=5.0, ge=0, description="Seconds the planner leaves the draft-length controller to shed L once a "
+        "target lane goes over target, and after each fall of L, before it asks for replicas (while L is above "
+        "`controller.min_draft_len`); likewise it asks for fewer replicas only this long after L last rose.",
+    )
+    urgent_pressure: float = Field(
+        default=2.0, gt=1, description="A latency at or above this multiple of its target asks for replicas at "
+        "once, without waiting for L to be shed.",
+    )
+    scale_down_frac: float = Field(
+        default=0.6, gt=0, lt=1, description="A lane gives up a replica only while its latencies are at most this "
+        "fraction of their targets and its load, spread over one replica fewer, would be too (hysteresis: a lane "
+        "scaled up at 1.0 is not scaled down until well under).",
+    )
+    max_step_up: int = Field(
+        default=2, ge=1, description="Most replicas added to a lane in one decision.",
+    )
+    prefill_ttft_frac: float = Field(
+        default=0.7, gt=0, le=1, description="pd, pdv: the share of `ttft_p95_ms` that the prefill lane's own time "
+        "(queue, forward, KV hand-over) may take; the rest is the ingress, routing and the first decode step.",
+    )
+    verify_tokens_per_step: float = Field(
+        default=2.0, ge=1, description="pdv: tokens one verify step yields per request (accepted drafts plus the "
+        "bonus token; models/pair_metrics.json has the pair's): a verify call may take `tpot_p95_ms` times this.",
+    )
+    metrics_interval_s: float = Field(
+        default=1.0, gt=0, description="How often each replica records its signals and pushes them to Serve's "
+        "controller (Serve's metrics_interval_s).",
+    )
+    look_back_period_s: float = Field(
+        default=4.0, gt=0, description="Seconds of those signals that Serve averages for each decision.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.ttft_p95_ms is None and self.tpot_p95_ms is None:
+            raise ValueError("slo needs a target: ttft_p95_ms, tpot_p95_ms or both")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"slo.look_back_period_s ({self.look_back_period_s:g}) must exceed "
+                             f"slo.metrics_interval_s ({self.metrics_interval_s:g})")
         return self

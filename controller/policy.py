@@ -139,10 +139,17 @@ def classify_load(signals: LaneSignals, config: ControllerConfig) -> tuple[Load,
         return Load.SATURATED, f"decode_step_p95_ms={p95_ms:.1f} > target={config.target_decode_p95_ms:.1f}"
     headroom_p95_ms = config.decode_headroom_frac * config.target_decode_p95_ms
     occupancy = signals.verify_batch_occupancy
-    if queue <= config.verify_queue_low and p95_ms <= headroom_p95_ms and occupancy < config.occupancy_high:
+    slo = signals.slo_pressure
+    if slo > 1.0 and occupancy >= config.occupancy_high:
+        # Over a latency target with full batches: shorter drafts give the target's compute back before
+        # the planner adds replicas. With batches not full, shorter drafts would only lengthen TPOT.
+        return Load.SATURATED, f"slo_pressure={slo:.2f} > 1 at verify_batch_occupancy={occupancy:.2f}"
+    if (queue <= config.verify_queue_low and p95_ms <= headroom_p95_ms and occupancy < config.occupancy_high
+            and slo <= config.slo_headroom_frac):
         return Load.HEADROOM, (
             f"verify_queue_depth={queue} <= {config.verify_queue_low}, decode_step_p95_ms={p95_ms:.1f} <= "
             f"{headroom_p95_ms:.1f}, verify_batch_occupancy={occupancy:.2f} < {config.occupancy_high:.2f}"
+            + (f", slo_pressure={slo:.2f} <= {config.slo_headroom_frac:g}" if slo else "")
         )
     return Load.STEADY, f"verify_queue_depth={queue}, decode_step_p95_ms={p95_ms:.1f}, occupancy={occupancy:.2f}"
 

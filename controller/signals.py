@@ -69,10 +69,14 @@ class LaneSignals:
     # The drafter's one-token forward, {rows: ms}, as the decode replicas measured it at start (median
     # over replicas); empty where none did (no drafter model, or replicas that do not report it).
     draft_forward_ms: dict[int, float] = field(default_factory=dict)
+    # With `slo:` targets: the decode replicas' TTFT and TPOT p95, the larger over its target (max over
+    # replicas); 0 = no targets or no requests. Over 1 with full batches, the target's compute is what keeps
+    # the lanes from their targets: L is shed before the planner adds replicas (controller/planner.py).
+    slo_pressure: float = 0.0
 
     def __post_init__(self) -> None:
         signals = (self.verify_queue_depth, self.decode_step_p95_ms, self.arrival_rate_rps,
-                   self.requests_per_verify_batch)
+                   self.requests_per_verify_batch, self.slo_pressure)
         if min(signals) < 0:
             raise ValueError(f"negative lane signal: {self}")
         if not 0.0 <= self.verify_batch_occupancy <= 1.0:
