@@ -154,6 +154,10 @@ def _outcomes(results: list[Streamed], refs: list[list[int]]) -> dict[str, int]:
             "failed": sum(r.error is not None for r in results)}
 
 
+def _errors(results: list[Streamed]) -> set[str]:
+    return {r.error for r in results if r.error is not None}
+
+
 def _under_streams(streams, action):
     """Run `action` while every prompt of `streams` is streamed again and again (serve_helpers.streams_across);
     returns what it returned, each stream with its greedy reference, and when `action` began."""
@@ -216,7 +220,7 @@ def test_num_replicas_1_to_3_adds_verify_nodes_and_back_to_1_removes_them(cluste
           f"in {grown_s:.1f} s; {len(results)} streams: {_outcomes(results, refs)}")
     assert first < nodes and len(nodes) == 3  # two new nodes, of the verify type
     assert set(placed.values()) == nodes  # one replica on each: the new ones on the new nodes
-    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}
+    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}, _errors(results)
 
     def shrink():
         held = {s["lease"]: s["kv_slots_used"] for s in lane_stats(APP, "VerifyLane")}
@@ -233,7 +237,7 @@ def test_num_replicas_1_to_3_adds_verify_nodes_and_back_to_1_removes_them(cluste
           f"removed after {removed_s:.1f} s; {migrated} requests recomputed; {len(results)} streams: "
           f"{_outcomes(results, refs)}")
     assert left < nodes and set(_verify_replica_nodes().values()) == left  # the survivor's node stays
-    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}
+    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}, _errors(results)
     assert sum(held.values()) == 0 or migrated >= 1, held
     assert decode_state(APP)[0] == decode_pids  # only the verify lane changed
     wait_until_idle(APP, "pdv")
@@ -274,7 +278,7 @@ def test_autoscaling_config_under_load_adds_verify_nodes_and_removes_them_after(
           f"{nodes_s:.1f} s, replicas up in {grown_s:.1f} s; {len(results)} streams: {_outcomes(results, refs)}")
     assert first < nodes and len(nodes) == 3
     assert set(placed.values()) == nodes
-    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}
+    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}, _errors(results)
 
     wait_for_replicas(APP, "VerifyLane", 1, NODES_TIMEOUT_S)  # the load over: back to min_replicas
     shrunk_s = time.monotonic() - ended_s
