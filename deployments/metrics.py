@@ -164,9 +164,9 @@ def _registry() -> _Registry:
         stream_messages=Counter("vpd_stream_messages", "Streamed messages a decode (or engine) replica sent "
                                 "towards the ingress.", tag_keys=lane_tags),
         stream_coalesced=Counter("vpd_stream_coalesced_outputs", "Engine steps' outputs of a request that went "
-                                 "out merged into another step's message: its consumer had not taken the previous "
-                                 "one (the ingress or Serve could not keep up), or stream_interval_ms / "
-                                 "max_stream_messages_per_s held it.", tag_keys=lane_tags),
+                                 "out merged into another step's message: max_stream_messages_per_s or "
+                                 "stream_interval_ms held it, or the replica's event loop had not taken the "
+                                 "previous one.", tag_keys=lane_tags),
         prompts_prefilled=Counter("vpd_prompts_prefilled", "Prompts prefilled where they decode (where=decode_lane: "
                                   "at most local_prefill_max_tokens; in pdv the target's KV by the verify lane) and "
                                   "by the prefill lane.",

@@ -7,10 +7,11 @@ call, and each request's stream takes whatever has arrived since its last messag
 event loop never blocks on a forward pass and no lock is held across a step.
 
 By default a stream sends each step's tokens as the step ends. Its next message is made only when
-its consumer asks for it: a consumer that has not yet taken the previous one (an event loop, a
-Serve hop or an ingress that cannot keep up) gets the steps made meanwhile merged into one message
-rather than a queue of them (`num_coalesced` counts those merges). `stream_interval_s` and
-`max_stream_messages_per_s` add a time floor between a stream's messages for those who want fewer.
+its consumer asks for it: a consumer that has not yet taken the previous one (its event loop busy)
+gets the steps made meanwhile merged into one message rather than a queue of them (`num_coalesced`
+counts those merges). Served, Serve takes each message at once whether or not the ingress keeps up
+(benchmarks/results/stream_latency_h100/), so `max_stream_messages_per_s` (and `stream_interval_s`)
+set a time floor between a stream's messages that its merges fill.
 """
 
 import asyncio
@@ -97,8 +98,8 @@ class StreamingFront:
         # thread here (AsyncEngine) that is GIL time its step loop waits for.
         self.max_stream_messages_per_s = max_stream_messages_per_s
         self.num_messages = 0  # chunks yielded to callers (each one a Ray message when served)
-        # Step outputs that went out merged into another's message: their consumer had not taken the
-        # previous message yet (backpressure), or a time floor above held it.
+        # Step outputs that went out merged into another's message: a time floor above held it, or the
+        # consumer had not taken the previous message yet.
         self.num_coalesced = 0
         self.num_steps = 0
         self.step_ms_total = 0.0  # time inside core.step(), summed
