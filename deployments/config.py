@@ -25,10 +25,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = str(REPO_ROOT / "models" / "vpd-target")
 DEFAULT_DRAFT = str(REPO_ROOT / "models" / "vpd-draft")
 
-# Ray Serve LLM coalesces streamed outputs the same way (stream_batching_interval_ms, 50 by default).
-# Throughput and TPOT do not depend on it (the first and last chunks are never held); a streaming
-# client sees tokens in bursts of at most this long.
-STREAM_INTERVAL_MS = 50.0
+# Each step's tokens go out as the step ends (vLLM and SGLang stream every token too); a decode replica
+# sends at most 400 messages a second over all its requests, since Serve's proxy, the ingress and the
+# client read each one and nothing slows the replica when they fall behind: on an H100, streaming every
+# step with no bound served 0.40x (64 in flight) and 0.30x (256) the tok/s of a 50 ms interval with this
+# bound (benchmarks/results/stream_latency_h100/). The bound acts once n / 400 s passes the step (3
+# requests at 6 ms); at one in flight the client's ITL p50 is the step (6.4 ms; 50 with a 50 ms interval).
+STREAM_INTERVAL_MS = 0.0
 MAX_STREAM_MESSAGES_PER_S = 400.0
 
 Mode = Literal["pdv", "pd", "spec", "unified", "nospec"]
@@ -259,8 +262,8 @@ class AppConfig(_Strict):
     stream_interval_ms: float = Field(default=STREAM_INTERVAL_MS, ge=0, le=1000, description="Least time "
                                       "between two streamed messages of one request after its first (which "
                                       "is never held): a message carries every token made since the previous "
-                                      "one, so a decode replica sends far fewer messages than tokens. 0 sends "
-                                      "one per engine step.")
+                                      "one. 0 (the default): each engine step's tokens as the step ends, "
+                                      "unless max_stream_messages_per_s asks for longer.")
     local_prefill_max_tokens: int | None = Field(default=None, ge=0, description="Prompts of at most this "
                                                  "many tokens are prefilled where they decode; longer ones go to the "
                                                  "prefill lane (conditional disaggregation, as NVIDIA Dynamo's "
@@ -292,9 +295,13 @@ class AppConfig(_Strict):
     max_stream_messages_per_s: float | None = Field(default=MAX_STREAM_MESSAGES_PER_S, gt=0, description=
                                                     "Bound on the streamed messages a decode replica sends per "
                                                     "second over all its requests: with n requests in flight "
-                                                    "each one's interval is at least n / this. Every message "
-                                                    "costs the replica's event loop time that the engine's step "
-                                                    "loop waits for (one GIL). None: no bound.")
+                                                    "each one's interval is at least n / this, and its message "
+                                                    "carries the steps made meanwhile (vpd_stream_coalesced_outputs "
+                                                    "counts them). Every message costs Serve's proxy, the ingress "
+                                                    "and the client a read, and Serve gives the replica no sign "
+                                                    "that they fall behind. With engine_process: false a message "
+                                                    "also takes GIL time that the engine's step loop waits for. "
+                                                    "None: no bound.")
     api_key: str | None = Field(default=None, min_length=1, repr=False, description="When set (or when the "
                                 "ingress replica's environment has VPD_API_KEY; this field wins), every route but "
                                 "/health requires `Authorization: Bearer <key>`, as vLLM's --api-key does.")
