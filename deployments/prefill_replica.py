@@ -1,6 +1,7 @@
 """Prefill lane deployment: prompts of many requests prefilled together, KV handed to the owners."""
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -71,8 +72,9 @@ class PrefillServer:
         self.pending = 0
         # Draft KV hand-overs by transport ("none": drafting by prompt lookup, there is no draft KV).
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
-        # KV bytes by how they went (both models'): "copied" went through Ray's object store.
-        self.handed_over_bytes = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
+        # KV bytes of each model by how they went: "copied" went through Ray's object store.
+        self.handed_over_bytes = {model: {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
+                                  for model in ("target", "draft")}
         # pdv: each verify replica's target pool (by lease) when this replica can write into it, else None.
         self._verify_pools: dict[str, PoolHandle | None] = {}
         self._verify_route_lock = asyncio.Lock()
@@ -134,8 +136,8 @@ class PrefillServer:
                                                                   out.done.target_slot))
                 raise replica_silent(out.done.target_lease) from exc
         self.handed_over[out.draft] += 1
-        self.handed_over_bytes[out.target] += out.target_bytes
-        self.handed_over_bytes[out.draft] += out.draft_bytes
+        self.handed_over_bytes["target"][out.target] += out.target_bytes
+        self.handed_over_bytes["draft"][out.draft] += out.draft_bytes
         TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target,
                         draft=out.draft, target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
                         received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
@@ -327,7 +329,7 @@ class PrefillServer:
 
     async def stats(self) -> dict:
         return {"pending": self.pending, "handed_over": dict(self.handed_over),
-                "handed_over_bytes": dict(self.handed_over_bytes), "oom_retries": self.oom_retries,
+                "handed_over_bytes": copy.deepcopy(self.handed_over_bytes), "oom_retries": self.oom_retries,
                 "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
                 "slot_calls_resent": self.slot_calls_resent, "views_dropped": self.views_dropped,
                 "replica_pid": os.getpid()}
