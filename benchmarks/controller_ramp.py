@@ -48,7 +48,7 @@ from loadtest.client import RequestOptions
 from loadtest.runner import RunResult, run_load
 from loadtest.summary import parse_slos
 from loadtest.workload import WorkloadRequest, count_tokens, load_tokenizer
-from tests.serve_helpers import base_url, deploy, start_ray
+from tests.serve_helpers import base_url, deploy, ray_cluster
 from training.corpus import collect_corpus
 
 FIXED_LENGTHS = (0, 2, 4, 8)
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = app_configs(args)
     workload = heldout_workload(args)
     load_start = [round(x, 2) for x in os.getloadavg()]
-    start_ray()
+    ray_cluster()
     try:
         deploy(configs)
         steps, discarded = asyncio.run(ramp(args, list(configs), workload))

@@ -26,6 +26,8 @@ Signals, as read from the replicas' `stats()`:
                             replica's.
     requests                per request: spec-decode counter deltas since the previous read. A request's
                             last steps before it finishes fall between two reads and are not seen.
+    slo_pressure            with `slo:` targets: the largest of the decode replicas' TTFT and TPOT p95 (their
+                            own window of requests, deployments/slo_signals.py) over its target.
     step_totals             per decode replica that stepped since the previous read: its steps that
                             verified a batch, their time, rows, draft tokens and drafter forwards (deltas;
                             the samples of the step-cost model).
@@ -60,7 +62,9 @@ RATIO_ROWS = 16  # the batch size at which c, the drafter's cost relative to the
 class SignalReader:
     """Replica stats (cumulative counters) -> `LaneSignals` (deltas since the previous read)."""
 
-    def __init__(self):
+    def __init__(self, slo: dict | None = None):
+        # `slo:` targets (SloConfig's fields): the replicas' TTFT and TPOT p95 over them become slo_pressure.
+        self._targets = {k: (slo or {}).get(k) for k in ("ttft_p95_ms", "tpot_p95_ms") if (slo or {}).get(k)}
         self._counters: dict[str, tuple[int, int, int]] = {}  # request id -> counters at the previous read
         self._step_totals: dict[str, dict] = {}  # replica id -> its step totals at the previous read
         self._arrivals: int | None = None
@@ -76,7 +80,13 @@ class SignalReader:
             requests=self._request_deltas(decode),
             step_totals=self._step_deltas(decode),
             draft_forward_ms=drafter_forward_ms(decode),
+            slo_pressure=self._slo_pressure(decode),
         )
+
+    def _slo_pressure(self, decode: list[dict]) -> float:
+        """The largest of the decode replicas' TTFT and TPOT p95 over its target (0 without targets)."""
+        return max(((s.get(name) or 0.0) / target for s in decode for name, target in self._targets.items()),
+                   default=0.0)
 
     def _arrival_rate(self, arrivals: int, now_s: float) -> float:
         prev, prev_s = self._arrivals, self._read_at_s
@@ -197,11 +207,12 @@ class ControllerMetrics:
 class ControllerServer:
     """Holds the policy state; `decode` and `verify` are handles of the lane deployments."""
 
-    def __init__(self, config: dict, mode: str, decode, verify=None):
+    def __init__(self, config: dict, mode: str, decode, verify=None, slo: dict | None = None):
+        """`slo`: the app's `slo:` targets (SloConfig's fields), where it has them."""
         self.config = ControllerConfig.model_validate(config)
         self.decode, self.verify = decode, verify
         self.policy = PolicyState.initial(self.config)
-        self.reader = SignalReader()
+        self.reader = SignalReader(slo)
         self.metrics = ControllerMetrics(mode)
         self.last: Decision | None = None
         self.num_pushes = 0

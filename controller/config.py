@@ -215,9 +215,13 @@ class SloConfig(BaseModel):
         "once, without waiting for L to be shed.",
     )
     scale_down_frac: float = Field(
-        default=0.6, gt=0, lt=1, description="A lane gives up a replica only while its latencies are at most this "
-        "fraction of their targets and its load, spread over one replica fewer, would be too (hysteresis: a lane "
-        "scaled up at 1.0 is not scaled down until well under).",
+        default=0.6, gt=0, lt=1, description="A lane gives up a replica only while its load (batch slots or forward "
+        "time in use), spread over one replica fewer, would be at most this fraction of its capacity (hysteresis: "
+        "a lane scaled up past its target is not scaled down until its load is well under).",
+    )
+    down_latency_frac: float = Field(
+        default=0.8, gt=0, lt=1, description="... and while its latencies are at most this fraction of their "
+        "targets. Not lower: a latency has a floor that no replica count moves (a lone request's TTFT).",
     )
     max_step_up: int = Field(
         default=2, ge=1, description="Most replicas added to a lane in one decision.",

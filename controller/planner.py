@@ -18,8 +18,8 @@ Who decides what
     - L takes freed capacity first: a lane gives up no replica within `draft_shed_grace_s` of L rising,
       and only after Serve's `downscale_delay_s` (20 s), far longer than L's rise (`raise_dwell` decisions).
     - Hysteresis: a lane scales up when a latency passes its target (pressure > 1) and down only when
-      its latencies are under `scale_down_frac` of their targets and its load, spread over one replica
-      fewer, would be too. Each decision adds at most `max_step_up` replicas and removes at most one,
+      its latencies are under `down_latency_frac` of their targets and its load, spread over one replica
+      fewer, would be under `scale_down_frac` of its capacity. Each decision adds at most `max_step_up` replicas and removes at most one,
       and none while an earlier change is still starting or stopping replicas.
 
 Each lane's signals (what its replicas return from `record_autoscaling_stats`, averaged by Serve over
@@ -68,6 +68,7 @@ class PlannerTargets:
     verify_queue_high: float = 32.0
     occupancy_high: float = 0.9
     scale_down_frac: float = 0.6
+    down_latency_frac: float = 0.8
     urgent_pressure: float = 2.0
     max_step_up: int = 2
     draft_shed_grace_s: float = 5.0
@@ -158,8 +159,8 @@ def wanted_replicas(n: int, pressure: float, load: float, t: PlannerTargets) -> 
     target (latency and queues grow with the load per replica), one fewer well under it."""
     if pressure > 1.0:
         return min(n + t.max_step_up, max(n + 1, math.ceil(n * pressure))), "over target"
-    if n > 1 and pressure <= t.scale_down_frac and load * n / (n - 1) <= t.scale_down_frac:
-        return n - 1, f"under {t.scale_down_frac:g} of target, also on {n - 1} replicas"
+    if n > 1 and pressure <= t.down_latency_frac and load * n / (n - 1) <= t.scale_down_frac:
+        return n - 1, f"load {load * n / (n - 1):.2f} on {n - 1} replicas"
     return n, "within target"
 
 
@@ -214,7 +215,7 @@ class LanePlanner:
 
     def __init__(self, **targets):
         self.targets = PlannerTargets(**targets)
-        self._last_reason: str | None = None
+        self._last_wanted: int | None = None
 
     def __call__(self, ctx) -> tuple[int, dict]:
         state = {k: v for k, v in (ctx.policy_state or {}).items() if k in _STATE_KEYS}
@@ -224,9 +225,9 @@ class LanePlanner:
             return target, state
         signals = combine(ctx.aggregated_metrics or {})
         decision = plan(running, signals, state, ctx.current_time, self.targets)
-        if decision.replicas != running and decision.reason != self._last_reason:
-            log.info("planner %s: %s", ctx.deployment_name, decision.reason)
-        self._last_reason = decision.reason if decision.replicas != running else None
+        if decision.replicas != running and decision.replicas != self._last_wanted:
+            log.info("planner %s: %s", ctx.deployment_name, decision.reason)  # once per change it asks for
+        self._last_wanted = decision.replicas
         return decision.replicas, decision.state
 
 

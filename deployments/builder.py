@@ -15,6 +15,7 @@ from deployments.engine_replica import EngineDeployment
 from deployments.factories import (build_engine, build_prompt_prefiller, build_verify_lane, load_prefill_shards,
                                    load_shards, load_verify_shards)
 from deployments.ingress import IngressDeployment
+from deployments.planning import planner_options
 from deployments.prefill_replica import PrefillDeployment
 from deployments.tp_workers import start_shard_workers
 from deployments.verify_replica import VerifyDeployment
@@ -47,14 +48,16 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         peer_timeout_s=cfg.request_timeout_s, num_gpus=cfg.decode_lane.num_gpus)
     controller = None
     if cfg.controller.enabled:
-        controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify)
+        slo = cfg.slo.model_dump() if cfg.slo is not None else None
+        controller = ControllerDeployment.bind(cfg.controller.model_dump(), cfg.mode, engine, verify, slo=slo)
     return IngressDeployment.options(**cfg.ingress.deployment_options()).bind(engine, cfg.model_dump(), controller,
                                                                               prefill=prefill, verify=verify)
 
 
 def _options(cfg: AppConfig, lane: str) -> dict:
-    return getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane),
+    opts = getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane),
                                                  DEFAULT_MPS_PRIORITY.get(lane, "normal"))
+    return planner_options(cfg, lane, opts) if cfg.slo is not None else opts
 
 
 def _workers(cfg: AppConfig, lane: str, load):

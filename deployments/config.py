@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
-from controller.config import ControllerConfig
+from controller.config import ControllerConfig, SloConfig
 from deployments.gpu_binding import (lane_device, log_mps_sm_share, mps_priority_env, mps_sm_percent_env,
                                      peer_access_env)
 from lanes.engine.core import EngineConfig
@@ -257,6 +257,11 @@ class AppConfig(_Strict):
     decode_lane: LaneConfig = Field(default_factory=LaneConfig)
     verify_lane: LaneConfig = Field(default_factory=LaneConfig)
     controller: ControllerConfig = Field(default_factory=lambda: ControllerConfig(enabled=False))
+    slo: SloConfig | None = Field(default=None, description="TTFT and TPOT targets. Set, every lane autoscales "
+                                  "under Serve with the replica planner as its policy (controller/planner.py; "
+                                  "docs/controller.md): a lane's num_replicas is the count it starts at, its "
+                                  "autoscaling_config (if any) overrides the planner's bounds and delays, and a "
+                                  "`policy` in it replaces the planner for that lane.")
     max_queued_requests: int = Field(default=256, ge=1, description="Requests in flight at the ingress "
                                      "beyond which new ones get 429 with Retry-After.")
     stream_interval_ms: float = Field(default=STREAM_INTERVAL_MS, ge=0, le=1000, description="Least time "
@@ -330,7 +335,18 @@ class AppConfig(_Strict):
             self.engine.max_model_len = model_context(self.target.path)
             self.engine._max_model_len_unset = True
         self._check_tensor_parallel()
+        self._check_slo()
         return self
+
+    def _check_slo(self) -> None:
+        if self.slo is None:
+            return
+        for lane in self.lanes:
+            config = getattr(self, lane)
+            top = (config.autoscaling_config or {}).get("max_replicas", self.slo.max_replicas)
+            if config.num_replicas is not None and config.num_replicas > top:
+                raise ValueError(f"{lane}.num_replicas ({config.num_replicas}), where the lane starts under slo, "
+                                 f"exceeds its max_replicas ({top})")
 
     def _check_local_prefill(self) -> None:
         if self.mode not in ("pd", "pdv"):
@@ -394,7 +410,7 @@ class AppConfig(_Strict):
         """Whether pdv's engine sends its verify batches over channels (`verify_channel`)."""
         if self.verify_channel is not None:
             return self.verify_channel
-        return self.verify_lane.autoscaling_config is None
+        return self.verify_lane.autoscaling_config is None and self.slo is None
 
     @property
     def uses_shared_drafts(self) -> bool:

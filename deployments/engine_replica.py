@@ -12,12 +12,14 @@ from functools import partial
 import ray
 from ray import serve
 
+from controller.planner import DRAFT_LEN, IN_FLIGHT, MAX_NUM_SEQS, TPOT_MS, TTFT_MS
 from deployments.engine_metrics import EngineMetrics
 from deployments.gpu_binding import lane_device
 from deployments.kv_transfer import Placement
 from deployments.metrics import read_gpu_stats
 from deployments.peer_calls import EnginePeers
 from deployments.remote import PEER_CALL_TIMEOUT_S
+from deployments.slo_signals import LatencyWindow
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.engine.async_engine import AsyncEngine
@@ -93,6 +95,11 @@ class EngineServer:
         self._last_snap: EngineSnapshot | None = None  # the previous step's, for the step timeline's deltas
         self._streamed = (0, 0)  # the engine's (num_messages, num_coalesced) exported so far
         self.num_arrivals = 0  # generate() calls since start; the controller turns it into a rate
+        # The latencies this replica's requests see from here (TTFT: from the call to the first token; TPOT:
+        # per token after it), and how many it holds: the planner's and the L controller's signals.
+        self.ttft, self.tpot = LatencyWindow(), LatencyWindow()
+        self.in_flight = 0
+        self._max_num_seqs: int | None = None
         self.peers = {"prefill": prefill, "verify": verify}
         self._stopping = False
         self._worker_watch = watch_workers(self.shard_workers, self._lose_workers)
@@ -124,15 +131,23 @@ class EngineServer:
                        ) -> AsyncIterator[RequestOutput | GenerateError]:
         """Stream a request's chunks. Cancelling the call (client gone) aborts it and frees its slots."""
         self.num_arrivals += 1
-        start_s, first_s = time.time(), None
+        self.in_flight += 1
+        self.ttft.begin(request_id)
+        start_s, first_s, tokens = time.time(), None, 0
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 if first_s is None and out.token_ids:
                     first_s = time.time()
+                    self.ttft.end(request_id)
+                tokens = max(tokens, out.num_output_tokens)
                 yield out
         except ParamError as exc:
             yield GenerateError(400, str(exc), exc.field)
         finally:
+            self.in_flight -= 1
+            self.ttft.drop(request_id)
+            if first_s is not None and tokens > 1:
+                self.tpot.add(1e3 * (time.time() - first_s) / (tokens - 1))
             TIMELINE.record("request", start_s, time.time(), first_s=first_s, request_id=request_id)
 
     def check_health(self) -> None:
@@ -170,12 +185,23 @@ class EngineServer:
         report = await self.engine.call(core_report)
         pid = self.engine.pid if isinstance(self.engine, ProcessEngine) else os.getpid()
         return {**report, "step_p95_ms": self.metrics.step_p95_ms(), "step_totals": self.metrics.verify_step_totals(),
-                "num_arrivals": self.num_arrivals,
+                "num_arrivals": self.num_arrivals, "ttft_p95_ms": self.ttft.p95_ms(), "tpot_p95_ms": self.tpot.p95_ms(),
                 # Engine steps and the stream messages they became (what serving_overhead.py reads),
                 # and the process that steps (the one to profile).
                 "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
                 "num_coalesced": self.engine.num_coalesced,
                 "step_ms_total": self.engine.step_ms_total, "pid": pid, "replica_pid": os.getpid()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this replica: what the replica planner scales the lane on
+        (controller/planner.py), with the L it runs."""
+        if self._max_num_seqs is None:
+            self._max_num_seqs = (await self.engine.call(core_report))["max_num_seqs"]
+        signals = {TTFT_MS: self.ttft.p95_ms(), TPOT_MS: self.tpot.p95_ms(), IN_FLIGHT: self.in_flight,
+                   MAX_NUM_SEQS: self._max_num_seqs}
+        if self._last_snap is not None:
+            signals[DRAFT_LEN] = self._last_snap.default_draft_len
+        return signals
 
     async def trace(self, num_steps: int, out_dir: str, timeout_s: float = 60.0) -> dict:
         """A torch.profiler trace of the engine's next `num_steps` steps, written under `out_dir` on this

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from ray import serve
 
+from controller.planner import BUSY_FRAC, PENDING_TOKENS, PREFILL_MS, PREFILL_TOKENS_PER_S
 from deployments.factories import PREFILL_BATCH_MAX
 from deployments.hedged import hedged
 from deployments.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
@@ -20,6 +21,7 @@ from deployments.metrics import LaneMetrics
 from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
 from deployments.router_state import describe
 from deployments.serve_calls import own_request
+from deployments.slo_signals import BusyWindow, LatencyWindow
 from deployments.timeline import TIMELINE, replica_report
 from deployments.tp_workers import bind_workers, watch_workers, worker_pids
 from lanes.device.streams import PREFILL_PRIORITY
@@ -70,6 +72,10 @@ class PrefillServer:
                                    cost=lambda job: -(-len(job.request.prompt_ids) // scratch.block_size),
                                    capacity=scratch.shape.num_blocks)
         self.pending = 0
+        # The planner's signals: each prompt's time here (its part of TTFT), the prompt tokens waiting, and
+        # the time spent in forwards with the tokens they prefilled.
+        self.prompt_time, self.busy = LatencyWindow(), BusyWindow()
+        self.pending_tokens = 0
         # Draft KV hand-overs by transport ("none": drafting by prompt lookup, there is no draft KV).
         self.handed_over = {"in_place": 0, "peer": 0, "copied": 0, "none": 0}
         # KV bytes of each model by how they went: "copied" went through Ray's object store.
@@ -110,10 +116,14 @@ class PrefillServer:
         if self._views_watch is None:  # started lazily, on the replica's event loop
             self._views_watch = asyncio.get_running_loop().create_task(self._drop_dead_views_forever())
         self._set_queue_depth(+1)
+        self.prompt_time.begin(id(job))
+        self.pending_tokens += len(job.request.prompt_ids)
         try:
             out: Prefilled = await self.batcher.submit(job)
         finally:
             self._set_queue_depth(-1)
+            self.pending_tokens -= len(job.request.prompt_ids)
+            self.prompt_time.drop(id(job))
         # The RPCs left run here, per request, so the next forward need not wait for them.
         if out.verify_kv is not None:
             loading = asyncio.ensure_future(own_request(self.verify.load_kv, out.verify_kv, job.owner))
@@ -138,6 +148,7 @@ class PrefillServer:
         self.handed_over[out.draft] += 1
         self.handed_over_bytes["target"][out.target] += out.target_bytes
         self.handed_over_bytes["draft"][out.draft] += out.draft_bytes
+        self.prompt_time.add(1e3 * (time.time() - job.received_s))
         TIMELINE.record("handover", out.forward_end_s, time.time(), tokens=out.tokens, target=out.target,
                         draft=out.draft, target_bytes=out.target_bytes, draft_bytes=out.draft_bytes, sent_s=job.sent_s,
                         received_s=job.received_s, batch_s=out.batch_s, written_s=out.written_s)
@@ -189,6 +200,7 @@ class PrefillServer:
         lease, slots, blocks, pool = leased if leased is not None else (None, None, None, None)
         kvs, release, forward_ms = forward
         self.metrics.observe_step(forward_ms, len(jobs))
+        self.busy.add(forward_ms / 1e3, sum(len(j.request.prompt_ids) for j in jobs))
         self._export_prefix_cache()
         # The KV writes run next on the same thread and stream, before any other batch's forward,
         # straight from the scratch slots (views, released after), in one job: queued one by one,
@@ -333,6 +345,12 @@ class PrefillServer:
                 "verify_in_place": {lease: pool is not None for lease, pool in self._verify_pools.items()},
                 "slot_calls_resent": self.slot_calls_resent, "views_dropped": self.views_dropped,
                 "replica_pid": os.getpid()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this replica: what the replica planner scales the lane on
+        (controller/planner.py)."""
+        return {PREFILL_MS: self.prompt_time.p95_ms(), PENDING_TOKENS: self.pending_tokens,
+                PREFILL_TOKENS_PER_S: self.busy.work_per_busy_s(), BUSY_FRAC: self.busy.busy_frac()}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs, its prefill forwards and each request's KV hand-over since `start_s`."""

@@ -10,6 +10,7 @@ import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from controller.planner import BUSY_FRAC, DRAFT_LEN, OCCUPANCY, PENDING_ROWS, VERIFY_MS
 from deployments.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.lane_batcher import LaneBatcher
 from deployments.lane_worker import LaneWorker
@@ -17,6 +18,7 @@ from deployments.lease_router import LeaseRouter
 from deployments.leases import replica_lease
 from deployments.metrics import LaneMetrics
 from deployments.remote import current_actor, merge_rows
+from deployments.slo_signals import BusyWindow, LatencyWindow
 from deployments.slot_owners import SlotOwners
 from deployments.timeline import TIMELINE, replica_report
 from deployments.verify_channel import ChannelAddress, VerifyChannelServer
@@ -60,6 +62,10 @@ class VerifyServer:
         self.metrics = LaneMetrics("verify", mode)
         self.batcher = LaneBatcher(self._forward, VERIFY_CALLS_MAX)
         self.pending_rows = 0  # rows waiting for or in a verify forward: the lane's queue depth
+        # The planner's signals: each call's time here (its part of a decode step, so of TPOT), the time spent
+        # in forwards, and the longest draft of the last forward (the L that costs the target's compute).
+        self.call_time, self.busy = LatencyWindow(), BusyWindow()
+        self.last_draft_len = 0
         # This replica's name on every slot it hands out: its Serve replica id, by which every caller
         # routes a call about those slots back here (deployments/lease_router.py). A call or a release
         # that names another lease (a misrouted call, or a dead replica's slots) is refused or ignored,
@@ -276,6 +282,7 @@ class VerifyServer:
             result = await self.batcher.submit(batch)
             # The call's time here, forward included: the rest of the caller's wait is transit and hand-offs.
             TIMELINE.record("verify_call", arrive_s, time.time(), rows=rows)
+            self.call_time.add(1e3 * (time.time() - arrive_s))
             self.rows_verified += rows - sum(error is not None for error in result.errors or [])  # less those shed
             return result
         finally:
@@ -303,6 +310,8 @@ class VerifyServer:
                 parts.append((fit, await self._verify_in_halves_on_oom(timed, kept_rows)))
             result = merge_rows(rows, parts)
         self.metrics.observe_step((time.perf_counter() - start) * 1e3, rows)
+        self.busy.add(time.perf_counter() - start, rows)
+        self.last_draft_len = max(merged.num_draft, default=0)
         pool = self.lane.pool
         self.metrics.set_kv_slots(pool.num_used, pool.shape.num_slots, "target")
         self.metrics.set_kv_blocks(pool.shape.num_blocks - pool.num_free_blocks, pool.shape.num_blocks, "target")
@@ -343,6 +352,14 @@ class VerifyServer:
                 "channel_calls": self._channel.num_calls if self._channel is not None else 0,
                 "ring_calls": self.ring_calls, "rings_mapped": len(self.rings), "kv_loaded_bytes": self.kv_loaded_bytes,
                 "prompts_prefilled": self.prompts_prefilled}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics of this replica: what the replica planner scales the lane on
+        (controller/planner.py)."""
+        pool = self.lane.pool
+        return {VERIFY_MS: self.call_time.p95_ms(), PENDING_ROWS: self.pending_rows,
+                OCCUPANCY: pool.num_used / pool.shape.num_slots if pool.shape.num_slots else 0.0,
+                BUSY_FRAC: self.busy.busy_frac(), DRAFT_LEN: self.last_draft_len}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""

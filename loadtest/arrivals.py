@@ -63,4 +63,48 @@ class ClosedLoop:
         return float(self.concurrency)
 
 
-Arrivals = OpenLoop | ClosedLoop
+@dataclass(frozen=True)
+class RampLoop:
+    """Open-loop Poisson arrivals whose rate follows a piecewise-linear schedule: `points` of (seconds since
+    the start, requests per second), the rate held at the last point's after it. A load that rises and
+    falls within one run, for autoscaling (benchmarks/planner_ramp.py)."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self):
+        times = [t for t, _ in self.points]
+        if not self.points or times[0] != 0 or times != sorted(times) or min(r for _, r in self.points) <= 0:
+            raise ValueError(f"a ramp starts at 0 s, goes forward in time and keeps every rate > 0: {self.points}")
+
+    def rate_at(self, t_s: float) -> float:
+        for (t0, r0), (t1, r1) in zip(self.points, self.points[1:]):
+            if t0 <= t_s < t1:
+                return r0 + (r1 - r0) * (t_s - t0) / (t1 - t0)
+        return self.points[-1][1]
+
+    def gaps_s(self, rng: np.random.Generator, dt_s: float = 0.01) -> Iterator[float]:
+        """Endless gaps: each spans an Exp(1) amount of the schedule's integrated rate (inversion, in steps
+        of `dt_s` over which the rate is taken as constant)."""
+        t_s = 0.0
+        while True:
+            start_s, need = t_s, float(rng.exponential())
+            while need > 0:
+                step = self.rate_at(t_s) * dt_s
+                if step >= need:
+                    t_s += dt_s * need / step
+                    need = 0.0
+                else:
+                    t_s, need = t_s + dt_s, need - step
+            yield t_s - start_s
+
+    @property
+    def label(self) -> str:
+        return "ramp=" + ",".join(f"{t:g}s:{r:g}" for t, r in self.points)
+
+    @property
+    def load(self) -> float:
+        """The load axis of sweep plots: the peak rate."""
+        return max(r for _, r in self.points)
+
+
+Arrivals = OpenLoop | ClosedLoop | RampLoop

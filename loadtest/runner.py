@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from loadtest.arrivals import Arrivals, ClosedLoop, OpenLoop
+from loadtest.arrivals import Arrivals, ClosedLoop, OpenLoop, RampLoop
 from loadtest.client import (RequestOptions, build_payload, fetch_model_id, fetch_spec_counters,
                              send_request)
 from loadtest.records import RequestRecord
@@ -114,7 +114,7 @@ async def _drive(send: Send, workload: list[WorkloadRequest], arrivals: Arrivals
             on_record(record)
 
     with bar:
-        if isinstance(arrivals, OpenLoop):
+        if isinstance(arrivals, OpenLoop | RampLoop):
             records = await _open_loop(send, workload, arrivals, duration_s, seed, ended)
         else:
             records = await _closed_loop(send, workload, arrivals, duration_s, ended)
@@ -127,7 +127,7 @@ def _requests(workload: list[WorkloadRequest], duration_s: float | None
     return enumerate(source)
 
 
-async def _open_loop(send: Send, workload: list[WorkloadRequest], arrivals: OpenLoop,
+async def _open_loop(send: Send, workload: list[WorkloadRequest], arrivals: OpenLoop | RampLoop,
                      duration_s: float | None, seed: int,
                      ended: Callable[[RequestRecord], None]) -> list[RequestRecord]:
     gaps_s = arrivals.gaps_s(np.random.default_rng(seed))

@@ -49,12 +49,12 @@ def test_each_lane_owns_its_latency():
 
 
 def test_up_in_proportion_down_one_at_a_time_with_hysteresis():
-    t = PlannerTargets("engine", ttft_p95_ms=1000, max_step_up=2, scale_down_frac=0.6)
+    t = PlannerTargets("engine", ttft_p95_ms=1000, max_step_up=2, scale_down_frac=0.6, down_latency_frac=0.8)
     assert wanted_replicas(2, 1.4, 0.9, t)[0] == 3
     assert wanted_replicas(1, 5.0, 1.0, t)[0] == 3  # at most max_step_up at once
     assert wanted_replicas(3, 0.9, 0.3, t)[0] == 3  # under target, not far enough for one fewer
     assert wanted_replicas(3, 0.5, 0.45, t)[0] == 3  # 0.45 x 3/2 > 0.6
-    assert wanted_replicas(3, 0.5, 0.3, t)[0] == 2
+    assert wanted_replicas(3, 0.7, 0.3, t)[0] == 2
     assert wanted_replicas(1, 0.0, 0.0, t)[0] == 1  # never below one replica
 
 
@@ -165,7 +165,8 @@ def _simulate(slo: SloConfig, rate_rps=_ramp_rps, seconds: int = 560) -> list[di
                                   target_decode_p95_ms=100.0, verify_queue_high=32, verify_queue_low=8,
                                   step_cost_enabled=False, draft_cost_ratio=0.15)
     targets = PlannerTargets("engine", ttft_p95_ms=slo.ttft_p95_ms, tpot_p95_ms=slo.tpot_p95_ms,
-                             scale_down_frac=slo.scale_down_frac, urgent_pressure=slo.urgent_pressure,
+                             scale_down_frac=slo.scale_down_frac, down_latency_frac=slo.down_latency_frac,
+                             urgent_pressure=slo.urgent_pressure,
                              max_step_up=slo.max_step_up, draft_shed_grace_s=slo.draft_shed_grace_s,
                              min_draft_len=controller.min_draft_len)
     serve = _Serve(slo.upscale_delay_s, slo.downscale_delay_s)
@@ -231,3 +232,56 @@ def test_a_steady_load_near_the_scaling_boundaries_changes_replicas_at_most_twic
         trace = _simulate(slo, lambda t_s: factor * BASE_RPS, seconds=400)
         replicas = [s["replicas"] for s in trace]
         assert sum(a != b for a, b in zip(replicas, replicas[1:])) <= 2, (factor, replicas)
+
+
+def test_slo_turns_every_lane_into_a_planner_autoscaled_deployment():
+    from deployments.builder import _options
+    from deployments.config import AppConfig
+
+    cfg = AppConfig.model_validate({
+        "mode": "pdv", "engine": {"max_model_len": 256}, "controller": {"min_draft_len": 1},
+        "slo": {"ttft_p95_ms": 500, "tpot_p95_ms": 40, "max_replicas": 3},
+        "decode_lane": {"num_replicas": 2},
+        # A lane's own autoscaling_config overrides the planner's bounds and delays.
+        "verify_lane": {"autoscaling_config": {"max_replicas": 5, "downscale_delay_s": 60}}})
+    lanes = {lane: _options(cfg, lane) for lane in cfg.lanes}
+    for lane, opts in lanes.items():
+        assert "num_replicas" not in opts
+        auto = opts["autoscaling_config"]
+        assert auto["min_replicas"] == 1 and auto["policy"]["policy_function"] == "controller.planner:LanePlanner"
+        PlannerTargets(**auto["policy"]["policy_kwargs"])  # what Serve's controller builds it from
+    kwargs = {lane: o["autoscaling_config"]["policy"]["policy_kwargs"] for lane, o in lanes.items()}
+    assert [kwargs[lane]["lane"] for lane in cfg.lanes] == ["prefill", "decode", "verify"]
+    assert kwargs["prefill_lane"]["min_draft_len"] is None and kwargs["verify_lane"]["min_draft_len"] == 1
+    assert lanes["decode_lane"]["autoscaling_config"]["initial_replicas"] == 2
+    assert lanes["verify_lane"]["autoscaling_config"]["max_replicas"] == 5
+    assert lanes["verify_lane"]["autoscaling_config"]["downscale_delay_s"] == 60
+    # Decode replicas drain their streams for as long as a request may run.
+    assert lanes["decode_lane"]["graceful_shutdown_timeout_s"] == cfg.request_timeout_s
+    assert not cfg.uses_verify_channel  # an autoscaled verify lane: through Serve, as with autoscaling_config
+
+
+def test_a_lane_cannot_start_above_its_planner_bound():
+    from deployments.config import AppConfig
+
+    with pytest.raises(ValidationError, match="exceeds its max_replicas"):
+        AppConfig.model_validate({"mode": "unified", "engine": {"max_model_len": 256},
+                                  "slo": {"ttft_p95_ms": 500, "max_replicas": 2}, "decode_lane": {"num_replicas": 3}})
+
+
+def test_a_ramp_of_arrivals_follows_its_schedule():
+    import numpy as np
+
+    from loadtest.arrivals import RampLoop
+
+    ramp = RampLoop(((0.0, 2.0), (100.0, 2.0), (200.0, 8.0)))
+    assert ramp.rate_at(150.0) == 5.0 and ramp.rate_at(500.0) == 8.0 and ramp.load == 8.0
+    gaps, t_s, times = ramp.gaps_s(np.random.default_rng(0)), 0.0, []
+    while t_s < 300:
+        t_s += next(gaps)
+        times.append(t_s)
+    counts = [sum(lo <= t < lo + 100 for t in times) for lo in (0, 100, 200)]
+    # Expected 200, 500 and 800 (Poisson: within 4 standard deviations).
+    assert all(abs(c - e) < 4 * e ** 0.5 for c, e in zip(counts, (200, 500, 800))), counts
+    with pytest.raises(ValueError):
+        RampLoop(((1.0, 2.0),))
