@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from deployments.engine_replica import EngineServer
 from deployments.ingress import Ingress, InternalErrorMiddleware
 from deployments.openai_protocol import CompletionRequest
+from deployments.slo_signals import LatencyWindow
 from lanes.engine.async_engine import AsyncEngine
 from lanes.engine.backends import KVLost
 from lanes.engine.core import EngineCore, EngineConfig
@@ -31,10 +32,12 @@ LEAKY = RuntimeError('Process 455 has 2.67 GiB memory in use; File "/work/lanes/
 
 
 class _Replica:
-    """What EngineServer.generate reads of its replica: the engine, and the arrivals counter."""
+    """What EngineServer.generate reads of its replica: the engine, the arrivals and in-flight counters, and
+    the TTFT and TPOT windows the replica planner reads."""
 
     def __init__(self, engine: AsyncEngine):
-        self.engine, self.num_arrivals = engine, 0
+        self.engine, self.num_arrivals, self.in_flight = engine, 0, 0
+        self.ttft, self.tpot = LatencyWindow(), LatencyWindow()
 
 
 class _Stream:

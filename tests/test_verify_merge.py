@@ -11,6 +11,7 @@ import torch
 from deployments import prefill_replica
 from deployments.kv_transfer import HostKV, PoolViews
 from deployments.remote import PrefillDone, PrefillJob, RemoteVerifier, merge_rows
+from deployments.slo_signals import LatencyWindow
 from deployments.verify_replica import merge_batches, split_result
 from lanes.engine.backends import KVLost
 from lanes.sample.params import SamplingParams
@@ -137,6 +138,7 @@ def test_kv_that_no_verify_replica_takes_in_time_recomputes_the_request_and_free
     server.verify, server.pending, server.metrics = _SlowVerifyLane(late_s=0.3), 0, types.SimpleNamespace(
         set_queue_depth=lambda depth: None)
     server.views, server._views_watch = PoolViews(), None  # its watch for dead owners' pools: none opened here
+    server.prompt_time, server.pending_tokens = LatencyWindow(), 0  # what the replica planner reads
     done = PrefillDone(3, None, None, None)
     prefilled = prefill_replica.Prefilled(done, "copied", "none", 4, 0, 0, 0.0, 0.0,
                                           verify_kv=HostKV.from_tensor(torch.zeros(2, 1, 1, 4, 2)))
