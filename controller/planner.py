@@ -15,8 +15,11 @@ Who decides what
       target or since L last fell (the L controller sheds in `lower_dwell` decisions, about 2 s); a
       latency `urgent_pressure` times its target skips the wait. Replicas then come after Serve's
       `upscale_delay_s` on top.
-    - L takes freed capacity first: a lane gives up no replica within `draft_shed_grace_s` of L rising,
-      and only after Serve's `downscale_delay_s` (20 s), far longer than L's rise (`raise_dwell` decisions).
+    - L takes freed capacity first: a lane gives up a replica only after Serve's `downscale_delay_s`
+      (20 s) of asking, far longer than L's rise (`raise_dwell` decisions), and only while its load on one
+      replica fewer would stay well under capacity (below), whatever L. (Holding a scale-down while L
+      rose restarted Serve's delay at every move of L: on the CPU ramp, an L that moved every few seconds
+      at 1x kept four replicas to the end.)
     - Hysteresis: a lane scales up when a latency passes its target (pressure > 1) and down only when
       its latencies are under `down_latency_frac` of their targets and its load, spread over one replica
       fewer, would be under `scale_down_frac` of its capacity. Each decision adds at most `max_step_up` replicas and removes at most one,
@@ -165,15 +168,13 @@ def wanted_replicas(n: int, pressure: float, load: float, t: PlannerTargets) -> 
 
 
 def track_draft_len(state: dict, draft_len: float | None, over: bool, now_s: float) -> dict:
-    """The planner's memory of L: the last L seen, when it last fell and rose, and since when the lane has
-    been over target (None: it is not)."""
+    """The planner's memory of L: the last L seen, when it last fell, and since when the lane has been over
+    target (None: it is not)."""
     new = dict(state)
     last = state.get("draft_len")
     if draft_len is not None:
         if last is not None and draft_len < last:
             new["draft_fell_s"] = now_s
-        if last is not None and draft_len > last:
-            new["draft_rose_s"] = now_s
         new["draft_len"] = draft_len
     if not over:
         new["over_since_s"] = None
@@ -184,7 +185,7 @@ def track_draft_len(state: dict, draft_len: float | None, over: bool, now_s: flo
 
 def draft_first(want: int, n: int, pressure: float, state: dict, now_s: float, t: PlannerTargets
                 ) -> tuple[int, str | None]:
-    """Hold a scale-up while the L controller may still shed L, and a scale-down while L is still rising."""
+    """Hold a scale-up while the L controller may still shed L."""
     draft_len = state.get("draft_len")
     if t.min_draft_len is None or draft_len is None:
         return want, None
@@ -193,8 +194,6 @@ def draft_first(want: int, n: int, pressure: float, state: dict, now_s: float, t
         since = max(state.get("over_since_s") or now_s, state.get("draft_fell_s") or -math.inf)
         if now_s - since < grace:
             return n, f"L {draft_len:g} is shed first ({now_s - since:.1f} of {grace:g} s)"
-    if want < n and now_s - (state.get("draft_rose_s") or -math.inf) < grace:
-        return n, f"L rose to {draft_len:g} {now_s - state['draft_rose_s']:.1f} s ago: it takes the capacity first"
     return want, None
 
 
@@ -231,4 +230,4 @@ class LanePlanner:
         return decision.replicas, decision.state
 
 
-_STATE_KEYS = ("draft_len", "draft_fell_s", "draft_rose_s", "over_since_s")
+_STATE_KEYS = ("draft_len", "draft_fell_s", "over_since_s")

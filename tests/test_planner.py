@@ -75,13 +75,14 @@ def test_l_is_shed_before_replicas_are_added():
     assert plan(1, over, {}, 100.0, PlannerTargets("engine", ttft_p95_ms=1000)).replicas == 2
 
 
-def test_no_replica_is_given_up_while_l_still_rises():
+def test_moves_of_l_do_not_hold_a_scale_down():
+    # A hold would restart Serve's downscale delay: an L that moves every few seconds would keep every replica.
     quiet = {TTFT_MS: 200, TPOT_MS: 10, IN_FLIGHT: 1, MAX_NUM_SEQS: 8}
-    p = plan(3, {**quiet, DRAFT_LEN: 2}, {}, 100.0, ENGINE)
-    assert p.replicas == 2
-    p = plan(3, {**quiet, DRAFT_LEN: 4}, p.state, 101.0, ENGINE)
-    assert p.replicas == 3 and "takes the capacity first" in p.reason
-    assert plan(3, {**quiet, DRAFT_LEN: 4}, p.state, 106.5, ENGINE).replicas == 2
+    state = {}
+    for now_s, draft_len in enumerate((2, 5, 3, 6, 4, 7)):
+        p = plan(3, {**quiet, DRAFT_LEN: draft_len}, state, float(now_s), ENGINE)
+        assert p.replicas == 2
+        state = p.state
 
 
 @dataclass
