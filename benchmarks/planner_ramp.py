@@ -22,6 +22,12 @@ and the share of 10-second windows (by request start) whose TTFT p95 and TPOT p9
 targets: over all windows, and over those that start `--settle-s` or more after the ramp begins to rise
 and after it reaches its peak (the time a replica takes to start on this machine). Writes <out>/results.json,
 <out>/README.md and <out>/ramp.png.
+
+    python -m benchmarks.planner_ramp --ceiling 1,2,4 --out benchmarks/results/planner_ramp_cpu
+
+measures instead what the machine serves with that many fixed replicas, each kept full (closed loop, twice
+`--max-num-seqs` requests in flight per replica, `--ceiling-s` seconds): requests and output tokens per
+second, TTFT and TPOT p95. Writes <out>/ceiling.json.
 """
 
 import argparse
@@ -42,7 +48,7 @@ from ray import serve
 
 from benchmarks.controller_ramp import DEFAULT_CONTROLLER, cpu_sample, foreign_cores, heldout_workload
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
-from loadtest.arrivals import RampLoop
+from loadtest.arrivals import ClosedLoop, RampLoop
 from loadtest.client import RequestOptions
 from loadtest.runner import RunResult, run_load
 from tests.serve_helpers import base_url, delete, deploy, ray_cluster
@@ -76,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ceiling", default=None, help="comma-separated replica counts: measure the machine's "
+                        "ceiling with each (fixed replicas kept full) instead of the ramp")
+    parser.add_argument("--ceiling-s", type=float, default=30.0)
     return parser.parse_args(argv)
 
 
@@ -90,7 +99,8 @@ def duration_s(args: argparse.Namespace) -> float:
     return args.hold_s + 2 * args.ramp_s + args.peak_s + args.tail_s
 
 
-def app_configs(args: argparse.Namespace) -> dict[str, dict]:
+def app_configs(args: argparse.Namespace, fixed_replicas: int | None = None) -> dict[str, dict]:
+    """Every arm's app config (`fixed_replicas`: the fixed arm's count, `--fixed-replicas` by default)."""
     controller = json.loads(args.controller)
     base = {"mode": "unified", "target": {"path": args.target}, "draft": {"path": args.draft}, "ingress": LANE,
             "engine": {"max_model_len": 512, "max_num_seqs": args.max_num_seqs, "max_draft_len": 8,
@@ -102,9 +112,9 @@ def app_configs(args: argparse.Namespace) -> dict[str, dict]:
         "planner": {**base, "decode_lane": {**LANE, "num_replicas": 1}, "slo": slo},
         "serve-default": {**base, "decode_lane": {**LANE, "num_replicas": None, "autoscaling_config": {
             "min_replicas": 1, "max_replicas": args.max_replicas}}},
-        "fixed": {**base, "decode_lane": {**LANE, "num_replicas": args.fixed_replicas}},
+        "fixed": {**base, "decode_lane": {**LANE, "num_replicas": fixed_replicas or args.fixed_replicas}},
     }
-    return {name: arms[name] for name in args.arms.split(",")}
+    return arms
 
 
 def lane_replicas(app: str) -> int:
@@ -270,11 +280,44 @@ def _pct(value) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+async def full_load(name: str, replicas: int, workload, args) -> dict:
+    base = base_url(name).removesuffix("/v1")
+    await run_load(base, workload[:4], RampLoop(((0.0, 1.0),)), progress=False)
+    cpu_before = cpu_sample()
+    result = await run_load(base, workload, ClosedLoop(2 * replicas * args.max_num_seqs),
+                            duration_s=args.ceiling_s, options=RequestOptions(temperature=0.0), progress=False)
+    s = result.summary({})
+    return {"replicas": replicas, "in_flight": 2 * replicas * args.max_num_seqs, "completed": s.completed,
+            "failed": s.failed + s.timed_out, "request_rps": round(s.request_throughput_rps, 3),
+            "output_tps": round(s.output_token_throughput_tps, 1), "ttft_ms_p95": s.latency_ms["ttft_ms"].p95,
+            "tpot_ms_p95": s.latency_ms["tpot_ms"].p95,
+            "foreign_cores": round(foreign_cores(cpu_before, cpu_sample()), 2),
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def ceiling(args: argparse.Namespace, workload) -> None:
+    """What the machine serves with each count of fixed replicas, kept full."""
+    rows = []
+    for replicas in (int(n) for n in args.ceiling.split(",")):
+        name = f"ceiling{replicas}"
+        deploy({name: app_configs(args, replicas)["fixed"]})
+        try:
+            rows.append(asyncio.run(full_load(name, replicas, workload, args)))
+        finally:
+            delete([name])
+        print(rows[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python -m benchmarks.planner_ramp", *sys.argv[1:]])
+    (args.out / "ceiling.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configs = app_configs(args)
     workload = heldout_workload(args)
     ray_cluster()
+    if args.ceiling:
+        return ceiling(args, workload)
+    configs = {name: config for name, config in app_configs(args).items() if name in args.arms.split(",")}
     arms = {}
     for name, config in configs.items():
         deploy({name: config})
