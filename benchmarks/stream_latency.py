@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 
 from benchmarks.lib.cluster import deploy, free_device_memory, git_commit, log, machine, start_cluster  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
-from benchmarks.serving_overhead import _options, app_config, random_work, replica_counters  # noqa: E402
+from benchmarks.lib.results import rows_table  # noqa: E402
+from benchmarks.serving_overhead import _options, _r, app_config, random_work, replica_counters  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from loadtest.arrivals import ClosedLoop  # noqa: E402
 from loadtest.runner import run_load  # noqa: E402
@@ -78,17 +79,9 @@ def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -
             "coalesced_share": _r(coalesced / (messages + coalesced) if messages + coalesced else None, 3)}
 
 
-def _r(value, digits: int = 2):
-    return None if value is None else round(value, digits)
-
-
 def markdown(doc: dict) -> str:
-    rows = doc["rows"]
-    cols = list(rows[0]) if rows else []
     lines = [f"# Stream latency ({doc['machine'].get('gpu') or doc['machine']['cpu_model']})", "",
-             f"`{doc['command']}` (commit {doc['commit']}); {doc['work']}", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |" for r in rows]
+             f"`{doc['command']}` (commit {doc['commit']}); {doc['work']}", "", rows_table(doc["rows"]).rstrip("\n")]
     if doc["errors"]:
         lines += ["", "## Failures", ""] + [f"- {k}: {e}" for k, e in doc["errors"].items()]
     return "\n".join(lines) + "\n"
