@@ -259,7 +259,7 @@ class AppConfig(_Strict):
     controller: ControllerConfig = Field(default_factory=lambda: ControllerConfig(enabled=False))
     slo: SloConfig | None = Field(default=None, description="TTFT and TPOT targets. Set, every lane autoscales "
                                   "under Serve with the replica planner as its policy (controller/planner.py; "
-                                  "docs/controller.md): a lane's num_replicas is the count it starts at, its "
+                                  "docs/planner.md): a lane's num_replicas is the count it starts at, its "
                                   "autoscaling_config (if any) overrides the planner's bounds and delays, and a "
                                   "`policy` in it replaces the planner for that lane.")
     max_queued_requests: int = Field(default=256, ge=1, description="Requests in flight at the ingress "
