@@ -79,7 +79,7 @@ class EngineConfig:
     # replacement for tens of seconds (Serve's health check, then the replica's start): its requests end
     # with an error within this bound instead of holding their streams; with a replica left, or one
     # back in time, they are recomputed there (docs/serving.md).
-    recover_within_s: float = 8.0
+    recover_within_s: float = 6.0
     # Times a request may meet a device out-of-memory error in a step already at its smallest size (one
     # decode row, one block of prefill) or in a remote lane, before it fails (lanes/engine/step_cap.py). Before
     # that it is recomputed, never failed.
