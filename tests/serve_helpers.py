@@ -38,7 +38,7 @@ LANE = {"num_cpus": 0.05}
 RUNTIME_ENV = {"env_vars": {"OMP_NUM_THREADS": "1"}}
 
 _cluster: tuple | None = None  # the settings of the Ray cluster this process runs; None: none
-_nodes: Cluster | None = None  # where that cluster has several nodes (`multinode`): Ray's handle to them
+_stop_nodes: Callable[[], None] | None = None  # ends a cluster a module started for itself (`own_cluster`)
 _serve_started = False
 _deployed: dict[str, dict] = {}  # app name -> config, of every app deployed on it
 _shared: set[str] = set()  # those kept by a module that shares its apps (`serving(shared=True)`)
@@ -67,24 +67,32 @@ def ray_cluster(num_gpus: int | None = None, env_vars: dict[str, str] | None = N
 
 
 def multinode(head: dict, workers: list[dict]) -> Cluster:
-    """A Ray cluster of several nodes on this host, for one module: Ray's own `cluster_utils.Cluster`, each
-    node a raylet with its own object store (objects between nodes go through Ray's object manager, as
-    between hosts), `head` and each of `workers` the arguments of one node (num_cpus, resources, ...).
-    Serve runs on it with its HTTP proxy on the head only: on one host every node's proxy would share the
-    port, and a client's connection could run through a node a test kills. The session's cluster goes
-    down first; the next module that asks for another starts its own."""
-    global _cluster, _serve_started, _nodes
+    """A Ray cluster of several nodes on this host, for one module (`own_cluster`): Ray's own
+    `cluster_utils.Cluster`, each node a raylet with its own object store (objects between nodes go through
+    Ray's object manager, as between hosts), `head` and each of `workers` the arguments of one node
+    (num_cpus, resources, ...)."""
     stop_ray()
     node = dict(object_store_memory=96 << 20, include_dashboard=False)  # Ray's least is 75 MiB
-    _nodes = Cluster(initialize_head=True, head_node_args={**node, **head})
+    nodes = Cluster(initialize_head=True, head_node_args={**node, **head})
     for worker in workers:
-        _nodes.add_node(**node, **worker)
-    _nodes.wait_for_nodes()
-    ray.init(address=_nodes.address, log_to_driver=False, runtime_env=RUNTIME_ENV)
-    _cluster = ("multinode", id(_nodes))
+        nodes.add_node(**node, **worker)
+    nodes.wait_for_nodes()
+    own_cluster(nodes.address, nodes.shutdown)
+    return nodes
+
+
+def own_cluster(address: str, shutdown: Callable[[], None]) -> None:
+    """Join a cluster that a module started for itself (several nodes on this host), with Serve on it and its
+    HTTP proxy on the head only: on one host every node's proxy would share the port, and a client's
+    connection could run through a node a test kills. The session's cluster goes down first; `shutdown`
+    ends this one's processes when `stop_ray` runs (the next module that asks for another cluster starts
+    its own)."""
+    global _cluster, _serve_started, _stop_nodes
+    stop_ray()
+    _cluster, _stop_nodes = ("own", address), shutdown
+    ray.init(address=address, log_to_driver=False, runtime_env=RUNTIME_ENV)
     _start_serve(proxy_location="HeadOnly")
     _serve_started = True
-    return _nodes
 
 
 def _start_serve(attempts: int = 3, proxy_location: str = "EveryNode") -> None:
@@ -103,14 +111,14 @@ def _start_serve(attempts: int = 3, proxy_location: str = "EveryNode") -> None:
 
 def stop_ray() -> None:
     """Shut down Serve and Ray where this process started them (at the session's end, or for other settings)."""
-    global _cluster, _serve_started, _nodes
+    global _cluster, _serve_started, _stop_nodes
     if _cluster is not None:
         if _serve_started:
             serve.shutdown()
         ray.shutdown()
-        if _nodes is not None:
-            _nodes.shutdown()  # this cluster's processes only (not `ray stop`, which ends every Ray on the host)
-        _cluster, _serve_started, _nodes = None, False, None
+        if _stop_nodes is not None:
+            _stop_nodes()  # this cluster's processes only (not `ray stop`, which ends every Ray on the host)
+        _cluster, _serve_started, _stop_nodes = None, False, None
         _deployed.clear()
         _shared.clear()
 

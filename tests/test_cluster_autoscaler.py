@@ -25,7 +25,6 @@ import time
 import pytest
 import ray
 import torch
-from ray import serve
 
 from deployments.builder import ConfigError, build_app
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET, AppConfig
@@ -33,8 +32,8 @@ from lanes.model.loader import load_model
 from loadtest.faults import lane_processes
 from tests.engine_helpers import greedy_references
 from tests.fake_cluster import FAKE_OVERRIDES, FakeCluster, fake_variant, launcher_config, node_layout
-from tests.serve_helpers import (HTTP_PORT, Streamed, app_config, declare, decode_state, delete, lane_stats,
-                                 stop_ray, streams_across, wait_answering, wait_for_replicas, wait_until_idle)
+from tests.serve_helpers import (Streamed, app_config, declare, decode_state, delete, lane_stats,
+                                 own_cluster, stop_ray, streams_across, wait_answering, wait_for_replicas, wait_until_idle)
 
 pytestmark = pytest.mark.serve(cluster="fake_multinode")
 
@@ -62,16 +61,13 @@ def cluster():
     fake = FakeCluster(launcher_config(), env_vars=SERVE_ENV)
     try:
         fake.start()
-        ray.init(address=fake.address, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-        # One proxy, on the head: on one host every node's proxy would want the same port.
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+        own_cluster(fake.address, fake.shutdown)  # Serve on it, one proxy on the head
         yield fake
     finally:
         if ray.is_initialized():
             delete([APP])
-            serve.shutdown()
-            ray.shutdown()
-        fake.shutdown()
+        stop_ray()
+        fake.shutdown()  # where it started but was never joined (stop_ray ends it otherwise); a no-op after
     assert not fake.processes()
 
 
