@@ -95,14 +95,19 @@ def check_controller(cfg: AppConfig) -> None:
         raise ConfigError("controller.enabled needs a draft model; mode 'nospec' has none")
 
 
+def _connect() -> None:
+    """Join the Ray cluster the app is built for (`serve run` starts one where none runs)."""
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)
+
+
 def check_resources(cfg: AppConfig) -> None:
     """A lane pinned by custom resources to nodes that no node offers would wait forever: fail now instead."""
     wanted = [(lane, name, amount * cfg.lane_ranks(lane)) for lane in cfg.lanes
               for name, amount in getattr(cfg, lane).resources.items()]
     if not wanted or not cfg.require_gpus_present:
         return
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+    _connect()
     # Per node, not summed: one replica's resources must all be on one node.
     offered = [node["Resources"] for node in ray.nodes() if node["Alive"]]
     for lane, name, amount in wanted:
@@ -120,8 +125,7 @@ def check_gpus(cfg: AppConfig) -> None:
               if getattr(cfg, lane).num_gpus > 0]
     if not wanted or not cfg.require_gpus_present:
         return
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+    _connect()
     have = ray.cluster_resources().get("GPU", 0)
     largest = max(g * n for _, g, n in wanted)
     if have == 0 or largest > have:
