@@ -22,7 +22,7 @@ Where the lanes measured the drafter (`DraftCost`, a line through its one-token 
 sizes, lanes/model/forward_cost.py), its time replaces c t(n): step_ms(n, L) = t(n (L + 1)) + L d(n). A
 small drafter is bound by kernel launches and costs about the same at 16 rows and at 64, while c t(n)
 grows with the target's forward: on an H200 (TinyLlama for a 7B target) that overstated the drafter by
-~40 % at 92 rows and turned speculation off where L = 1 still paid (benchmarks/results/issue31_h200).
+~40 % at 92 rows and turned speculation off where L = 1 still paid (benchmarks/results/gpu_evidence_h200).
 The fit then subtracts the drafter's measured time, d0 F + d1 D, from each sample and fits the target's
 line to the rest: y = t0 + b z with y = (step_ms - d0 F - d1 D) / steps and z = T / steps.
 
@@ -30,7 +30,7 @@ Prefill beside decode. Unified launches a prefill chunk (up to `prefill_chunk_to
 most decode steps, and a step's wall time includes it. Charged to the verified tokens alone, that chunk
 steepened unified's fitted slope to 0.06-0.08 ms a token against spec's 0.03-0.05 on the same H200 (spec
 prefills in steps of its own, which verify nothing and are not counted), and the model turned speculation
-off at 256 in flight where spec's kept L = 1 and gained (benchmarks/results/issue31_h200, fifth set). A
+off at 256 in flight where spec's kept L = 1 and gained (benchmarks/results/gpu_evidence_h200, fifth set). A
 prompt token goes through the same weights as a verified one, so each sample's forward counts P prompt
 tokens as well: z = (T + P) / steps. The decision leaves P out: the prompts to prefill are the same
 whatever L is, so only the decode part of a step depends on L.

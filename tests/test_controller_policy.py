@@ -375,7 +375,7 @@ def test_flat_step_time_turns_speculation_back_on():
     assert tokens_per_s(FLAT, 64, 0.7, 3, config.draft_cost_ratio) > tokens_per_s(FLAT, 64, 0.7, 4, 0.1) / 1.02
 
 
-# The H200 run's numbers (benchmarks/results/issue31_h200/controller_spec_trace): the target's fitted line
+# The H200 run's numbers (benchmarks/results/gpu_evidence_h200/controller_spec_trace): the target's fitted line
 # at 128 in flight, and a TinyLlama drafter that costs ~1.6-1.8 ms whatever the batch.
 H200_TARGET = StepCost(4.91, 0.0492)
 H200_DRAFTER = {16: 1.6, 64: 1.8}
@@ -423,7 +423,7 @@ def test_the_replicas_measured_drafter_reaches_the_step_cost_fit():
         assert c_model[-1].step_cost != fit
 
 
-# Unified's fit at 256 in flight on the H200 (benchmarks/results/issue31_h200, controller run of 1a021b9):
+# Unified's fit at 256 in flight on the H200 (benchmarks/results/gpu_evidence_h200, controller run of 1a021b9):
 # 5.5 + 0.033 ms a verified token, a drafter of 1.33 + 0.0016 ms a row, ~240 rows. At that run's acceptance,
 # 0.79, L = 1 gave 4 % more tokens per second than L = 0, too near the 3 % margin for a test whose
 # acceptance estimate wanders by a few points; here the requests accept 0.88 (estimated 0.85-0.88), where

@@ -310,7 +310,7 @@ def test_a_measured_drafter_line_replaces_c_times_the_targets_forward():
 
 
 def test_with_the_measured_drafter_speculation_stays_on_where_the_c_model_turned_it_off():
-    """The decision of the H200 controller run at 128 in flight (issue31_h200/controller_spec_trace): the
+    """The decision of the H200 controller run at 128 in flight (gpu_evidence_h200/controller_spec_trace): the
     fitted target line 4.91 + 0.0492 ms/token, 92 rows, acceptance 0.786, c = 0.286 measured at 16 rows,
     and the drafter's forward measured flat at ~1.6-1.8 ms. c x t(92) = 2.7 ms made L = 1 gain 1 %, under
     the 3 % margin: L = 0, which served 0.86x nospec. The drafter's own 1.8 ms makes L = 1 gain over 5 %."""
@@ -326,7 +326,7 @@ def test_prefill_beside_decode_counts_in_the_fit_and_stays_out_of_the_choice_of_
     """Unified launches a prefill chunk beside most decode steps, whose time is in the step's. Charged to the
     verified tokens alone, a chunk that grows with the batch steepens the fitted slope (on an H200, unified's
     0.06-0.08 ms a token against spec's 0.03-0.05) and turns speculation off; counted as tokens of the same
-    forward, the line is the target's own, and L = 1 stays on where it pays (issue31_h200, fifth set)."""
+    forward, the line is the target's own, and L = 1 stays on where it pays (gpu_evidence_h200, fifth set)."""
     true, drafter = StepCost(4.5, 0.03), DraftCost(1.3, 0.0016)
 
     def at(rows: int, prefill_tokens: int) -> StepTotals:  # 50 steps at L = 0

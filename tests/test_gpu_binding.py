@@ -141,7 +141,7 @@ class _DecodeReplica:
 def test_each_decode_replicas_engine_process_sees_that_replicas_gpu_first(two_fake_gpus):
     """The engine process, no Ray worker, cannot ask Ray for its GPU: it inherits what its replica bound.
     Before the fix, it saw every GPU and took the first (two H200s: both replicas of a data-parallel
-    app on GPU 0, benchmarks/results/dual_gpu_h200x2_issue32/)."""
+    app on GPU 0, benchmarks/results/dual_gpu_h200x2_before_binding_fix/)."""
     env = peer_access_env(1, True)
     replicas = [_DecodeReplica.options(num_gpus=1, runtime_env={"env_vars": env}).remote() for _ in range(2)]
     try:

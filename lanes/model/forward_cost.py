@@ -6,7 +6,7 @@ The controller's step-cost model needs the drafter's cost relative to the target
 hardware: the shipped 7B/TinyLlama pair on an H200 measures 0.29 (a drafter forward is bound by kernel
 launches, not by its weights), where the parameter ratio says 0.16. A fixed default picks the wrong L:
 0.1 made the controller draft 5 tokens at 16 in flight on the H200, where the measured ratio's L = 2
-served 1.43x nospec against 1.25x (benchmarks/results/issue31_h200/README.md). Measured at start,
+served 1.43x nospec against 1.25x (benchmarks/results/gpu_evidence_h200/README.md). Measured at start,
 outside any request: the timing syncs the device, which the hot path never does."""
 
 import statistics

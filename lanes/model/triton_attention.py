@@ -169,7 +169,7 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     it); `softcap`: tanh cap on scores. num_warps / num_stages / block_n (keys a step): the split
     kernel's launch. Two stages, not Triton's default three: on an H200, 7B shapes at 64 rows, Q = 1 took
     148 against 169 us over blocks of 16, and the contiguous layout 144 against 150
-    (benchmarks/results/issue31_h200/attention_kernel_bd92372)."""
+    (benchmarks/results/gpu_evidence_h200/attention_kernel_bd92372)."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, page = k_pool.shape[1], k_pool.shape[2]
     capacity = block_table.shape[1] * page

@@ -13,7 +13,7 @@ with the slot: the next step writes the same positions again (vLLM keeps its loo
 way), so a row holds at most the blocks of its length plus one draft. Giving them back at every
 rejection and taking them again the next step was host work on the critical path: in gpu_check.py's
 7B verify step at 64 rows, where every row crosses a block each step, 14.34 against 13.73 ms on an
-H200 (benchmarks/results/issue31_h200/step_paged_ae6a372, step_paged_dc80e56). They go back with the
+H200 (benchmarks/results/gpu_evidence_h200/step_paged_ae6a372, step_paged_dc80e56). They go back with the
 slot, when the sequence ends or is preempted. (HF's DynamicCache is mutated in place by forward passes, so
 rolling back by copying caches would not be safe; lengths over a fixed pool are.)
 """
