@@ -356,7 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def machine() -> dict:
-    """Where the numbers came from. (compare_modes.machine imports Ray, which the GPU image lacks.)"""
+    """Where the numbers came from. (lib/cluster.machine imports Ray, which the GPU image lacks.)"""
     return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()})",
             "cpu_cores": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average_1m": os.getloadavg()[0]}

@@ -17,7 +17,7 @@ that passes every CUDA-graph batch bucket, with two long prompts when mixed traf
 each of --workloads, a Poisson rate sweep with the load tester (rates doubling until p95 TTFT shows
 queueing or a request fails, then one rate between the last two), every request accounted for,
 acceptance measured from each response's spec-decode counters:
-    uniform   prompts and outputs of log-normal lengths, as gpu_modes.py draws them
+    uniform   prompts and outputs of log-normal lengths (lib/apps.py's PRESETS)
     mixed     10 % of prompts 3,000 tokens, the rest 128; 128 out (lib/loads.py's MIXED)
 From the lanes' timelines (deployments/timeline.py), how long the verify lane ran while a decode
 replica was drafting; in pdv placements the cost of each KV hand-over against prompt length (one
@@ -71,7 +71,7 @@ from ray import serve  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
-from benchmarks.lane_timelines import prefill_path_table, timelines  # noqa: E402
+from benchmarks.lib.timelines import prefill_path_table, timelines  # noqa: E402
 from benchmarks.lib.apps import PRESETS, AppRun, deploy_app, lane_reader, last_point, run_loads  # noqa: E402
 from benchmarks.lib.cluster import (REPO, git_commit, gpu_inventory, log, machine, shm_gib,  # noqa: E402
                                     start_model_cluster, topology, wait_for_device_memory)
@@ -184,7 +184,7 @@ def decode_slots(args: dict) -> int:
 
 def sweep_requests(args: argparse.Namespace, tokenizer, workload: str, rate: float) -> list[WorkloadRequest]:
     """About `window_s` seconds of requests at `rate`, the same for every placement (seeded by the
-    rate). uniform: lengths drawn as gpu_modes.workloads draws them; mixed: MIXED's traffic."""
+    rate). uniform: log-normal lengths (PRESETS); mixed: MIXED's traffic."""
     count, seed = max(8, round(rate * args.window_s)), args.seed + round(rate * 100)
     if workload == "mixed":
         return mixed_requests(tokenizer, count, seed, args.device)
@@ -507,7 +507,7 @@ def markdown(document: dict) -> str:
         f"commit {document['commit']}; {document['duration_s']:.0f} s in all (budget {document['budget_s']:.0f} s).",
         f"- Pair: constructed (docs/constructed_pair.md), {pair['shape']}: target {pair['target_parameters']:,} "
         f"and draft {pair['draft_parameters']:,} parameters, {pair['dtype']}, greedy next tokens agreeing on a share "
-        f"{pair['agreement']:g} of the vocabulary by design (the pair of benchmarks/gpu_modes.py).",
+        f"{pair['agreement']:g} of the vocabulary by design (benchmarks/lib/pairs.py).",
         f"- Workload: Poisson arrivals, {w['window_s']:g} s of requests per rate (at least 8); random-token "
         f"prompts of {w['min_prompt_len']}-{w['max_prompt_len']} tokens (log-normal, median {w['prompt_len_median']:g})"
         f", outputs {w['min_output_len']}-{w['max_output_len']} (median {w['output_len_median']:g}), greedy, "
@@ -643,7 +643,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     lengths = ("prompt_len_median", "min_prompt_len", "max_prompt_len", "output_len_median", "min_output_len",
                "max_output_len", "request_timeout_s", "deploy_timeout_s")
-    for key in lengths:  # the single-GPU benchmark's workload (gpu_modes.PRESETS), unless overridden
+    for key in lengths:  # the single-GPU benchmarks' workload (PRESETS), unless overridden
         parser.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cuda"][key]), default=None,
                             help=f"default {PRESETS['cuda'][key]} on cuda, {PRESETS['cpu'][key]} on cpu")
     args = parser.parse_args(argv)

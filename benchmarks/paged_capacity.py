@@ -147,7 +147,7 @@ def build_engine(args: argparse.Namespace, max_model_len: int, max_num_seqs: int
     """The unified engine on the constructed pair, prefix caching off; pools of `kv_tokens` (None: sized by
     the memory profile at gpu_memory_utilization; on cpu --cpu-kv-blocks)."""
     from benchmarks.lib.pairs import save_pair
-    from benchmarks.serving_overhead import colocated_engine
+    from benchmarks.lib.engine_runs import colocated_engine
     from deployments.config import AppConfig
 
     pair = save_pair(args.shape, 0.8, args.pair_dir, dtype=args.dtype, device=args.device)
@@ -165,7 +165,7 @@ def build_engine(args: argparse.Namespace, max_model_len: int, max_num_seqs: int
 
 
 def throughput(core, prompts: list[list[int]], output_len: int, concurrency: int, vocab_size: int) -> dict:
-    from benchmarks.serving_overhead import Work, run_engine
+    from benchmarks.lib.engine_runs import Work, run_engine
     from loadtest.summary import summarize
 
     records, steps = run_engine(core, Work(prompts, output_len, concurrency, vocab_size))

@@ -4,7 +4,7 @@
 
 Deploys the shipped pair (models/vpd-target + models/vpd-draft) in mode unified, one arm at a time (so that
 no other arm's replicas share the cores), each with the draft-length controller on (`--controller`, the
-block of benchmarks/controller_ramp.py), every replica small (`--max-num-seqs`) so that the ramp's peak needs
+CPU-calibrated block DEFAULT_CONTROLLER), every replica small (`--max-num-seqs`) so that the ramp's peak needs
 several:
     planner        `slo:` with the targets below: the replica planner (controller/planner.py) as the lane's
                    Serve autoscaling policy, 1 to `--max-replicas` replicas;
@@ -43,18 +43,26 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import ray
 from ray import serve
 
-from benchmarks.controller_ramp import DEFAULT_CONTROLLER, cpu_sample, foreign_cores, heldout_workload
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
 from loadtest.arrivals import ClosedLoop, RampLoop
 from loadtest.client import RequestOptions
 from loadtest.runner import RunResult, run_load
+from loadtest.workload import WorkloadRequest, count_tokens, load_tokenizer
 from tests.serve_helpers import base_url, delete, deploy, ray_cluster
+from training.corpus import collect_corpus
 
 ARMS = ("planner", "serve-default", "fixed")
 LANE = {"num_cpus": 0.05}
+# The L controller's block calibrated for the 2-core CPU and the shipped pair (docs/controller.md, "The
+# controller's block"): each draft token added 24-35 ms to a 16-row step; L = 2 gave the most tokens per
+# second at 16 running requests, so a verify batch holds 16 x (2 + 1) tokens.
+DEFAULT_CONTROLLER = {"interval_s": 0.5, "initial_draft_len": 4, "max_draft_len": 8, "draft_cost_ratio": 0.35,
+                      "target_decode_p95_ms": 200, "verify_queue_high": 8, "verify_queue_low": 2,
+                      "verify_token_budget": 48}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +94,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ceiling with each (fixed replicas kept full) instead of the ramp")
     parser.add_argument("--ceiling-s", type=float, default=30.0)
     return parser.parse_args(argv)
+
+
+def heldout_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+    """`num_prompts` windows of `prompt_tokens` tokens spread evenly over the held-out source files (Python
+    source the pair never saw: the setting in which models/pair_metrics.json measured its acceptance)."""
+    tokenizer = load_tokenizer(args.target)
+    heldout = collect_corpus(include_site_packages=False).heldout
+    stream = [t for f in heldout for t in tokenizer.encode(f.text, add_special_tokens=False)]
+    step = (len(stream) - args.prompt_tokens) // args.num_prompts
+    prompts = [tokenizer.decode(stream[i * step : i * step + args.prompt_tokens]) for i in range(args.num_prompts)]
+    return [WorkloadRequest(prompt=p, prompt_len=count_tokens(tokenizer, p), output_len=args.output_tokens)
+            for p in prompts]
+
+
+def cpu_sample() -> tuple[float, float, dict[int, float]]:
+    """(monotonic s, busy CPU s of the whole machine, CPU s of every process in this benchmark's tree: the
+    driver, Ray's daemons and workers, the Serve replicas)."""
+    t = psutil.cpu_times()
+    busy_s = t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+    ours = {}
+    me = psutil.Process()
+    for proc in (me, *me.children(recursive=True)):
+        try:
+            c = proc.cpu_times()
+            ours[proc.pid] = c.user + c.system
+        except psutil.Error:
+            pass  # exited meanwhile
+    return time.monotonic(), busy_s, ours
+
+
+def foreign_cores(before: tuple, after: tuple) -> float:
+    """Mean cores busy with processes outside this benchmark's tree between two `cpu_sample`s."""
+    (t0, busy0, ours0), (t1, busy1, ours1) = before, after
+    ours_s = sum(s - ours0.get(pid, 0.0) for pid, s in ours1.items())
+    return max(0.0, (busy1 - busy0 - ours_s) / (t1 - t0)) if t1 > t0 else 0.0
 
 
 def ramp(args: argparse.Namespace) -> RampLoop:

@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +36,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.lib.cluster import deploy, free_device_memory, git_commit, log, machine, start_cluster  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.lib.results import rows_table  # noqa: E402
-from benchmarks.serving_overhead import _options, _r, app_config, random_work, replica_counters  # noqa: E402
+from benchmarks.lib.apps import GPU_SHARES, MAX_ONGOING  # noqa: E402
+from benchmarks.lib.cluster import benchmark_app_args  # noqa: E402
+from benchmarks.lib.engine_runs import random_work  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
+from lanes.engine.step_profile import StepProfile  # noqa: E402
 from loadtest.arrivals import ClosedLoop  # noqa: E402
+from loadtest.client import RequestOptions  # noqa: E402
 from loadtest.runner import run_load  # noqa: E402
 
 DEFAULT_SETTINGS = "old:50:400,every_step:0:0"
+OPTIONS = RequestOptions(endpoint="completions", temperature=0.0, ignore_eos=True)
+
+
+def app_config(mode: str, target: Path | None, draft: Path | None, args: argparse.Namespace) -> dict:
+    engine = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.prompt_len + args.output_len + 64,
+              "num_speculative_tokens": args.draft_len, "max_draft_len": max(args.draft_len, 8)}
+    return benchmark_app_args(mode, target, draft, dtype=args.dtype, engine=engine, lane_num_cpus=args.lane_num_cpus,
+                              max_ongoing=MAX_ONGOING, gpu_shares=GPU_SHARES[mode] if args.device == "cuda" else None)
+
+
+def replica_counters(handle) -> dict:
+    """Steps, time in steps and stream messages of the app's one DecodeLane replica, cumulative."""
+    stats = handle.stats.remote().result()
+    return {**{k: stats[k] for k in ("num_steps", "step_ms_total", "num_messages", "pid")},
+            "profile": StepProfile(**stats["step_profile"])}
+
+
+def _r(value, digits: int = 2):
+    return None if value is None else round(value, digits)
 
 
 def parse_settings(text: str) -> list[tuple[str, float, float | None]]:
@@ -58,7 +80,7 @@ def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -
     before = replica_counters(handle)
     before_coalesced = handle.stats.remote().result().get("num_coalesced", 0)
     result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work.workload(), ClosedLoop(concurrency),
-                                  options=_options(), timeout_s=timeout_s, progress=False))
+                                  options=OPTIONS, timeout_s=timeout_s, progress=False))
     after = replica_counters(handle)
     coalesced = handle.stats.remote().result().get("num_coalesced", 0) - before_coalesced
     s = result.summary()
@@ -120,8 +142,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dtype = "bfloat16" if cuda else "float32"
     args.max_num_seqs = max(max(args.concurrency), 8)  # one deployment serves every concurrency
     args.lane_num_cpus = 1.0 if cuda else 0.25
-    args.prefill_chunk_tokens = None
-    args.stream_interval_ms = None
     args.modes = args.modes.split(",")
     return args
 
@@ -138,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     probe = AppConfig.model_validate(app_config("nospec", target, draft, args))
     vocab = AutoConfig.from_pretrained(probe.target.path).get_text_config().vocab_size
     top = max(args.concurrency)
-    warmup = replace(random_work(vocab, replace_concurrency(args, top), 2 * top, seed=1),
-                     output_len=min(16, args.output_len))
+    warmup = random_work(vocab, args.prompt_len, min(16, args.output_len), top, 2 * top, seed=1)
     doc = {"command": "python benchmarks/stream_latency.py " + " ".join(argv), "commit": git_commit(),
            "machine": machine(), "work": f"closed loops of {args.concurrency} in flight ({args.requests} requests), "
            f"prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
@@ -159,10 +178,10 @@ def main(argv: list[str] | None = None) -> None:
                     log(f"{label}: deploying (stream_interval_ms {interval_ms:g}, max_stream_messages_per_s {rate})")
                     deploy(label, config, timeout_s=600)
                     asyncio.run(run_load(f"http://127.0.0.1:{port}/{label}", warmup.workload(), ClosedLoop(top),
-                                         options=_options(), timeout_s=args.request_timeout_s, progress=False))
+                                         options=OPTIONS, timeout_s=args.request_timeout_s, progress=False))
                     for i, (concurrency, count) in enumerate(zip(args.concurrency, args.requests)):
                         # Prompts of their own per point: none reads another's prefix cache.
-                        work = random_work(vocab, replace_concurrency(args, concurrency), count, seed=10 + i)
+                        work = random_work(vocab, args.prompt_len, args.output_len, concurrency, count, seed=10 + i)
                         row = {"mode": mode, "setting": name, "interval_ms": interval_ms, "max_msgs_s": rate,
                                **load_point(label, port, work, concurrency, args.request_timeout_s)}
                         doc["rows"].append(row)
@@ -179,10 +198,6 @@ def main(argv: list[str] | None = None) -> None:
         serve.shutdown()
         ray.shutdown()
     log("done")
-
-
-def replace_concurrency(args: argparse.Namespace, concurrency: int) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "concurrency": concurrency})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """pdv's three lane replicas keep nothing per request once their requests have ended: every container
-they key by request (or by a request's slot) is empty again. In one process (benchmarks/lib/pdv_in_process.py),
+they key by request (or by a request's slot) is empty again. In one process (tests/pdv_in_process.py),
 so that what the replicas' own code holds is all there is to see; lane_retention (docs/diagnoses.md) measured the
 bytes a request leaves behind the same way."""
 
 import asyncio
 
 import deployments.prefill_replica as prefill_replica
-from benchmarks.lib.pdv_in_process import build_pdv, drive, per_request_state
+from tests.pdv_in_process import build_pdv, drive, per_request_state
 
 
 def test_pdv_replicas_hold_no_per_request_state_after_their_requests_end(pair_paths, monkeypatch):

@@ -1,6 +1,6 @@
 """Reading lane timelines: interval arithmetic, lanes' busy shares and overlap, the wait before decoding."""
 
-from benchmarks.lane_timelines import intersect, lane_activity, prefill_path_table, subtract, total_s, union
+from benchmarks.lib.timelines import intersect, lane_activity, prefill_path_table, subtract, total_s, union
 from tests.timeline_helpers import lane_report
 
 

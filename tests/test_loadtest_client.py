@@ -19,7 +19,7 @@ from loadtest.workload import WorkloadRequest
 
 def test_parse_completion_chat_usage_error_and_done_lines():
     assert parse_sse_line('data: {"choices": [{"index": 0, "text": "Hi"}]}').text == "Hi"
-    # The response's id lines a request up with the server's timelines (benchmarks/ttft_hops.py).
+    # The response's id lines a request up with the server's timelines (deployments' request timelines).
     assert parse_sse_line('data: {"id": "cmpl-1", "choices": [{"text": "Hi"}]}').response_id == "cmpl-1"
     chat = parse_sse_line('data: {"choices": [{"delta": {"content": " there"}}]}')
     assert chat.text == " there"

@@ -3,7 +3,7 @@
 A co-located engine's step runs the decode (draft + verify) of every running request and may launch a
 prefill forward next to it. On a GPU that prefill reads every weight once more, so how often a step
 carries one (and with how many prompt tokens) moves the mean step time as much as the batch does.
-`benchmarks/serving_overhead.py` compares these counters between the engine in process and served:
+Comparing them between the engine in process and served (`benchmarks/stream_latency.py` reads them):
 equal decode-only step times with more prefill steps served means arrivals, not the server, cost the
 time. Plain counters, updated once a step; nothing here syncs with the device.
 """

@@ -1,6 +1,6 @@
 """Lane timelines (deployments/timeline.py) fetched from a served app and read: how busy each lane
 was, whether verify overlapped drafting, and where pd / pdv requests waited before decoding.
-Shared by benchmarks/dual_gpu.py and benchmarks/gpu_modes.py.
+Read by benchmarks/lib/apps.py (lane_reader) and benchmarks/dual_gpu.py.
 """
 
 from __future__ import annotations

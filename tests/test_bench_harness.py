@@ -1,25 +1,15 @@
-"""The pieces of benchmarks/gpu_modes.py and its harness (benchmarks/lib/) that must be right before
-a device call: the saved pair and its tokenizer, the memory plan, and rates taken from earlier points."""
-
-from dataclasses import replace
-from types import SimpleNamespace
+"""The pieces of the benchmarks' harness (benchmarks/lib/) that must be right before a device call: the
+saved pair and its tokenizer, rates taken from earlier points, and the time a load is expected to take."""
 
 import numpy as np
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from benchmarks.gpu_modes import AgreementResults, fit_lengths, goals, parse_args
-from benchmarks.lib.apps import AppRun
 from benchmarks.lib.loads import Load, estimate_s
 from benchmarks.lib.pairs import check_stored_head, save_pair, word_tokenizer
 from loadtest.arrivals import ClosedLoop, OpenLoop
-from loadtest.report import Point
 from loadtest.summary import LatencyStats, Summary
 from loadtest.workload import WorkloadRequest, random_prompt, usable_token_ids
-
-H200_MIB, H100_MIB = 143771, 81559
-
 
 def test_word_tokenizer_counts_words_as_tokens_and_has_no_special_ids(tmp_path):
     word_tokenizer(32000).save_pretrained(tmp_path)
@@ -45,19 +35,6 @@ def test_saved_small_pair_reloads_with_its_map_and_untied_heads(tmp_path):
     other = save_pair("small", 0.5, tmp_path, dtype="float32", device="cpu", reload_check="structure")
     assert other.target == pair.target and other.draft != pair.draft
     assert [p.stat().st_mtime_ns for p in pair.target.glob("*.safetensors")] == mtime
-
-
-def test_memory_plan_sizes_the_context_to_the_gpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (H200_MIB * 2**20, H200_MIB * 2**20))
-    args = parse_args(["--out", str(tmp_path)])
-    plan = fit_lengths(args)
-    # pd / pdv: both models twice (~29 GiB) + 170 slots of (max_model_len + 64) tokens at 534 KiB each.
-    assert args.max_model_len == plan["max_model_len"] == 1024
-    assert args.long_prompt_len == 1024 - args.max_output_len
-    assert 2 * plan["weights_gib_per_copy"] + plan["pools_gib"] + plan["reserve_gib"] <= plan["gpu_gib"]
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (H100_MIB * 2**20, H100_MIB * 2**20))
-    with pytest.raises(SystemExit, match="lower --max-num-seqs"):
-        fit_lengths(parse_args(["--out", str(tmp_path)]))
 
 
 def test_rates_come_from_an_earlier_point_or_the_load_is_skipped():
@@ -101,19 +78,3 @@ def test_a_closed_loop_above_every_measured_concurrency_is_not_priced_at_single_
     assert estimate_s(load, load.arrivals, {"c1": c1}) == pytest.approx(128 * 128 / (73.0 * 8))  # 28 s
     c64 = _summary(1472.0, 56.0, 5_000.0)
     assert estimate_s(load, load.arrivals, {"c1": c1, "c64": c64}) == pytest.approx(128 * 128 / (1472.0 * (64 / 56) ** 0.5))
-
-
-def test_a_mode_that_lost_requests_is_not_the_best_lane_mode(tmp_path):
-    """Agreement 0.5 on an H200: pd ran out of GPU memory on 1 of its 128 requests at c64."""
-    def run(mode: str, tok_s: float, failed: int) -> AppRun:
-        summary = replace(_summary(tok_s, 56.0, 5_000.0), submitted=128, completed=128 - failed, failed=failed)
-        point = Point(mode, SimpleNamespace(records=[None] * 128), summary)
-        return AppRun(mode, points=[(Load("c64", [], ClosedLoop(64)), point)])
-
-    runs = {m: run(m, t, f) for m, t, f in [("nospec", 1663.0, 0), ("spec", 1916.0, 0), ("pd", 2408.0, 1),
-                                             ("pdv", 2115.0, 0)]}
-    at_64 = goals(AgreementResults(SimpleNamespace(agreement=0.5), runs=runs),
-                  parse_args(["--out", str(tmp_path)]))["at_64_in_flight"]
-    assert at_64["best_lane_mode"] == "pdv" and at_64["failed_or_timed_out_by_mode"] == {
-        "nospec": 0, "spec": 0, "pd": 1, "pdv": 0}
-    assert at_64["best_over_spec"] == round(2115 / 1916, 3) and at_64["by_mode_tok_s"]["pd"] == 2408.0
