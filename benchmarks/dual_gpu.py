@@ -19,7 +19,7 @@ queueing or a request fails, then one rate between the last two), every request 
 acceptance measured from each response's spec-decode counters:
     uniform   prompts and outputs of log-normal lengths (lib/apps.py's PRESETS)
     mixed     10 % of prompts 3,000 tokens, the rest 128; 128 out (lib/loads.py's MIXED)
-From the lanes' timelines (deployments/timeline.py), how long the verify lane ran while a decode
+From the lanes' timelines (deployments/telemetry/timeline.py), how long the verify lane ran while a decode
 replica was drafting; in pdv placements the cost of each KV hand-over against prompt length (one
 request at a time; --no-handover leaves it out). Ends with a device-to-device copy between the two
 GPUs of the same sizes, as a reference for what the hand-over could cost over NVLink.

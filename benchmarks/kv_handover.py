@@ -1,7 +1,7 @@
 """Per request: what handing a prompt's KV from the prefill lane to another lane through Ray's object
-store costs, on the same node and across two nodes, by the product's own steps (deployments/kv_transfer.py):
+store costs, on the same node and across two nodes, by the product's own steps (deployments/placement/kv_transfer.py):
 `HostKV.from_tensor` on the sender, the object store, `HostKV.tensor` and `KVPool.write_slot` on the
-receiver (as deployments/verify_replica.py `load_kv` does).
+receiver (as deployments/replicas/verify_replica.py `load_kv` does).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kv_handover.py --out benchmarks/results/kv_handover_cpu
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 
 from benchmarks.lib.cluster import REPO, git_commit, load_average, log, machine  # noqa: E402
 from benchmarks.lib.results import rows_table  # noqa: E402
-from deployments.kv_transfer import HostKV  # noqa: E402
+from deployments.placement.kv_transfer import HostKV  # noqa: E402
 from lanes.kv.pool import KVPool, PoolShape  # noqa: E402
 
 STORE_BYTES = 3 * 2**30  # per node: one 2 GiB request (Llama-2-7B, 4,096 tokens) and room to free it

@@ -85,7 +85,7 @@ MODES = ("unified", "spec", "nospec", "pd", "pdv")  # unified first: the mixed p
 # SMs (`mps_sm_percent`), so that a running prefill forward never holds every SM a decode or verify step needs.
 # pdv_split, pdv512_split, pdv512_split_sm50: pdv's short prompts (at most 512 tokens) prefilled where they decode,
 # the target's KV by a verify replica and the draft's by the decode lane (`local_prefill_max_tokens`,
-# deployments/verify_prefill.py), as pd's are by its decode lane.
+# deployments/channels/verify_prefill.py), as pd's are by its decode lane.
 # *_ing1: one ingress replica instead of --ingress-replicas (2 on a GPU). One OpenAI ingress ran at 93-122 % of a
 # core under unified's uniform load (top, 2026-11-28), so its event loop, not the engine, bounded how fast
 # requests reached the engine: unified served 7,032-7,201 tok/s through one and 7,469-7,799 through two.

@@ -27,7 +27,7 @@ Signals, as read from the replicas' `stats()`:
     requests                per request: spec-decode counter deltas since the previous read. A request's
                             last steps before it finishes fall between two reads and are not seen.
     slo_pressure            with `slo:` targets: the largest of the decode replicas' TTFT and TPOT p95 (their
-                            own window of requests, deployments/slo_signals.py) over its target.
+                            own window of requests, deployments/telemetry/slo_signals.py) over its target.
     step_totals             per decode replica that stepped since the previous read: its steps that
                             verified a batch, their time, rows, draft tokens and drafter forwards (deltas;
                             the samples of the step-cost model).

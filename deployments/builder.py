@@ -10,15 +10,15 @@ from lanes.model.families import UnsupportedModelError
 from lanes.parallel.tensor_parallel import check_shardable
 
 from controller.actor import ControllerDeployment
+from deployments.api.ingress import IngressDeployment
 from deployments.config import DEFAULT_MPS_PRIORITY, AppConfig
-from deployments.engine_replica import EngineDeployment
 from deployments.factories import (build_engine, build_prompt_prefiller, build_verify_lane, load_prefill_shards,
                                    load_shards, load_verify_shards)
-from deployments.ingress import IngressDeployment
 from deployments.planning import planner_options
-from deployments.prefill_replica import PrefillDeployment
-from deployments.tp_workers import start_shard_workers
-from deployments.verify_replica import VerifyDeployment
+from deployments.replicas.engine_replica import EngineDeployment
+from deployments.replicas.prefill_replica import PrefillDeployment
+from deployments.replicas.tp_workers import start_shard_workers
+from deployments.replicas.verify_replica import VerifyDeployment
 
 
 class ConfigError(ValueError):

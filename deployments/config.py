@@ -17,8 +17,8 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from controller.config import ControllerConfig, SloConfig
-from deployments.gpu_binding import (lane_device, log_mps_sm_share, mps_priority_env, mps_sm_percent_env,
-                                     peer_access_env)
+from deployments.placement.gpu_binding import (lane_device, log_mps_sm_share, mps_priority_env,
+                                               mps_sm_percent_env, peer_access_env)
 from lanes.engine.core import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +161,7 @@ class LaneConfig(_Strict):
                            default_mps_priority: str = "normal") -> dict:
         """Serve options of the lane's deployment. With `tensor_parallel_size` N > 1 each replica owns a
         placement group of N bundles on one node: its own (bundle 0) and one per worker rank, each
-        with the replica's GPUs and CPUs (deployments/tp_workers.py places the workers in them).
+        with the replica's GPUs and CPUs (deployments/replicas/tp_workers.py places the workers in them).
         `default_mps_priority`: the lane's MPS priority where `mps_priority` is unset."""
         actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.resources:
@@ -213,6 +213,9 @@ class EngineArgs(_Strict):
     cuda_graphs: bool | None = Field(default=None, description="Replay decode, verify and whole-prompt "
                                      "prefill forwards as CUDA graphs, captured at replica start. None: on "
                                      "CUDA. false: eager forwards and no capture (vLLM's enforce_eager).")
+    draft_graphs: bool = Field(default=True, description="With CUDA graphs on, replay a whole draft (its L "
+                               "forwards and the sampling between them) as one graph where no row of the batch "
+                               "has a grammar or penalties. false: one replay per drafted token.")
     max_migrations: int = Field(default=3, ge=0, description="pdv: times a request is recomputed on another "
                                 "verify replica when the one holding its KV is scaled down or dies (its "
                                 "output goes on where it stopped); once more, it fails. 0: it fails at once.")
@@ -278,7 +281,7 @@ class AppConfig(_Strict):
                                                  "the decode lane itself, in chunks inside its steps as unified "
                                                  "prefills. pdv: the target's KV by a verify replica, into its own "
                                                  "pool, on a stream below its verify forwards', and the draft's by "
-                                                 "the decode lane (deployments/verify_prefill.py); at most "
+                                                 "the decode lane (deployments/channels/verify_prefill.py); at most "
                                                  "engine.idle_prefill_tokens, and not with a sharded target. None: "
                                                  "pd: engine.prefill_chunk_tokens, a prompt of at most one chunk; "
                                                  "pdv: 0. 0: every prompt goes to the prefill lane.")
@@ -288,7 +291,7 @@ class AppConfig(_Strict):
                                  "pdv the decode replica relays its engine's calls to the other lanes.")
     verify_channel: bool | None = Field(default=None, description="pdv with engine_process: the engine sends "
                                         "its verify batches straight to the verify replicas over a connection "
-                                        "each opens (deployments/verify_channel.py) rather than through its "
+                                        "each opens (deployments/channels/verify_channel.py) rather than through its "
                                         "replica and Serve. None: on, unless the verify lane autoscales "
                                         "(Serve's autoscaler counts only the calls Serve routes).")
     shared_drafts: bool | None = Field(default=None, description="pdv over verify channels: each batch's "

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import torch
 
+from deployments.channels.peer_calls import PrefillLaneClient, ServeLink
+from deployments.channels.remote import LinkedVerifier, RemotePrefiller, RemoteVerifier
+from deployments.channels.verify_prefill import VerifyLanePrefiller
 from deployments.config import AppConfig, LaneConfig
-from deployments.kv_transfer import Placement
-from deployments.peer_calls import PrefillLaneClient, ServeLink
-from deployments.remote import LinkedVerifier, RemotePrefiller, RemoteVerifier
-from deployments.verify_prefill import VerifyLanePrefiller
+from deployments.placement.kv_transfer import Placement
 from lanes.device.streams import LaneStreams
 from lanes.engine.backends import LocalPrefiller, LocalVerifier
 from lanes.engine.core import EngineConfig, EngineCore, build_runner, build_runners, eos_token_ids
@@ -64,7 +64,7 @@ def _check_pair(cfg: AppConfig, draft: LoadedModel | None, target: LoadedModel) 
 
 def _rank0(cfg: AppConfig, tp_address: str | None, device: str) -> TPGroup | None:
     """Join the replica's tensor-parallel group as rank 0 where it has one (`tp_address`: where its
-    worker ranks meet, deployments/tp_workers.py)."""
+    worker ranks meet, deployments/replicas/tp_workers.py)."""
     return init_group(0, cfg.tensor_parallel_size, tp_address, device) if tp_address else None
 
 
@@ -93,7 +93,7 @@ def _decode_lane_name(cfg: AppConfig) -> str:
 def build_engine(cfg: AppConfig, loop: asyncio.AbstractEventLoop | None, prefill=None, verify=None,
                  tp_address: str | None = None, peer_link=None) -> EngineCore:
     """The engine of the decode-lane replica (or of the only replica, in one-deployment modes).
-    `tp_address`: where the ranks of a tensor-parallel engine meet (deployments/tp_workers.py); the
+    `tp_address`: where the ranks of a tensor-parallel engine meet (deployments/replicas/tp_workers.py); the
     engine is rank 0. pd's and pdv's engine reach their other lanes through `prefill` and `verify` (their
     Serve handles, the engine stepping on a thread of the replica whose event loop is `loop`) or, built
     in an engine process of its own, through `peer_link` (lanes/engine/process.py PeerLink)."""

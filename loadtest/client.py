@@ -135,7 +135,7 @@ async def send_request(http: httpx.AsyncClient, base_url: str, payload: dict, *,
     """Send one streaming request and record what happened; times relative to `origin_s`.
     `under_way` is set at its first text chunk, or when it ends without one (loadtest/faults.py)."""
     stream = _Stream(under_way=under_way)
-    sent_wall_s = time.time()  # the server's timelines use the wall clock (deployments/timeline.py)
+    sent_wall_s = time.time()  # the server's timelines use the wall clock (deployments/telemetry/timeline.py)
     start_s = time.perf_counter()
     status, error = "failed", None
     try:

@@ -11,9 +11,9 @@ from functools import partial
 
 from deployments.config import AppConfig
 from deployments.factories import build_engine, build_prompt_prefiller, build_verify_lane
-from deployments.engine_replica import EngineServer
-from deployments.prefill_replica import PrefillServer
-from deployments.verify_replica import VerifyServer
+from deployments.replicas.engine_replica import EngineServer
+from deployments.replicas.prefill_replica import PrefillServer
+from deployments.replicas.verify_replica import VerifyServer
 from lanes.sample.params import SamplingParams
 
 

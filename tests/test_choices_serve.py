@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from deployments.openai_protocol import MAX_N
+from deployments.api.openai_protocol import MAX_N
 from lanes.model.loader import load_model
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle
 

@@ -1,6 +1,6 @@
-"""Client-visible errors of internal failures (issue 28): the real ingress (deployments/ingress.py) over
+"""Client-visible errors of internal failures (issue 28): the real ingress (deployments/api/ingress.py) over
 a real engine on the tiny pair, in process. The engine steps on its thread (AsyncEngine) behind the
-decode replica's own `generate` (deployments/engine_replica.py); only Ray's transport between the two
+decode replica's own `generate` (deployments/replicas/engine_replica.py); only Ray's transport between the two
 is replaced, by `_Handle`, which can also drop a stream early (the fault a dead or stopping replica
 causes). Each internal failure kind is forced for real, and every error body and SSE error event is
 checked against the pattern of internals (tests/client_errors.py); a stream whose source ends without
@@ -15,10 +15,10 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from deployments.engine_replica import EngineServer
-from deployments.ingress import Ingress, InternalErrorMiddleware
-from deployments.openai_protocol import CompletionRequest
-from deployments.slo_signals import LatencyWindow
+from deployments.api.ingress import Ingress, InternalErrorMiddleware
+from deployments.api.openai_protocol import CompletionRequest
+from deployments.replicas.engine_replica import EngineServer
+from deployments.telemetry.slo_signals import LatencyWindow
 from lanes.engine.async_engine import AsyncEngine
 from lanes.engine.backends import KVLost
 from lanes.engine.core import EngineCore, EngineConfig

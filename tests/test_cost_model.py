@@ -15,7 +15,7 @@ from controller.cost_model import (DraftCost, StepCost, StepCostModel, fastest_d
                                    tokens_per_s)
 from controller.policy import optimal_draft_len
 from controller.signals import StepTotals
-from deployments.engine_metrics import STEP_WINDOW_STEPS, EngineMetrics
+from deployments.telemetry.engine_metrics import STEP_WINDOW_STEPS, EngineMetrics
 from lanes.engine.snapshot import core_report, snapshot
 from lanes.model import forward_cost
 from lanes.model.forward_cost import CALIBRATION_REPEATS, CALIBRATION_ROWS, forward_costs_ms

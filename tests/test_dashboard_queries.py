@@ -33,7 +33,7 @@ import pytest
 import ray
 import yaml
 
-from deployments.metrics import _registry, read_gpu_stats
+from deployments.telemetry.metrics import _registry, read_gpu_stats
 from loadtest.arrivals import ClosedLoop
 from loadtest.runner import RunResult, run_load
 from loadtest.workload import LogNormal, load_tokenizer, synthetic

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments.lane_worker import LaneLost, LaneWorker
+from deployments.replicas.lane_worker import LaneLost, LaneWorker
 from lanes.engine.async_engine import AsyncEngine
 from lanes.engine.process import ProcessEngine
 from lanes.sample.params import SamplingParams
@@ -77,7 +77,7 @@ async def _refused_after(engine) -> str:
 
 
 def test_lane_worker_reports_a_device_fault_after_a_failed_job(monkeypatch):
-    monkeypatch.setattr("deployments.lane_worker.device_fault", lambda device: FAULT)
+    monkeypatch.setattr("deployments.replicas.lane_worker.device_fault", lambda device: FAULT)
     worker = LaneWorker("test", torch.device("cpu"), 0)
 
     def boom():

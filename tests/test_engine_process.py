@@ -144,10 +144,10 @@ def test_a_peer_call_waiting_when_the_replica_goes_gets_the_error_and_so_does_ev
 
 def test_an_error_whose_class_pickle_cannot_find_crosses_as_its_nearest_base_that_it_can():
     """Serve ships a request router's module by value, so an error class defined there is one pickle cannot
-    find by name. LeaseGone (a KVLost) was one until it moved to deployments/leases.py: sent to the engine
+    find by name. LeaseGone (a KVLost) was one until it moved to deployments/routing/leases.py: sent to the engine
     process as a plain RuntimeError, its request failed ("internal error") where it should be recomputed."""
     gone_class = types.new_class("LeaseGone", (KVLost,))
-    gone_class.__module__ = "deployments.lease_router"  # the name, not this object
+    gone_class.__module__ = "deployments.routing.lease_router"  # the name, not this object
     gone = gone_class("verify replica abc is gone")
     gone.waited_s = 2.5
     with pytest.raises(pickle.PicklingError):

@@ -8,9 +8,9 @@ import ray
 from pydantic import ValidationError
 
 from deployments.config import AppConfig, LaneConfig
-from deployments.gpu_binding import (MPS_PRIORITY_ENV, MPS_SM_PERCENT_ENV, NOSET_ENV, lane_device, own_gpu_first,
-                                     peer_access_env)
-from deployments.kv_transfer import Placement
+from deployments.placement.gpu_binding import (MPS_PRIORITY_ENV, MPS_SM_PERCENT_ENV, NOSET_ENV, lane_device,
+                                               own_gpu_first, peer_access_env)
+from deployments.placement.kv_transfer import Placement
 
 
 def test_own_gpu_is_listed_first_and_the_others_keep_their_order():
@@ -126,7 +126,7 @@ class _DecodeReplica:
     """A decode-lane replica as Serve runs it, with its engine in a process of its own."""
 
     def engine_visible_devices(self) -> tuple[str | None, list[str]]:
-        from deployments.engine_replica import EngineServer
+        from deployments.replicas.engine_replica import EngineServer
 
         server = EngineServer(_tiny_engine, "unified", engine_process=True, num_gpus=1)
         try:

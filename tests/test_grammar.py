@@ -184,7 +184,7 @@ def test_json_never_allows_raw_control_characters(grammars, tokenizer):
 
 
 def test_every_spelling_of_a_constraint_reads_the_same():
-    from deployments.openai_structured import structured_output
+    from deployments.api.openai_structured import structured_output
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     text = json.dumps(schema)

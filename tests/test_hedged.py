@@ -1,12 +1,13 @@
-"""deployments/hedged.py: a call sent again while unanswered; the first answer wins, late ones are given back."""
+"""deployments/routing/hedged.py: a call sent again while unanswered; the first answer wins, late ones are given
+back."""
 
 import asyncio
 import time
 
 import pytest
 
-from deployments import hedged as hedged_module
-from deployments.hedged import hedged
+from deployments.routing import hedged as hedged_module
+from deployments.routing.hedged import hedged
 
 
 class Calls:

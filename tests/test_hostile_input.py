@@ -8,7 +8,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from deployments.ingress import API_KEY_ENV, authorized, resolve_api_key
+from deployments.api.ingress import API_KEY_ENV, authorized, resolve_api_key
 from schemathesis import GenerationMode
 
 from tests.serve_helpers import MODEL, app_config, base_url, openai_client, serving, wait_until_idle

@@ -2,7 +2,7 @@
 engine side, on CPU without Serve, and how the decode replica reads the failures it gets.
 
 The verify results are those of the engine's own verify lane, with the rows of chosen calls
-replaced by the failure a decode replica sees when their replica is gone (deployments/remote.py
+replaced by the failure a decode replica sees when their replica is gone (deployments/channels/remote.py
 `merge_rows`). Those requests are recomputed and their output equals an undisturbed run's, greedy
 and seeded sampling; a request lost more than `max_migrations` times fails alone, and so does one
 that no replica takes back within `recover_within_s` of its loss.
@@ -13,8 +13,8 @@ import time
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from deployments.leases import LeaseGone
-from deployments.remote import lane_error, merge_rows
+from deployments.channels.remote import lane_error, merge_rows
+from deployments.routing.leases import LeaseGone
 from lanes.engine.backends import KVLost
 from lanes.kv.pool import PoolFullError
 from lanes.sample.params import SamplingParams

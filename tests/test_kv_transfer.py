@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from deployments.kv_transfer import HostKV
+from deployments.placement.kv_transfer import HostKV
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

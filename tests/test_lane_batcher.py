@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from deployments.lane_batcher import LaneBatcher
+from deployments.replicas.lane_batcher import LaneBatcher
 
 
 class GatedLane:

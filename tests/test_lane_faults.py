@@ -100,7 +100,7 @@ def test_killed_lane_replica_ends_every_stream_frees_slots_and_recovers(mode, de
           f"recovered {recovered_s:.1f} s after the kill")
     assert _replica_pid(mode, deployment) != pid
     wait_until_idle(mode, mode)  # no slot held in the decode or the verify lane (the dead decode
-    # replica's verify slots are freed by the verify lane: deployments/slot_owners.py)
+    # replica's verify slots are freed by the verify lane: deployments/routing/slot_owners.py)
     assert greedy_choice(mode, "def add(a, b):")["text"] == greedy_before[mode]
     wait_until_idle(mode, mode)
 

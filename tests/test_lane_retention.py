@@ -5,7 +5,7 @@ bytes a request leaves behind the same way."""
 
 import asyncio
 
-import deployments.prefill_replica as prefill_replica
+import deployments.replicas.prefill_replica as prefill_replica
 from tests.pdv_in_process import build_pdv, drive, per_request_state
 
 

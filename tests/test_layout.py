@@ -1,4 +1,5 @@
-"""The house's layout: no import circle among our modules (lanes/, deployments/, controller/, loadtest/).
+"""The house's layout: no import circle among our modules (lanes/, deployments/, controller/, loadtest/),
+deployments/ in one order of its packages, and no package past about fifteen modules.
 
 Every import counts, those under TYPE_CHECKING and inside functions too: a circle hidden there is
 still two modules that cannot be read, or changed, one without the other. Importing a module runs
@@ -11,6 +12,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lanes", "deployments", "controller", "loadtest")
+# deployments/, bottom to top: its packages and the modules at its top level, each importing only from
+# those before it (the small shared config sits low, so the replicas and the ingress can read it).
+DEPLOYMENTS_ORDER = ("routing", "placement", "config", "telemetry", "channels", "factories", "replicas", "api",
+                     "planning", "builder", "app")
+MAX_MODULES = 15  # a layer past about fifteen files splits into packages, one concept each (STYLE.md)
 
 
 def _modules() -> dict[str, Path]:
@@ -77,3 +83,36 @@ def test_the_check_sees_a_circle():
         return
     raise AssertionError("a circle through lanes.sample.params went unseen")
 
+
+
+def _layer(module: str) -> str:
+    """deployments.routing.leases -> routing; deployments.config -> config."""
+    return module.split(".")[1]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports within deployments/ that reach a layer above their own in DEPLOYMENTS_ORDER."""
+    rank = {layer: i for i, layer in enumerate(DEPLOYMENTS_ORDER)}
+    return [f"{module} -> {dep}" for module, deps in graph.items() if module.startswith("deployments.")
+            for dep in deps if dep.startswith("deployments.") and rank[_layer(dep)] > rank[_layer(module)]]
+
+
+def test_deployments_import_in_order():
+    graph = import_graph()
+    layers = {_layer(module) for module in graph if module.startswith("deployments.")}
+    assert layers == set(DEPLOYMENTS_ORDER), f"not both in deployments/ and in the order: {layers ^ set(DEPLOYMENTS_ORDER)}"
+    assert not _upward(graph), _upward(graph)
+
+
+def test_the_check_sees_an_upward_import():
+    # The timelines (telemetry) importing the remote proxies (channels) would be an import upward.
+    graph = import_graph()
+    graph["deployments.telemetry.timeline"] = graph["deployments.telemetry.timeline"] | {"deployments.channels.remote"}
+    assert _upward(graph) == ["deployments.telemetry.timeline -> deployments.channels.remote"]
+
+
+def test_deployments_packages_stay_small():
+    folders = [ROOT / "deployments", *(ROOT / "deployments" / layer for layer in DEPLOYMENTS_ORDER
+                                       if (ROOT / "deployments" / layer).is_dir())]
+    counts = {folder.name: len([p for p in folder.glob("*.py") if p.name != "__init__.py"]) for folder in folders}
+    assert len(folders) > 1 and all(0 < n <= MAX_MODULES for n in counts.values()), counts

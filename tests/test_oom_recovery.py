@@ -120,11 +120,11 @@ def test_a_request_that_runs_out_of_memory_at_the_smallest_step_fails_cleanly_th
 
 def test_a_remote_lanes_oom_comes_back_as_a_recompute_not_an_error(llama_pair):
     """How the decode replica reads a prefill or verify replica that ran out of device memory in its
-    smallest retry (deployments/remote.py `lane_error`): LaneOOM, whose rows are recomputed; the output
+    smallest retry (deployments/channels/remote.py `lane_error`): LaneOOM, whose rows are recomputed; the output
     is that of an undisturbed run, and the bound holds for remote errors too."""
     from ray.exceptions import RayTaskError
 
-    from deployments.remote import lane_error
+    from deployments.channels.remote import lane_error
     from lanes.engine.backends import LaneOOM
     from tests.test_kv_migration import _losing
 

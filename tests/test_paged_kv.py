@@ -327,7 +327,7 @@ def test_prompt_prefiller_prefix_hit_hands_out_the_kv_of_a_miss(llama_pair):
 def test_a_verify_lane_out_of_blocks_requeues_its_rows_instead_of_failing_them(llama_pair):
     """pdv's verify lane refuses a batch whose blocks it cannot back (PoolFullError, before touching
     its pool): the decode engine preempts those rows and recomputes them, and output is unchanged."""
-    from deployments.remote import merge_rows
+    from deployments.channels.remote import merge_rows
     from lanes.spec.verify import VerifyResult
 
     target, draft = llama_pair

@@ -9,8 +9,8 @@ import pytest
 import ray
 import torch
 
-from deployments.gpu_binding import lane_device, peer_access_env
-from deployments.kv_transfer import Placement, PoolHandle, PoolViews, write_all
+from deployments.placement.gpu_binding import lane_device, peer_access_env
+from deployments.placement.kv_transfer import Placement, PoolHandle, PoolViews, write_all
 from lanes.kv.pool import KVPool, PoolShape
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one node")

@@ -1,4 +1,4 @@
-"""PoolViews.drop_dead (deployments/kv_transfer.py): a view of a pool whose owner's actor died is
+"""PoolViews.drop_dead (deployments/placement/kv_transfer.py): a view of a pool whose owner's actor died is
 closed, and the views of live owners stay.
 
 On a GPU a view is a CUDA IPC mapping that keeps the dead owner's whole pool allocated; here, on the
@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from deployments.kv_transfer import PoolHandle, PoolViews
+from deployments.placement.kv_transfer import PoolHandle, PoolViews
 from lanes.kv.pool import KVPool, PoolShape
 from tests.serve_helpers import ray_cluster
 

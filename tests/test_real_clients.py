@@ -19,7 +19,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
+from deployments.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from lanes.model.loader import load_model
 from lanes.sample.params import ParamError
 from tests.engine_helpers import hf_greedy

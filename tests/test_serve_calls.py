@@ -1,9 +1,9 @@
-"""deployments/serve_calls.py: calls that one request context makes at once to a deployment routed by
+"""deployments/routing/serve_calls.py: calls that one request context makes at once to a deployment routed by
 LeaseRouter all reach it (a real Serve instance; plain handles strand them).
 
 Serve gives every call made while a replica serves a request that request's internal id, and indexes
 waiting calls by it; LeaseRouter, which must not hand one request's replica to another
-(deployments/lease_router.py), fulfils a waiting call only through that index. So of several calls of
+(deployments/routing/lease_router.py), fulfils a waiting call only through that index. So of several calls of
 one context that wait at once, all but one are stranded. The verify lane's `max_ongoing_requests`
 of 1 here makes them wait, as a busy router did on an H200.
 """
@@ -14,7 +14,7 @@ import pytest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.lease_router import LeaseRouter
+from deployments.routing.lease_router import LeaseRouter
 from tests.serve_helpers import ray_cluster
 
 pytestmark = pytest.mark.serve
@@ -38,7 +38,7 @@ class Caller:
 
     async def fan_out(self, own: bool, wait_s: float) -> list[int]:
         """CALLS calls at once from this request's context; the answers that came within `wait_s`."""
-        from deployments.serve_calls import own_request
+        from deployments.routing.serve_calls import own_request
         calls = [asyncio.ensure_future(own_request(self.callee.work, i) if own else self.callee.work.remote(i))
                  for i in range(CALLS)]
         done, pending = await asyncio.wait(calls, timeout=wait_s)

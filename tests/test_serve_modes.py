@@ -9,7 +9,7 @@ import pytest
 from ray import serve
 
 from deployments.builder import ConfigError, build_app
-from deployments.timeline import event_rows
+from deployments.telemetry.timeline import event_rows
 from lanes.model.loader import load_model
 from lanes.sample.params import SamplingParams
 from tests.engine_helpers import hf_greedy, penalised_greedy, random_prompts
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.serve(shared_apps=True)  # its apps stay for the next s
 def apps(pair_paths):
     target, draft = pair_paths
     configs = {mode: app_config(mode, target, draft) for mode in ALL_MODES}
-    # pdv's split (deployments/verify_prefill.py): prompts of at most 40 tokens prefilled where they decode.
+    # pdv's split (deployments/channels/verify_prefill.py): prompts of at most 40 tokens prefilled where they decode.
     # Its drafts through the host (pdv's go in rings: serve_helpers.app_config).
     configs["pdv_split"] = app_config("pdv", target, draft, local_prefill_max_tokens=SPLIT_MAX_TOKENS,
                                       decode_lane={"num_cpus": 0.05}, shared_drafts=False)
@@ -213,7 +213,7 @@ def test_the_step_timeline_counts_the_prompt_tokens_each_engine_prefilled_itself
 @pytest.mark.parametrize("mode", ["pd", "pdv"])
 def test_the_decode_lane_steps_its_engine_in_a_process_of_its_own(mode):
     """pd's and pdv's decode replica relays its engine's calls to the other lanes (lanes/engine/process.py
-    PeerLink, deployments/peer_calls.py): the engine that serves a request is not the replica's process."""
+    PeerLink, deployments/channels/peer_calls.py): the engine that serves a request is not the replica's process."""
     async def main():
         async with httpx.AsyncClient(timeout=300) as http:
             return await _complete(http, mode, 3)
@@ -224,7 +224,7 @@ def test_the_decode_lane_steps_its_engine_in_a_process_of_its_own(mode):
 
 
 def test_pdvs_engine_sends_its_verify_batches_over_the_verify_replicas_channel():
-    """Once its first batch has asked for the verify replica's channel (deployments/verify_channel.py),
+    """Once its first batch has asked for the verify replica's channel (deployments/channels/verify_channel.py),
     pdv's engine sends its batches there instead of through its replica and Serve, and once the replica has
     mapped its ring (`shared_drafts`), their drafts go in it; the output is the target's greedy output every way
     (the greedy tests above run every path)."""

@@ -9,11 +9,11 @@ Ray: later, with a copy of each prompt's KV (the path off the GPU)."""
 import time
 from collections import Counter
 
+from deployments.channels.remote import PrefillDone, PrefillOrder, RemotePrefiller
 from deployments.config import AppConfig
-from deployments.engine_metrics import EngineMetrics
 from deployments.factories import build_engine, build_prompt_prefiller
-from deployments.kv_transfer import HostKV, Placement
-from deployments.remote import PrefillDone, PrefillOrder, RemotePrefiller
+from deployments.placement.kv_transfer import HostKV, Placement
+from deployments.telemetry.engine_metrics import EngineMetrics
 from lanes.engine.backends import LocalPrefiller, LocalVerifier
 from lanes.engine.core import EngineCore
 from lanes.engine.snapshot import core_report, snapshot
@@ -30,7 +30,7 @@ LOCAL_MAX_TOKENS = 16
 
 
 class PrefillLaneLink:
-    """The link a RemotePrefiller sends its orders over (deployments/peer_calls.py ServeLink), to a
+    """The link a RemotePrefiller sends its orders over (deployments/channels/peer_calls.py ServeLink), to a
     prefill lane in this process: each order is held until `answer_all`, then prefilled in one batch."""
 
     def __init__(self, lane: PromptPrefiller):
@@ -88,7 +88,7 @@ def test_short_prompts_prefill_in_the_engine_long_ones_in_the_lane_and_output_is
 
 
 def test_the_decode_replicas_metrics_count_prompts_by_where_they_were_prefilled(llama_pair):
-    """vpd_prompts_prefilled{where}: what the replica exports after each step (deployments/engine_metrics.py)
+    """vpd_prompts_prefilled{where}: what the replica exports after each step (deployments/telemetry/engine_metrics.py)
     adds up to the split's own counts, which its stats report too."""
     target, draft = llama_pair
     engine, link = pd_engine(target, draft, LOCAL_MAX_TOKENS)

@@ -1,7 +1,7 @@
 """A tensor-parallel target served by Ray Serve on the CPU: each replica that holds the target (the
 DecodeLane in unified and nospec; the PrefillLane and DecodeLane in pd; the PrefillLane and
 VerifyLane in pdv) owns a placement group of two bundles, its worker rank is a Ray actor in the
-second (deployments/tp_workers.py), and the ranks meet over gloo. Greedy output over HTTP equals HF's
+second (deployments/replicas/tp_workers.py), and the ranks meet over gloo. Greedy output over HTTP equals HF's
 greedy `generate` of the whole target: in pd and pdv every prompt's KV went from the prefill lane's
 two ranks to the other lane's two ranks (lanes/parallel/kv_handover.py). A worker rank killed under load fails its
 replica's work at once and the replica is replaced: the engine's in nospec, the verify lane's in pdv.
@@ -56,7 +56,7 @@ def test_greedy_output_of_a_tp2_replica_equals_target_greedy(mode, pair_paths):
 def test_a_dead_worker_rank_fails_its_replicas_requests_at_once_and_serve_replaces_the_replica(app, deployment):
     # Runs last in the module: it kills the worker rank of nospec's engine replica, then of pdv's
     # verify replica (SIGKILL), while streams are in flight. Rank 0 would wait on the dead rank in a
-    # collective; the replica fails its work instead (deployments/tp_workers.py: the engine's streams,
+    # collective; the replica fails its work instead (deployments/replicas/tp_workers.py: the engine's streams,
     # the verify lane's forwards and so the streams whose rows they held), and its health check, and
     # Serve starts a new replica and workers.
     before = greedy_choice(app, "def add(a, b):")["text"]

@@ -1,11 +1,11 @@
-"""The busy intervals lanes record for benchmarks (deployments/timeline.py)."""
+"""The busy intervals lanes record for benchmarks (deployments/telemetry/timeline.py)."""
 
 import threading
 import time
 
-from deployments import timeline as timeline_module
-from deployments.kv_transfer import Placement
-from deployments.timeline import Timeline, event_rows, replica_report
+from deployments.placement.kv_transfer import Placement
+from deployments.telemetry import timeline as timeline_module
+from deployments.telemetry.timeline import Timeline, event_rows, replica_report
 
 
 def test_timed_records_the_interval_and_passes_results_and_errors():

@@ -1,11 +1,11 @@
-"""pdv's engine sends its verify batches straight to the verify replicas (deployments/verify_channel.py):
+"""pdv's engine sends its verify batches straight to the verify replicas (deployments/channels/verify_channel.py):
 each replica's rows over its own channel once the engine has it, through the engine's replica before;
 a channel that ends or goes silent costs its rows a recompute (KVLost), never a failure or a hang.
 
 The verify replicas here are channel servers on an event loop of their own, as in a replica; their
 verify answers each row with its drafts and its slot (accept all), so that the test sees which rows
 reached which replica. The engine's replica is `_Relay`: it answers what an engine process sends it
-(lanes/engine/process.py PeerLink) from the same replicas, as deployments/peer_calls.py does on Ray."""
+(lanes/engine/process.py PeerLink) from the same replicas, as deployments/channels/peer_calls.py does on Ray."""
 
 import asyncio
 import threading
@@ -17,8 +17,8 @@ from multiprocessing.connection import Client
 import pytest
 import torch
 
-from deployments.remote import ChannelOrder, LinkedVerifier, VerifyOrder, merge_rows, rows_by_lease
-from deployments.verify_channel import VerifyChannelServer
+from deployments.channels.remote import ChannelOrder, LinkedVerifier, VerifyOrder, merge_rows, rows_by_lease
+from deployments.channels.verify_channel import VerifyChannelServer
 from lanes.device.shared_drafts import DraftRef, OpenRing, RingHandle, can_open
 from lanes.engine.backends import KVLost
 from lanes.kv.pool import PoolFullError

@@ -8,11 +8,11 @@ import types
 import pytest
 import torch
 
-from deployments import prefill_replica
-from deployments.kv_transfer import HostKV, PoolViews
-from deployments.remote import PrefillDone, PrefillJob, RemoteVerifier, merge_rows
-from deployments.slo_signals import LatencyWindow
-from deployments.verify_replica import merge_batches, split_result
+from deployments.channels.remote import PrefillDone, PrefillJob, RemoteVerifier, merge_rows
+from deployments.placement.kv_transfer import HostKV, PoolViews
+from deployments.replicas import prefill_replica
+from deployments.replicas.verify_replica import merge_batches, split_result
+from deployments.telemetry.slo_signals import LatencyWindow
 from lanes.engine.backends import KVLost
 from lanes.sample.params import SamplingParams
 from lanes.spec.prompt_prefiller import PrefillRequest

@@ -1,4 +1,4 @@
-"""pdv's split (deployments/verify_prefill.py): a prompt of at most `local_max_tokens` has its target KV
+"""pdv's split (deployments/channels/verify_prefill.py): a prompt of at most `local_max_tokens` has its target KV
 prefilled by the verify lane into a slot of its own pool, and its draft KV by the decode engine; a
 longer one goes through the prefill lane. The output is the target's either way.
 
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from deployments.channels.remote import PrefillDone, PrefillOrder, RemotePrefiller, VerifyPrefillOrder
+from deployments.channels.verify_prefill import VerifyLanePrefiller
 from deployments.config import AppConfig
-from deployments.kv_transfer import HostKV, Placement
-from deployments.remote import PrefillDone, PrefillOrder, RemotePrefiller, VerifyPrefillOrder
-from deployments.verify_prefill import VerifyLanePrefiller
+from deployments.placement.kv_transfer import HostKV, Placement
 from lanes.engine.backends import KVLost, LaneOOM
 from lanes.engine.core import EngineCore
 from lanes.engine.split_prefill import SplitPrefiller
@@ -31,7 +31,7 @@ LEASE = "verify-0"
 
 
 class VerifyLaneSlots:
-    """pdv's verify lane as the engine sees it (deployments/remote.py RemoteVerifier): a pool it does not
+    """pdv's verify lane as the engine sees it (deployments/channels/remote.py RemoteVerifier): a pool it does not
     own, whose slots are handed out with a prompt's KV (by the verify lane's own prefill or the prefill
     lane's hand-over), never at admission."""
 
@@ -50,7 +50,7 @@ class VerifyLaneSlots:
 
 
 class PdvLink:
-    """The decode replica's link (deployments/peer_calls.py), to a verify replica and a prefill lane in
+    """The decode replica's link (deployments/channels/peer_calls.py), to a verify replica and a prefill lane in
     this process. Orders are held until `answer_all`, then each kind is answered in one batch."""
 
     node_id = None

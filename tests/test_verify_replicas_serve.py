@@ -6,9 +6,9 @@ replica count in the config's `deployments:` section, and rescaled by declaring 
 Serve's lightweight update, which stops or starts verify replicas and leaves every other replica running.
 
 1. Affinity. Every verify call of a request reaches the verify replica that holds its target KV (its lease),
-   through the VerifyLane's request router (deployments/lease_router.py). A verify replica refuses rows of another
-   replica's slots (and ignores the release of them), and counts them: so 200 greedy requests that all complete
-   with the target's greedy output, with no such row counted anywhere and rows verified by each of the three
+   through the VerifyLane's request router (deployments/routing/lease_router.py). A verify replica refuses rows of
+   another replica's slots (and ignores the release of them), and counts them: so 200 greedy requests that all
+   complete with the target's greedy output, with no such row counted anywhere and rows verified by each of the three
    replicas, show that every call reached its owner. Killing one verify replica then loses no request: its
    requests are recomputed on the other two (their output is still the target's greedy output), the others never
    notice, and every slot is freed.
@@ -31,8 +31,8 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments.lease_router import UNKNOWN_LEASE_WAIT_S
-from deployments.leases import LeaseGone
+from deployments.routing.lease_router import UNKNOWN_LEASE_WAIT_S
+from deployments.routing.leases import LeaseGone
 from lanes.model.loader import load_model
 from tests.engine_helpers import greedy_references, hf_greedy, random_prompts
 from tests.serve_helpers import (

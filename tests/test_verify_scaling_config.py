@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 from deployments.config import AppConfig
-from deployments.lease_router import LeaseRouter
-from deployments.verify_replica import VerifyDeployment
+from deployments.replicas.verify_replica import VerifyDeployment
+from deployments.routing.lease_router import LeaseRouter
 
 
 def test_verify_lane_takes_num_replicas_and_autoscaling_like_any_lane():
@@ -30,8 +30,9 @@ def test_every_handle_to_the_verify_lane_routes_by_lease():
 
 def test_a_router_shipped_by_value_raises_the_lease_gone_its_callers_catch():
     """Serve ships the router's module by value: every other process that routes to the verify lane runs a copy of
-    the class. What the copy raises for a gone lease is still deployments.leases.LeaseGone, so `except LeaseGone`
-    holds in an app declared by `serve deploy` too (tests/test_verify_replicas_serve.py kills a replica of one)."""
+    the class. What the copy raises for a gone lease is still deployments.routing.leases.LeaseGone, so
+    `except LeaseGone` holds in an app declared by `serve deploy` too (tests/test_verify_replicas_serve.py kills a
+    replica of one)."""
     blob = VerifyDeployment._deployment_config.request_router_config.get_serialized_request_router_cls()
     # Unpickled in this process, cloudpickle would hand back the class it pickled: another process gets a copy.
     other_process = subprocess.run([sys.executable, "-c", _ROUTE_TO_A_GONE_LEASE], input=blob, capture_output=True,
@@ -43,10 +44,10 @@ _ROUTE_TO_A_GONE_LEASE = """
 import concurrent.futures, sys
 from types import SimpleNamespace
 from ray import cloudpickle
-import deployments.lease_router
-from deployments.leases import LeaseGone
+import deployments.routing.lease_router
+from deployments.routing.leases import LeaseGone
 shipped = cloudpickle.loads(sys.stdin.buffer.read())
-print("copy" if shipped is not deployments.lease_router.LeaseRouter else "original")
+print("copy" if shipped is not deployments.routing.lease_router.LeaseRouter else "original")
 pending = SimpleNamespace(future=concurrent.futures.Future())
 assert shipped._fail(pending, ["a replica"], "verify replica x is gone") == [["a replica"]]
 error = pending.future.exception(timeout=0)

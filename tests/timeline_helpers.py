@@ -1,4 +1,4 @@
-"""Lane timeline reports as replicas return them (deployments/timeline.py), built for tests."""
+"""Lane timeline reports as replicas return them (deployments/telemetry/timeline.py), built for tests."""
 
 
 def lane_report(lane, replica, uuid=None, **events):

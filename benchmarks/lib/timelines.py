@@ -1,4 +1,4 @@
-"""Lane timelines (deployments/timeline.py) fetched from a served app and read: how busy each lane
+"""Lane timelines (deployments/telemetry/timeline.py) fetched from a served app and read: how busy each lane
 was, whether verify overlapped drafting, and where pd / pdv requests waited before decoding.
 Read by benchmarks/lib/apps.py (lane_reader) and benchmarks/dual_gpu.py.
 """
@@ -9,7 +9,7 @@ import statistics
 
 from ray import serve
 
-from deployments.timeline import REPORT_PAGE_EVENTS, event_rows
+from deployments.telemetry.timeline import REPORT_PAGE_EVENTS, event_rows
 from loadtest.summary import LatencyStats
 
 LANE_DEPLOYMENTS = {"unified": ("DecodeLane",), "pd": ("PrefillLane", "DecodeLane"),

@@ -224,7 +224,7 @@ def _settle(future: asyncio.Future, ok: bool, value) -> None:
 
 
 def put_message(conn: Connection, message: tuple) -> None:
-    """Send one message (the engine socket's, and pdv's verify channels: deployments/verify_channel.py)."""
+    """Send one message (the engine socket's, and pdv's verify channels: deployments/channels/verify_channel.py)."""
     # Plain pickle, not Connection.send's: torch registers reductions with multiprocessing's pickler
     # that share a CPU tensor through a file descriptor server which only a child made by
     # multiprocessing may reach (a prefill order's first-token mask failed with AuthenticationError).

@@ -9,7 +9,7 @@ what would stall decoding, and it is what the prefill lane is for. So each promp
 as NVIDIA Dynamo's disaggregated router does (`max_local_prefill_length`): at most
 `local_max_tokens` tokens, where it decodes; more, to the prefill lane. Where it decodes is, in pd,
 this engine's own chunked prefill (LocalPrefiller); in pdv, whose decode lane holds no target, the
-verify replica that will verify it, with the draft's KV written here (deployments/verify_prefill.py).
+verify replica that will verify it, with the draft's KV written here (deployments/channels/verify_prefill.py).
 """
 
 from lanes.engine.backends import Prefiller

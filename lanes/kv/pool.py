@@ -64,7 +64,7 @@ class PoolShape:
 
 
 class KVPool:
-    # Whether a peer process that opens this pool's tensor (CUDA IPC, deployments/kv_transfer.py) may
+    # Whether a peer process that opens this pool's tensor (CUDA IPC, deployments/placement/kv_transfer.py) may
     # write a request's whole KV into it: not where the pool holds one rank's KV heads (lanes/parallel/kv_handover.py).
     in_place_writable = True
 

@@ -4,7 +4,7 @@ A worker builds the same runners as the engine (`build_runners` with the same co
 keeping its own shard), then repeats every forward rank 0 sends (lanes/parallel/step.py), and takes its
 part of every KV hand-over (lanes/parallel/kv_handover.py), until told to stop. It samples nothing and keeps no
 scheduler: rank 0's block-table rows arrive with the forward that first needs them. Served, workers
-are Ray actors in the replica's placement group (deployments/tp_workers.py); `worker_processes` runs
+are Ray actors in the replica's placement group (deployments/replicas/tp_workers.py); `worker_processes` runs
 them as plain processes (tests, one host, no Ray).
 """
 

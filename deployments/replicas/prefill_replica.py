@@ -12,18 +12,18 @@ import torch
 from ray import serve
 
 from controller.planner import BUSY_FRAC, PENDING_TOKENS, PREFILL_MS, PREFILL_TOKENS_PER_S
+from deployments.channels.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
 from deployments.factories import PREFILL_BATCH_MAX
-from deployments.hedged import hedged
-from deployments.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
-from deployments.lane_batcher import LaneBatcher
-from deployments.lane_worker import LaneWorker
-from deployments.metrics import LaneMetrics
-from deployments.remote import PEER_CALL_TIMEOUT_S, PrefillDone, PrefillJob, replica_silent
-from deployments.router_state import describe
-from deployments.serve_calls import own_request
-from deployments.slo_signals import BusyWindow, LatencyWindow
-from deployments.timeline import TIMELINE, replica_report
-from deployments.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.placement.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
+from deployments.replicas.lane_batcher import LaneBatcher
+from deployments.replicas.lane_worker import LaneWorker
+from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.routing.hedged import hedged
+from deployments.routing.router_state import describe
+from deployments.routing.serve_calls import own_request
+from deployments.telemetry.metrics import LaneMetrics
+from deployments.telemetry.slo_signals import BusyWindow, LatencyWindow
+from deployments.telemetry.timeline import TIMELINE, replica_report
 from lanes.device.streams import PREFILL_PRIORITY
 from lanes.engine.backends import KVLost, LaneOOM
 from lanes.spec.prompt_prefiller import PrefilledKV, PromptPrefiller
@@ -31,7 +31,7 @@ from lanes.spec.prompt_prefiller import PrefilledKV, PromptPrefiller
 log = logging.getLogger(__name__)
 
 # allocate_many answers in milliseconds (~5 ms with Ray's hop on an H200); a copy unanswered this long
-# is stuck, and another is sent (deployments/hedged.py).
+# is stuck, and another is sent (deployments/routing/hedged.py).
 SLOT_CALL_RESEND_S = 1.0
 VIEWS_WATCH_S = 2.0  # how often the owners of opened peer pools are asked after (a dead one's memory is held)
 
@@ -56,7 +56,7 @@ class Prefilled:
 class PrefillServer:
     def __init__(self, prefiller_factory, mode: str, verify=None, start_workers=None):
         """`start_workers()`: starts the worker ranks of a sharded target in this replica's placement
-        group (deployments/tp_workers.py); the prefiller, rank 0, is built with the address they meet at."""
+        group (deployments/replicas/tp_workers.py); the prefiller, rank 0, is built with the address they meet at."""
         prefiller_factory, self.shard_workers = bind_workers(prefiller_factory, start_workers)
         self.prefiller: PromptPrefiller = prefiller_factory()
         self.verify = verify  # pdv: the verify lane receives the target KV from here
@@ -86,7 +86,8 @@ class PrefillServer:
         self._verify_route_lock = asyncio.Lock()
         self._exported_prefix = (0, 0)  # prefix-cache (queries, hits) totals exported so far
         self.oom_retries = 0  # prefill batches that ran out of device memory and were retried in halves
-        self.slot_calls_resent = 0  # allocate_many copies sent again, the first unanswered (deployments/hedged.py)
+        # allocate_many copies sent again, the first unanswered (deployments/routing/hedged.py)
+        self.slot_calls_resent = 0
         self._views_watch: asyncio.Task | None = None
         self.views_dropped = 0  # views of dead replicas' pools closed
 
@@ -313,7 +314,7 @@ class PrefillServer:
         return self._verify_pools[lease]
 
     async def _drop_dead_views_forever(self) -> None:
-        """Close the views of pools whose owner died (deployments/kv_transfer.py, PoolViews): its KV
+        """Close the views of pools whose owner died (deployments/placement/kv_transfer.py, PoolViews): its KV
         memory comes back to the GPU for its replacement."""
         while True:
             await asyncio.sleep(VIEWS_WATCH_S)

@@ -10,8 +10,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from deployments.openai_logprobs import ChoiceExtras
-from deployments.openai_protocol import usage
+from deployments.api.openai_logprobs import ChoiceExtras
+from deployments.api.openai_protocol import usage
 from lanes.engine.outputs import RequestOutput
 from lanes.sample.params import INT64_MIN, SamplingParams
 from lanes.spec.stats import SpecDecodeStats

@@ -1,8 +1,8 @@
 """A verify replica's lease, and what a call for one that is gone raises.
 
-Apart from the router that routes by lease (deployments/lease_router.py), because Serve pickles a request router's
-module by value: a router in another process (a decode replica's, the driver's) runs a copy of that module, and a
-class defined there would be a copy too. Defined here, LeaseGone pickles by reference, so `except LeaseGone`
+Apart from the router that routes by lease (deployments/routing/lease_router.py), because Serve pickles a request
+router's module by value: a router in another process (a decode replica's, the driver's) runs a copy of that module,
+and a class defined there would be a copy too. Defined here, LeaseGone pickles by reference, so `except LeaseGone`
 catches what any router raises, in an app declared by `serve deploy` as in one run by `serve.run`."""
 
 import uuid

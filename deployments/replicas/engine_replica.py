@@ -13,15 +13,15 @@ import ray
 from ray import serve
 
 from controller.planner import DRAFT_LEN, IN_FLIGHT, MAX_NUM_SEQS, TPOT_MS, TTFT_MS
-from deployments.engine_metrics import EngineMetrics
-from deployments.gpu_binding import lane_device
-from deployments.kv_transfer import Placement
-from deployments.metrics import read_gpu_stats
-from deployments.peer_calls import EnginePeers
-from deployments.remote import PEER_CALL_TIMEOUT_S
-from deployments.slo_signals import LatencyWindow
-from deployments.timeline import TIMELINE, replica_report
-from deployments.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.channels.peer_calls import EnginePeers
+from deployments.channels.remote import PEER_CALL_TIMEOUT_S
+from deployments.placement.gpu_binding import lane_device
+from deployments.placement.kv_transfer import Placement
+from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.telemetry.engine_metrics import EngineMetrics
+from deployments.telemetry.metrics import read_gpu_stats
+from deployments.telemetry.slo_signals import LatencyWindow
+from deployments.telemetry.timeline import TIMELINE, replica_report
 from lanes.engine.async_engine import AsyncEngine
 from lanes.engine.outputs import RequestOutput
 from lanes.engine.process import ProcessEngine
@@ -68,7 +68,7 @@ class EngineServer:
                  max_stream_messages_per_s: float | None = None, engine_process: bool = False,
                  start_workers=None, peer_timeout_s: float = PEER_CALL_TIMEOUT_S, num_gpus: float = 0):
         """`start_workers()`: starts the worker ranks of a tensor-parallel engine in this replica's
-        placement group (deployments/tp_workers.py `ShardWorkers`); the engine, rank 0, is built with
+        placement group (deployments/replicas/tp_workers.py `ShardWorkers`); the engine, rank 0, is built with
         `tp_address=` the address they meet at. `num_gpus`: the replica's share of GPUs (its lane's)."""
         # In the one-replica modes this replica is all three lanes; in pd and pdv it is the decode lane.
         self.lane = "decode" if mode in ("pd", "pdv") else "engine"
@@ -82,7 +82,7 @@ class EngineServer:
             # GPU 0). Bound here, CUDA_VISIBLE_DEVICES names this replica's GPU first, and the engine
             # process inherits it (lanes/engine/process.py passes this process's environment on).
             lane_device(num_gpus)
-            # pd's and pdv's engine reach their other lanes through this replica (deployments/peer_calls.py).
+            # pd's and pdv's engine reach their other lanes through this replica (deployments/channels/peer_calls.py).
             self.metrics = EngineMetrics(self.lane, mode, sample_gpu=False)
             peers = EnginePeers(prefill, verify, peer_timeout_s) if prefill is not None or verify is not None else None
             self.engine = self._start_process(engine_factory, streams, peers)
@@ -218,7 +218,7 @@ class EngineServer:
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """Where this replica runs and its engine steps (and, in pdv, its waits on the verify lane)
-        since `start_s`, one page from `offset` (deployments/timeline.py)."""
+        since `start_s`, one page from `offset` (deployments/telemetry/timeline.py)."""
         return replica_report(self.lane, self.placement_, start_s, offset)
 
     def _on_step(self, snap: EngineSnapshot, step_ms: float, batch_size: int) -> None:

@@ -38,7 +38,7 @@ from typing import TypeVar
 
 import ray
 
-from deployments.kv_transfer import Placement
+from deployments.placement.kv_transfer import Placement
 
 MAX_EVENTS_PER_KIND = 50_000  # a verify step every ~20 ms fills this in ~17 minutes
 # ... and none that ended longer than this before the newest of its kind. The count alone let the

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.openai_structured import structured_output
+from deployments.api.openai_structured import structured_output
 from lanes.sample.params import MAX_LOGPROBS, ParamError, SamplingParams
 from lanes.spec.stats import SpecDecodeStats
 
@@ -109,7 +109,7 @@ class _SamplingFields(_Open):
                                                 "its logit, clamped to [-100, 100]")
     min_tokens: int | None = Field(default=None, description="vLLM's: no EOS, stop token id or stop string before "
                                    "this many output tokens")
-    # Structured output (deployments/openai_structured.py): OpenAI's, vLLM's, vLLM's older names.
+    # Structured output (deployments/api/openai_structured.py): OpenAI's, vLLM's, vLLM's older names.
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: str | dict | None = None

@@ -24,7 +24,7 @@ import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments.leases import LeaseGone
+from deployments.routing.leases import LeaseGone
 
 LEASE_KWARG = "lease"
 # Serve tells each caller's router of a new replica within a moment of its start; a lease unknown

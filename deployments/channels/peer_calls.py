@@ -9,7 +9,7 @@ there), sends it, and reads a failure the way the engine recomputes or fails it.
 Two ways reach the lanes from the engine:
   - the engine steps in a process of its own (the default, lanes/engine/process.py): its orders
     (`PrefillOrder`, and in pdv `VerifyPrefillOrder`, `ReleaseOrder`, `ChannelOrder` and the
-    `VerifyOrder`s of replicas it has no channel to yet, deployments/verify_channel.py) cross the
+    `VerifyOrder`s of replicas it has no channel to yet, deployments/channels/verify_channel.py) cross the
     socket to the replica, and
     `EnginePeers.answer` sends each on and returns the answer;
   - the engine steps on a thread of this replica (`engine_process: false`): `ServeLink` schedules a
@@ -24,12 +24,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from deployments.kv_transfer import Placement
-from deployments.remote import (PEER_CALL_TIMEOUT_S, ChannelOrder, PrefillDone, PrefillJob, PrefillOrder,
-                                ReleaseOrder, RemoteVerifier, VerifyOrder, VerifyPrefillOrder, current_actor,
-                                failed_call)
-from deployments.serve_calls import own_request
-from deployments.timeline import TIMELINE
+from deployments.channels.remote import (PEER_CALL_TIMEOUT_S, ChannelOrder, PrefillDone, PrefillJob, PrefillOrder,
+                                         ReleaseOrder, RemoteVerifier, VerifyOrder, VerifyPrefillOrder, current_actor,
+                                         failed_call)
+from deployments.placement.kv_transfer import Placement
+from deployments.routing.serve_calls import own_request
+from deployments.telemetry.timeline import TIMELINE
 from lanes.engine.process import picklable
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class PrefillLaneClient:
 async def prefilled_by(order: PrefillOrder | VerifyPrefillOrder, prefill: PrefillLaneClient | None,
                        verify: RemoteVerifier | None) -> tuple[PrefillDone | BaseException, float]:
     """A prompt's order answered by the lane that prefills it: the prefill lane, or in pdv's split a verify
-    replica (deployments/verify_prefill.py); (the answer or the error the engine acts on, when it came)."""
+    replica (deployments/channels/verify_prefill.py); (the answer or the error the engine acts on, when it came)."""
     lane = verify if isinstance(order, VerifyPrefillOrder) else prefill
     return await lane.prefill(order)
 

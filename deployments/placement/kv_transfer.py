@@ -4,7 +4,7 @@ Chosen from where the replicas are, not by hand:
   - same GPU (fractional `num_gpus` on one device): the owner exports its pool once as a CUDA IPC
     handle; the prefill lane opens it and writes a request's KV in place. Only slot ids travel.
   - another GPU of the same node that the prefill lane can see and reach by peer access (the app's
-    `kv_peer_access`, deployments/gpu_binding.py): the same, and the write is a device-to-device
+    `kv_peer_access`, deployments/placement/gpu_binding.py): the same, and the write is a device-to-device
     copy over NVLink or PCIe.
   - otherwise (other nodes, GPUs hidden from each other, CPU): the prefill lane copies the
     request's KV out of its scratch slots and it travels through Ray's object store (a real copy)
@@ -22,7 +22,7 @@ import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from deployments.slot_owners import actor_alive
+from deployments.routing.slot_owners import actor_alive
 from lanes.device.ipc import gpu_uuid, open_cuda_tensor
 from lanes.kv.pool import KVPool, PoolShape
 

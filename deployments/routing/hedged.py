@@ -4,7 +4,7 @@ Why: the prefill lane waits for its verify slots (`allocate_many`) before it han
 one stuck call stalls every prompt behind it. On one H200 under mixed traffic such calls reached no
 verify replica for the whole 5 s wait while the replica answered everyone else in milliseconds
 (benchmarks/results/lanes_1gpu_h200/before_fix/). The cause, Serve's router stranding calls that
-share a request id, is fixed in deployments/serve_calls.py; this bounds the stall of any stuck call
+share a request id, is fixed in deployments/routing/serve_calls.py; this bounds the stall of any stuck call
 to `resend_after_s` (hundreds of times the usual answer time), and logs it.
 
 A copy that answers after the winner may hold something (slots handed out): `discard` gives it

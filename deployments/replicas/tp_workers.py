@@ -28,7 +28,7 @@ from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import AppConfig
-from deployments.gpu_binding import lane_device
+from deployments.placement.gpu_binding import lane_device
 from lanes.parallel.worker import Loader, free_port, run_worker
 
 log = logging.getLogger(__name__)

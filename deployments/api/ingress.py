@@ -18,18 +18,18 @@ from pydantic import ValidationError
 from ray import serve
 from transformers import AutoTokenizer
 
-from deployments.choices import Choice, interleave, sample_params, total_usage
-from deployments.config import AppConfig
-from deployments.engine_replica import GenerateError
-from deployments.kv_transfer import Placement
-from deployments.metrics import IngressMetrics
-from deployments.openai_logprobs import ChoiceExtras
-from deployments.openai_protocol import (
+from deployments.api.choices import Choice, interleave, sample_params, total_usage
+from deployments.api.openai_logprobs import ChoiceExtras
+from deployments.api.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_choice, completion_choice,
     error_body, new_id, response_body, running_usage,
 )
-from deployments.serve_calls import own_request
-from deployments.timeline import TIMELINE, replica_report
+from deployments.config import AppConfig
+from deployments.placement.kv_transfer import Placement
+from deployments.replicas.engine_replica import GenerateError
+from deployments.routing.serve_calls import own_request
+from deployments.telemetry.metrics import IngressMetrics
+from deployments.telemetry.timeline import TIMELINE, replica_report
 from lanes.engine.outputs import RequestOutput, merge_outputs
 from lanes.sample.params import ParamError
 from lanes.spec.stats import SpecDecodeStats
@@ -194,7 +194,7 @@ class Ingress:
         self.metrics = IngressMetrics(self.cfg.mode)
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
-        """This replica's requests since `start_s`, one page from `offset` (deployments/timeline.py)."""
+        """This replica's requests since `start_s`, one page from `offset` (deployments/telemetry/timeline.py)."""
         return replica_report("ingress", Placement.here("cpu"), start_s, offset)
 
     @api.get("/health")

@@ -6,7 +6,7 @@ GPU does not exist for it and KV can cross GPUs only through host memory. With t
 and the replica lists every GPU of its node itself, its own first: `cuda` (index 0) stays its own
 GPU in every thread, as Ray would have made it, and the others are visible, so the prefill lane can
 open a peer's KV pool through CUDA IPC and write a prompt's KV into it by a peer copy over NVLink or
-PCIe. Indices then differ between processes; pools are matched by GPU UUID (deployments/kv_transfer.py).
+PCIe. Indices then differ between processes; pools are matched by GPU UUID (deployments/placement/kv_transfer.py).
 """
 
 import logging

@@ -11,18 +11,18 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from controller.planner import BUSY_FRAC, DRAFT_LEN, OCCUPANCY, PENDING_ROWS, VERIFY_MS
-from deployments.kv_transfer import HostKV, Placement, PoolHandle
-from deployments.lane_batcher import LaneBatcher
-from deployments.lane_worker import LaneWorker
-from deployments.lease_router import LeaseRouter
-from deployments.leases import replica_lease
-from deployments.metrics import LaneMetrics
-from deployments.remote import current_actor, merge_rows
-from deployments.slo_signals import BusyWindow, LatencyWindow
-from deployments.slot_owners import SlotOwners
-from deployments.timeline import TIMELINE, replica_report
-from deployments.verify_channel import ChannelAddress, VerifyChannelServer
-from deployments.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.channels.remote import current_actor, merge_rows
+from deployments.channels.verify_channel import ChannelAddress, VerifyChannelServer
+from deployments.placement.kv_transfer import HostKV, Placement, PoolHandle
+from deployments.replicas.lane_batcher import LaneBatcher
+from deployments.replicas.lane_worker import LaneWorker
+from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.routing.lease_router import LeaseRouter
+from deployments.routing.leases import replica_lease
+from deployments.routing.slot_owners import SlotOwners
+from deployments.telemetry.metrics import LaneMetrics
+from deployments.telemetry.slo_signals import BusyWindow, LatencyWindow
+from deployments.telemetry.timeline import TIMELINE, replica_report
 from lanes.device.shared_drafts import DraftRef, OpenRing, RingHandle, can_open
 from lanes.device.streams import PREFILL_PRIORITY, VERIFY_PRIORITY, lane_stream, on
 from lanes.engine.backends import LaneOOM
@@ -48,7 +48,7 @@ class VerifyServer:
 
     def __init__(self, lane_factory, mode: str, start_workers=None, prefill_tokens: int = 0):
         """`start_workers()`: starts the worker ranks of a sharded target in this replica's placement
-        group (deployments/tp_workers.py); the lane, rank 0, is built with the address they meet at.
+        group (deployments/replicas/tp_workers.py); the lane, rank 0, is built with the address they meet at.
         `prefill_tokens`: pdv with `local_prefill_max_tokens`: the prompt tokens of one prefill forward
         here (`prefill`); 0: this replica prefills nothing."""
         lane_factory, self.shard_workers = bind_workers(lane_factory, start_workers)
@@ -67,7 +67,7 @@ class VerifyServer:
         self.call_time, self.busy = LatencyWindow(), BusyWindow()
         self.last_draft_len = 0
         # This replica's name on every slot it hands out: its Serve replica id, by which every caller
-        # routes a call about those slots back here (deployments/lease_router.py). A call or a release
+        # routes a call about those slots back here (deployments/routing/lease_router.py). A call or a release
         # that names another lease (a misrouted call, or a dead replica's slots) is refused or ignored,
         # never read from or freed in this pool.
         self.lease = replica_lease()
@@ -92,7 +92,7 @@ class VerifyServer:
         self.prompts_prefilled = 0
 
     async def channel(self, lease: str | None = None) -> ChannelAddress:
-        """Where a decode engine sends this replica's batches straight (deployments/verify_channel.py);
+        """Where a decode engine sends this replica's batches straight (deployments/channels/verify_channel.py);
         they are verified as `verify` calls are, merged with them into the same forwards."""
         self._check_lease(lease)
         if self._channel is None:
@@ -362,7 +362,8 @@ class VerifyServer:
                 BUSY_FRAC: self.busy.busy_frac(), DRAFT_LEN: self.last_draft_len}
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
-        """Where this replica runs and its verify / load_kv intervals since `start_s` (deployments/timeline.py)."""
+        """Where this replica runs and its verify / load_kv intervals since `start_s`
+        (deployments/telemetry/timeline.py)."""
         return replica_report("verify", self.placement_, start_s, offset)
 
 

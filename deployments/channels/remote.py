@@ -3,7 +3,7 @@
 They implement lanes.engine.backends.Verifier / Prefiller. An engine on the replica's thread schedules
 each remote call on the replica's event loop with run_coroutine_threadsafe (RemoteVerifier, ServeLink);
 an engine in a process of its own sends it through its replica (PeerLink), but for its verify batches,
-which go straight to the verify replicas (LinkedVerifier, deployments/verify_channel.py). The engine
+which go straight to the verify replicas (LinkedVerifier, deployments/channels/verify_channel.py). The engine
 waits only where the decode step needs the answer (verification), never for prefill, whose results
 are collected between steps.
 """
@@ -20,10 +20,10 @@ from functools import partial
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from deployments.kv_transfer import HostKV, Placement, PoolHandle
-from deployments.serve_calls import own_request
-from deployments.timeline import TIMELINE
-from deployments.verify_channel import VerifyChannels
+from deployments.channels.verify_channel import VerifyChannels
+from deployments.placement.kv_transfer import HostKV, Placement, PoolHandle
+from deployments.routing.serve_calls import own_request
+from deployments.telemetry.timeline import TIMELINE
 from lanes.engine.backends import KVLost, LaneOOM
 from lanes.engine.scheduler import Scheduler
 from lanes.engine.sequence import SeqStatus, Sequence
@@ -97,7 +97,7 @@ def replica_silent(lease: str) -> KVLost:
     busy 2-core host, a 3 -> 1 scale-down failed one stream with this timeout before it was taken as
     a loss (tests/test_verify_replicas_serve.py). A verify call that names no replica and times out means no
     verify replica answered at all: it fails as it is. (A prompt's KV that no replica takes in time is
-    recomputed too: deployments/prefill_replica.py.)"""
+    recomputed too: deployments/replicas/prefill_replica.py.)"""
     return KVLost.after_waiting(f"verify replica {lease} did not answer in {PEER_CALL_TIMEOUT_S:g} s",
                                 PEER_CALL_TIMEOUT_S)
 
@@ -149,7 +149,7 @@ class RemoteVerifier:
 
     async def prefill(self, order: "VerifyPrefillOrder") -> tuple[PrefillDone | BaseException, float]:
         """pdv's split: a short prompt's target KV prefilled by a verify replica, into a slot of its pool
-        (deployments/verify_prefill.py). The answer (or the error the engine acts on, `lane_error`) and
+        (deployments/channels/verify_prefill.py). The answer (or the error the engine acts on, `lane_error`) and
         the wall-clock time it came, as the prefill lane's (PrefillLaneClient)."""
         since_s = time.monotonic()
         try:
@@ -177,7 +177,8 @@ class VerifyOrder:
 
 @dataclass
 class VerifyPrefillOrder:
-    """pdv's split: a short prompt whose target KV a verify replica prefills (deployments/verify_prefill.py)."""
+    """pdv's split: a short prompt whose target KV a verify replica prefills
+    (deployments/channels/verify_prefill.py)."""
 
     request: PrefillRequest
 
@@ -192,7 +193,7 @@ class ReleaseOrder:
 
 @dataclass
 class ChannelOrder:
-    """The address of verify replica `lease`'s channel (deployments/verify_channel.py), from an engine
+    """The address of verify replica `lease`'s channel (deployments/channels/verify_channel.py), from an engine
     in a process of its own."""
 
     lease: str
@@ -208,10 +209,10 @@ def rows_by_lease(batch: VerifyBatch) -> dict[str | None, list[int]]:
 
 class LinkedVerifier:
     """pdv's verify lane from an engine in a process of its own. A batch's rows go straight to the
-    verify replica that holds their KV, over its channel (deployments/verify_channel.py), once this
+    verify replica that holds their KV, over its channel (deployments/channels/verify_channel.py), once this
     engine has one; until then, and with `channels` off, they cross to the engine's replica
     (lanes/engine/process.py PeerLink), which sends them on with its RemoteVerifier
-    (deployments/peer_calls.py)."""
+    (deployments/channels/peer_calls.py)."""
 
     def __init__(self, link, timeout_s: float = PEER_CALL_TIMEOUT_S, channels: bool = True,
                  shared_drafts: tuple[int, int] | None = None):
@@ -387,7 +388,7 @@ class RemotePrefiller:
     """Sends each admitted request to the prefill lane once and collects finished prefills.
 
     `link` reaches the lane: `link.call(order, on_done)` sends a PrefillOrder and later calls
-    `on_done((result, reply_s))` on another thread: the replica's event loop (deployments/peer_calls.py
+    `on_done((result, reply_s))` on another thread: the replica's event loop (deployments/channels/peer_calls.py
     `ServeLink`, an engine on the replica's thread) or the engine process's reader thread
     (lanes/engine/process.py `PeerLink`). `link.record` keeps a timeline event where the replica reports it."""
 
@@ -459,7 +460,7 @@ class RemotePrefiller:
 
     def _ready(self, seq: Sequence) -> bool:
         """Whether a reply for `seq` may land now (a subclass that writes part of the KV itself waits
-        for its write: deployments/verify_prefill.py)."""
+        for its write: deployments/channels/verify_prefill.py)."""
         return True
 
     def step(self, scheduler: Scheduler, budget_tokens: int, decoding: bool) -> list:

@@ -6,7 +6,7 @@ import time
 import uuid
 from collections import deque
 
-from deployments.metrics import LaneMetrics
+from deployments.telemetry.metrics import LaneMetrics
 from lanes.engine.snapshot import EngineSnapshot
 from lanes.spec.stats import SpecDecodeStats
 

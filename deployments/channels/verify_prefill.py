@@ -13,7 +13,7 @@ H200 this cut pdv's TTFT p50 by about 60 ms; its tok/s at 64 in flight moved wit
 
 import torch
 
-from deployments.remote import RemotePrefiller, VerifyPrefillOrder
+from deployments.channels.remote import RemotePrefiller, VerifyPrefillOrder
 from lanes.device.batching import pad_tokens
 from lanes.device.streams import on
 from lanes.engine.scheduler import Scheduler
