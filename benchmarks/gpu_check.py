@@ -1,7 +1,11 @@
 """GPU checks in one device call: correctness of the lanes on CUDA (engine and the three-lane app
 with CUDA IPC hand-over), then per-step timings against HF eager and the memory-bandwidth floor.
 
-    python benchmarks/gpu_check.py --out results/gpu   [--skip-serve] [--skip-steps]
+    python benchmarks/gpu_check.py --out results/gpu   [--skip-serve] [--skip-steps] [--floor]
+
+`--floor` adds the steps against their floor alone: the draft step at L = 1..4, forward by forward
+and as one graph, beside the 7B verify step at the same L, and the 7B decode and verify steps at
+contexts 512, 4,096 and 32,768.
 
 Writes gpu_check.json (and prints a table). Needs a CUDA device; Ray only for the serve part.
 """
@@ -88,7 +92,16 @@ def engine_greedy_check() -> dict:
         result[name] = {"equal_to_hf_greedy": sum(outs[str(i)] == ref for i, ref in enumerate(refs)),
                         "acceptance_rate": engine.total_stats.acceptance_rate,
                         # whole-prompt prefills replayed as graphs, by (batch bucket, width bucket)
-                        "prefill_graph_shapes": sorted(engine.verifier.lane.runner.prefill_graphs.graphs)}
+                        "prefill_graph_shapes": sorted(engine.verifier.lane.runner.prefill_graphs.graphs),
+                        "draft_graphs": len(engine.proposer.graphs.graphs)}  # whole drafts replayed as one graph
+    # Seeded sampling draws the same tokens whether a draft replays as one graph or forward by forward.
+    sampled = {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i))
+               for i, p in enumerate(prompts)}
+    outputs = []
+    for graphed in (True, False):
+        engine = EngineCore.colocated(target, draft, EngineConfig(max_model_len=320, max_num_seqs=16, draft_graphs=graphed))
+        outputs.append(run_to_completion(engine, sampled))
+    result["sampled_graph_equals_loop"] = sum(outputs[0][k] == outputs[1][k] for k in sampled)
     return result
 
 
@@ -129,6 +142,7 @@ def serve_pdv_check() -> dict:
 # ---- per-step timings -----------------------------------------------------------------------
 
 def fill_pool(runner, batch: int, length: int) -> list[int]:
+    assert length + 16 <= runner.pool.shape.capacity_tokens, (length, runner.pool.shape.capacity_tokens)
     slots = [runner.pool.allocate() for _ in range(batch)]
     runner.pool.reserve(slots, [length] * batch)  # the blocks of `length` tokens each (steps add their own)
     runner.pool.kv.normal_()  # real-looking data, never zeros
@@ -137,17 +151,17 @@ def fill_pool(runner, batch: int, length: int) -> list[int]:
     return slots
 
 
-def verify_step_ms(lane: VerifyLane, batch: int, drafts: int) -> float:
-    slots = fill_pool(lane.runner, batch, CONTEXT - 1)
+def verify_step_ms(lane: VerifyLane, batch: int, drafts: int, context: int = CONTEXT) -> float:
+    slots = fill_pool(lane.runner, batch, context - 1)
     vocab = lane.runner.vocab_size
     tokens = torch.randint(0, vocab, (batch, drafts), device="cuda")
-    vb = VerifyBatch(slots, [CONTEXT] * batch, [1] * batch, tokens,
+    vb = VerifyBatch(slots, [context] * batch, [1] * batch, tokens,
                      torch.softmax(torch.randn(batch, drafts, vocab, device="cuda"), -1), [drafts] * batch,
                      [SamplingParams(max_tokens=16)] * batch, list(range(batch)))
 
     def step():
         for s in slots:
-            lane.pool.lengths[s] = CONTEXT - 1
+            lane.pool.lengths[s] = context - 1
         lane.verify(vb)
 
     ms = median_ms(step)
@@ -156,24 +170,27 @@ def verify_step_ms(lane: VerifyLane, batch: int, drafts: int) -> float:
     return ms
 
 
-def decode_forward_ms(runner, batch: int) -> float:
-    slots = fill_pool(runner, batch, CONTEXT)
+def decode_forward_ms(runner, batch: int, context: int = CONTEXT) -> float:
+    slots = fill_pool(runner, batch, context)
     ids = torch.randint(0, runner.vocab_size, (batch, 1), device="cuda")
-    ms = median_ms(lambda: runner.forward(runner.rows(slots, [CONTEXT] * batch), ids))
+    ms = median_ms(lambda: runner.forward(runner.rows(slots, [context] * batch), ids))
     for s in slots:
         runner.pool.free(s)
     return ms
 
 
-def draft_propose_ms(runner, batch: int, draft_len: int) -> float:
-    """A whole draft step: L tokens for every row (L forwards, sampling on the device)."""
+def draft_propose_ms(runner, batch: int, draft_len: int, graphed: bool = True, temperature: float = 0.0) -> float:
+    """A whole draft step: L tokens for every row (L forwards, sampling on the device), replayed as one
+    graph or forward by forward."""
     from lanes.engine.sequence import Sequence
     from lanes.spec.draft import DraftLane
 
     slots = fill_pool(runner, batch, CONTEXT - 1)
-    params = SamplingParams(max_tokens=64)
+    params = SamplingParams(max_tokens=64, temperature=temperature, seed=1 if temperature else None)
     seqs = [Sequence(str(i), list(range(1, CONTEXT + 1)), params, i, draft_len, draft_slot=s) for i, s in enumerate(slots)]
     lane = DraftLane(runner)
+    if not graphed:
+        lane.graphs = None
 
     def step():
         for s in slots:
@@ -233,11 +250,48 @@ def step_table(bandwidth: float) -> list[dict]:
     return rows
 
 
+def floor_table(bandwidth: float) -> dict:
+    """Each step over its floor: the draft at L = 1..4 (loop and graph) beside the 7B verify at L, at
+    batch 1 and 64; the 7B decode (1 token) and verify (4 drafts) at batch 1 over long contexts."""
+    out = {"draft_vs_verify": [], "contexts": []}
+    models = {}
+    for name, shape in (("draft", TINYLLAMA), ("target", LLAMA2_7B)):
+        with torch.device("cuda"):
+            models[name] = build_random_model(shape, dtype="bfloat16", device="cuda").model
+    short = EngineConfig(max_model_len=CONTEXT + 16, max_num_seqs=64, prefill_chunk_tokens=64, idle_prefill_tokens=64)
+    draft, target = build_runner(models["draft"], short), VerifyLane(build_runner(models["target"], short))
+    for batch in (1, 64):
+        for draft_len in (1, 2, 3, 4):
+            row = {"batch": batch, "L": draft_len, "floor_one_draft_token_ms": round(floor_ms(models["draft"], batch, CONTEXT, bandwidth), 3)}
+            for label, graphed, temperature in (("loop", False, 0.0), ("graph", True, 0.0), ("graph_sampled", True, 0.8)):
+                row[f"draft_{label}_ms"] = round(draft_propose_ms(draft, batch, draft_len, graphed, temperature), 3)
+            row["verify_ms"] = round(verify_step_ms(target, batch, draft_len), 3)
+            row["verify_over_floor"] = round(row["verify_ms"] / floor_ms(models["target"], batch, CONTEXT, bandwidth), 2)
+            row["graph_per_token_over_floor"] = round(row["draft_graph_ms"] / draft_len / row["floor_one_draft_token_ms"], 2)
+            print(row, flush=True)
+            out["draft_vs_verify"].append(row)
+    del draft, target
+    torch.cuda.empty_cache()
+    for context in (512, 4096, 32768):
+        config = EngineConfig(max_model_len=context + 16, max_num_seqs=1, prefill_chunk_tokens=64, idle_prefill_tokens=64)
+        lane = VerifyLane(build_runner(models["target"], config))
+        floor = floor_ms(models["target"], 1, context, bandwidth)
+        decode, verify = decode_forward_ms(lane.runner, 1, context), verify_step_ms(lane, 1, 4, context)
+        row = {"context": context, "floor_ms": round(floor, 3), "decode_ms": round(decode, 3), "verify_L4_ms": round(verify, 3),
+               "decode_over_floor": round(decode / floor, 2), "verify_over_floor": round(verify / floor, 2)}
+        print(row, flush=True)
+        out["contexts"].append(row)
+        del lane
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu")
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--floor", action="store_true", help="the steps against their floor alone (see above)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,6 +304,9 @@ def main() -> None:
     if not args.skip_steps:
         result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
         result["steps"] = step_table(result["copy_bandwidth_gbs"])
+    if args.floor:
+        result.setdefault("copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))
+        result["floor"] = floor_table(result["copy_bandwidth_gbs"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

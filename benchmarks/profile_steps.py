@@ -1,6 +1,6 @@
 """Where a verify step and a draft step spend GPU time: torch.profiler over a few replays,
 kernels grouped by kind, for the issue's shapes (Llama-2-7B verify at batch 64 with 4 drafts,
-TinyLlama draft at batch 1, L = 4), random bf16 weights, context 512.
+TinyLlama draft at batch 1, L = 4, forward by forward and as one graph), random bf16 weights, context 512.
 
     python benchmarks/profile_steps.py --out DIR      (writes profile_steps.json and prints tables)
 """
@@ -62,6 +62,19 @@ def profile_fn(fn, steps: int = 5) -> dict:
             "kernels_per_step": kernels // steps, "by_kind_ms": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
 
 
+def bandwidth_shares(profile: dict, model, batch: int, forwards: int) -> dict:
+    """GB/s the GEMMs reach on the weights they read (embeddings excluded: a lookup reads B rows) and
+    the attention kernel on the KV at CONTEXT, over the step's forwards."""
+    cfg = model.config
+    embed = model.get_input_embeddings().weight
+    gemm_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * batch * CONTEXT
+    by_kind = profile["by_kind_ms"]
+    gbs = {"GEMM": gemm_bytes * forwards / (by_kind.get("GEMM", 0) or float("nan")) / 1e6,
+           "attention (pool kernel)": kv_bytes * forwards / (by_kind.get("attention (pool kernel)", 0) or float("nan")) / 1e6}
+    return {**profile, "achieved_gbs": {k: round(v, 1) for k, v in gbs.items()}}
+
+
 def profile_verify(config: EngineConfig) -> dict:
     with torch.device("cuda"):  # random init on the GPU: seconds, not minutes on the host
         target = build_random_model(LLAMA2_7B, dtype="bfloat16", device="cuda").model
@@ -75,22 +88,24 @@ def profile_verify(config: EngineConfig) -> dict:
             lane.pool.lengths[s] = CONTEXT - 1
         lane.verify(batch)
 
-    return profile_fn(verify)
+    return bandwidth_shares(profile_fn(verify), target, 64, 1)
 
 
-def profile_draft(config: EngineConfig) -> dict:
+def profile_draft(config: EngineConfig, graphed: bool) -> dict:
     with torch.device("cuda"):
         draft = build_random_model(TINYLLAMA, dtype="bfloat16", device="cuda").model
     runner = build_runner(draft, config)
     slot = fill_pool(runner, 1, CONTEXT - 1)[0]
     seq = Sequence("0", list(range(1, CONTEXT + 1)), SamplingParams(), 0, 4, draft_slot=slot)
     lane = DraftLane(runner)
+    if not graphed:
+        lane.graphs = None  # forward by forward
 
     def propose():
         runner.pool.lengths[slot] = CONTEXT - 1
         lane.propose([seq], [4]).tokens.cpu()
 
-    return profile_fn(propose)
+    return bandwidth_shares(profile_fn(propose), draft, 1, 4)
 
 
 def main() -> None:
@@ -102,8 +117,10 @@ def main() -> None:
     result["verify_7b_b64_l4"] = profile_verify(config)
     print("verify", result["verify_7b_b64_l4"], flush=True)
     torch.cuda.empty_cache()
-    result["draft_tinyllama_b1_l4"] = profile_draft(config)
-    print("draft", result["draft_tinyllama_b1_l4"], flush=True)
+    for path in ("loop", "graph"):
+        result[f"draft_tinyllama_b1_l4_{path}"] = profile_draft(config, graphed=path == "graph")
+        print("draft", path, result[f"draft_tinyllama_b1_l4_{path}"], flush=True)
+        torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_steps.json").write_text(json.dumps(result, indent=2))

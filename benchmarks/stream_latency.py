@@ -4,7 +4,8 @@ loaded at several concurrencies through Serve's proxy and the OpenAI ingress, in
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stream_latency.py --device cpu --modes nospec --out /tmp/sl
     python3 benchmarks/stream_latency.py --device cuda --modes nospec,spec --out OUT
 
-`--settings` names each setting as NAME:STREAM_INTERVAL_MS:MAX_STREAM_MESSAGES_PER_S (0: no bound);
+`--settings` names each setting as NAME:STREAM_INTERVAL_MS:MAX_STREAM_MESSAGES_PER_S[:ENGINE_KEY=JSON...] (0: no
+bound; e.g. `loop:0:400:draft_graphs=false` serves with a draft replayed forward by forward);
 the default compares the old default (50 ms, 400/s) with streaming every step (0, none). Each point is
 a closed loop of random token-id prompts (greedy, ignore_eos) with the load tester's streaming client,
 after a warm-up at the largest concurrency. Per point: tok/s, the client's ITL p50/p99 (the gap between
@@ -67,11 +68,12 @@ def _r(value, digits: int = 2):
     return None if value is None else round(value, digits)
 
 
-def parse_settings(text: str) -> list[tuple[str, float, float | None]]:
+def parse_settings(text: str) -> list[tuple[str, float, float | None, dict]]:
     settings = []
     for item in text.split(","):
-        name, interval_ms, rate = item.split(":")
-        settings.append((name, float(interval_ms), float(rate) or None))
+        name, interval_ms, rate, *engine = item.split(":")
+        overrides = {key: json.loads(value) for key, value in (pair.split("=", 1) for pair in engine)}
+        settings.append((name, float(interval_ms), float(rate) or None, overrides))
     return settings
 
 
@@ -167,13 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     port = start_cluster({"TRITON_INTERPRET": "0"} if args.device == "cuda" else None)
     try:
         for mode in args.modes:
-            for name, interval_ms, rate in args.settings:
+            for name, interval_ms, rate, engine in args.settings:
                 label = f"{mode}-{name}"
                 if args.budget_s is not None and time.monotonic() - started_s > args.budget_s:
                     doc["errors"][label] = "skipped: --budget-s spent"
                     continue
                 config = app_config(mode, target, draft, args)
                 config.update(stream_interval_ms=interval_ms, max_stream_messages_per_s=rate)
+                config["engine"].update(engine)
                 try:
                     log(f"{label}: deploying (stream_interval_ms {interval_ms:g}, max_stream_messages_per_s {rate})")
                     deploy(label, config, timeout_s=600)
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                     for i, (concurrency, count) in enumerate(zip(args.concurrency, args.requests)):
                         # Prompts of their own per point: none reads another's prefix cache.
                         work = random_work(vocab, args.prompt_len, args.output_len, concurrency, count, seed=10 + i)
-                        row = {"mode": mode, "setting": name, "interval_ms": interval_ms, "max_msgs_s": rate,
+                        row = {"mode": mode, "setting": name, "interval_ms": interval_ms, "max_msgs_s": rate, **engine,
                                **load_point(label, port, work, concurrency, args.request_timeout_s)}
                         doc["rows"].append(row)
                         log(json.dumps(row))
