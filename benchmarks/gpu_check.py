@@ -3,9 +3,9 @@ with CUDA IPC hand-over), then per-step timings against HF eager and the memory-
 
     python benchmarks/gpu_check.py --out results/gpu   [--skip-serve] [--skip-steps] [--floor]
 
-`--floor` adds the steps against their floor alone: the draft step at L = 1..4, forward by forward
-and as one graph, beside the 7B verify step at the same L, and the 7B decode and verify steps at
-contexts 512, 4,096 and 32,768.
+`--floor` adds the steps against their floor alone: the draft step at L = 1..4 (greedy and sampled)
+beside the 7B verify step at the same L, and the 7B decode and verify steps at contexts 512, 4,096
+and 32,768.
 
 Writes gpu_check.json (and prints a table). Needs a CUDA device; Ray only for the serve part.
 """
@@ -92,16 +92,7 @@ def engine_greedy_check() -> dict:
         result[name] = {"equal_to_hf_greedy": sum(outs[str(i)] == ref for i, ref in enumerate(refs)),
                         "acceptance_rate": engine.total_stats.acceptance_rate,
                         # whole-prompt prefills replayed as graphs, by (batch bucket, width bucket)
-                        "prefill_graph_shapes": sorted(engine.verifier.lane.runner.prefill_graphs.graphs),
-                        "draft_graphs": len(engine.proposer.graphs.graphs)}  # whole drafts replayed as one graph
-    # Seeded sampling draws the same tokens whether a draft replays as one graph or forward by forward.
-    sampled = {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=i))
-               for i, p in enumerate(prompts)}
-    outputs = []
-    for graphed in (True, False):
-        engine = EngineCore.colocated(target, draft, EngineConfig(max_model_len=320, max_num_seqs=16, draft_graphs=graphed))
-        outputs.append(run_to_completion(engine, sampled))
-    result["sampled_graph_equals_loop"] = sum(outputs[0][k] == outputs[1][k] for k in sampled)
+                        "prefill_graph_shapes": sorted(engine.verifier.lane.runner.prefill_graphs.graphs)}
     return result
 
 
@@ -179,9 +170,8 @@ def decode_forward_ms(runner, batch: int, context: int = CONTEXT) -> float:
     return ms
 
 
-def draft_propose_ms(runner, batch: int, draft_len: int, graphed: bool = True, temperature: float = 0.0) -> float:
-    """A whole draft step: L tokens for every row (L forwards, sampling on the device), replayed as one
-    graph or forward by forward."""
+def draft_propose_ms(runner, batch: int, draft_len: int, temperature: float = 0.0) -> float:
+    """A whole draft step: L tokens for every row (L forwards, sampling on the device)."""
     from lanes.engine.sequence import Sequence
     from lanes.spec.draft import DraftLane
 
@@ -189,8 +179,6 @@ def draft_propose_ms(runner, batch: int, draft_len: int, graphed: bool = True, t
     params = SamplingParams(max_tokens=64, temperature=temperature, seed=1 if temperature else None)
     seqs = [Sequence(str(i), list(range(1, CONTEXT + 1)), params, i, draft_len, draft_slot=s) for i, s in enumerate(slots)]
     lane = DraftLane(runner)
-    if not graphed:
-        lane.graphs = None
 
     def step():
         for s in slots:
@@ -251,7 +239,7 @@ def step_table(bandwidth: float) -> list[dict]:
 
 
 def floor_table(bandwidth: float) -> dict:
-    """Each step over its floor: the draft at L = 1..4 (loop and graph) beside the 7B verify at L, at
+    """Each step over its floor: the draft at L = 1..4 (greedy and sampled) beside the 7B verify at L, at
     batch 1 and 64; the 7B decode (1 token) and verify (4 drafts) at batch 1 over long contexts."""
     out = {"draft_vs_verify": [], "contexts": []}
     models = {}
@@ -263,11 +251,11 @@ def floor_table(bandwidth: float) -> dict:
     for batch in (1, 64):
         for draft_len in (1, 2, 3, 4):
             row = {"batch": batch, "L": draft_len, "floor_one_draft_token_ms": round(floor_ms(models["draft"], batch, CONTEXT, bandwidth), 3)}
-            for label, graphed, temperature in (("loop", False, 0.0), ("graph", True, 0.0), ("graph_sampled", True, 0.8)):
-                row[f"draft_{label}_ms"] = round(draft_propose_ms(draft, batch, draft_len, graphed, temperature), 3)
+            for label, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+                row[f"draft_{label}_ms"] = round(draft_propose_ms(draft, batch, draft_len, temperature), 3)
             row["verify_ms"] = round(verify_step_ms(target, batch, draft_len), 3)
             row["verify_over_floor"] = round(row["verify_ms"] / floor_ms(models["target"], batch, CONTEXT, bandwidth), 2)
-            row["graph_per_token_over_floor"] = round(row["draft_graph_ms"] / draft_len / row["floor_one_draft_token_ms"], 2)
+            row["draft_per_token_over_floor"] = round(row["draft_greedy_ms"] / draft_len / row["floor_one_draft_token_ms"], 2)
             print(row, flush=True)
             out["draft_vs_verify"].append(row)
     del draft, target

@@ -1,6 +1,6 @@
 """Where a verify step and a draft step spend GPU time: torch.profiler over a few replays,
 kernels grouped by kind, for the issue's shapes (Llama-2-7B verify at batch 64 with 4 drafts,
-TinyLlama draft at batch 1, L = 4, forward by forward and as one graph), random bf16 weights, context 512.
+TinyLlama draft at batch 1, L = 4), random bf16 weights, context 512.
 
     python benchmarks/profile_steps.py --out DIR      (writes profile_steps.json and prints tables)
 """
@@ -91,15 +91,13 @@ def profile_verify(config: EngineConfig) -> dict:
     return bandwidth_shares(profile_fn(verify), target, 64, 1)
 
 
-def profile_draft(config: EngineConfig, graphed: bool) -> dict:
+def profile_draft(config: EngineConfig) -> dict:
     with torch.device("cuda"):
         draft = build_random_model(TINYLLAMA, dtype="bfloat16", device="cuda").model
     runner = build_runner(draft, config)
     slot = fill_pool(runner, 1, CONTEXT - 1)[0]
     seq = Sequence("0", list(range(1, CONTEXT + 1)), SamplingParams(), 0, 4, draft_slot=slot)
     lane = DraftLane(runner)
-    if not graphed:
-        lane.graphs = None  # forward by forward
 
     def propose():
         runner.pool.lengths[slot] = CONTEXT - 1
@@ -117,10 +115,8 @@ def main() -> None:
     result["verify_7b_b64_l4"] = profile_verify(config)
     print("verify", result["verify_7b_b64_l4"], flush=True)
     torch.cuda.empty_cache()
-    for path in ("loop", "graph"):
-        result[f"draft_tinyllama_b1_l4_{path}"] = profile_draft(config, graphed=path == "graph")
-        print("draft", path, result[f"draft_tinyllama_b1_l4_{path}"], flush=True)
-        torch.cuda.empty_cache()
+    result["draft_tinyllama_b1_l4"] = profile_draft(config)
+    print("draft", result["draft_tinyllama_b1_l4"], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_steps.json").write_text(json.dumps(result, indent=2))

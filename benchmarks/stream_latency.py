@@ -5,7 +5,7 @@ loaded at several concurrencies through Serve's proxy and the OpenAI ingress, in
     python3 benchmarks/stream_latency.py --device cuda --modes nospec,spec --out OUT
 
 `--settings` names each setting as NAME:STREAM_INTERVAL_MS:MAX_STREAM_MESSAGES_PER_S[:ENGINE_KEY=JSON...] (0: no
-bound; e.g. `loop:0:400:draft_graphs=false` serves with a draft replayed forward by forward);
+bound; e.g. `eager:0:400:cuda_graphs=false` serves with eager forwards);
 the default compares the old default (50 ms, 400/s) with streaming every step (0, none). Each point is
 a closed loop of random token-id prompts (greedy, ignore_eos) with the load tester's streaming client,
 after a warm-up at the largest concurrency. Per point: tok/s, the client's ITL p50/p99 (the gap between

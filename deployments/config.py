@@ -213,9 +213,6 @@ class EngineArgs(_Strict):
     cuda_graphs: bool | None = Field(default=None, description="Replay decode, verify and whole-prompt "
                                      "prefill forwards as CUDA graphs, captured at replica start. None: on "
                                      "CUDA. false: eager forwards and no capture (vLLM's enforce_eager).")
-    draft_graphs: bool = Field(default=True, description="With CUDA graphs on, replay a whole draft (its L "
-                               "forwards and the sampling between them) as one graph where no row of the batch "
-                               "has a grammar or penalties. false: one replay per drafted token.")
     max_migrations: int = Field(default=3, ge=0, description="pdv: times a request is recomputed on another "
                                 "verify replica when the one holding its KV is scaled down or dies (its "
                                 "output goes on where it stopped); once more, it fails. 0: it fails at once.")

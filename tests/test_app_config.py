@@ -29,7 +29,6 @@ def test_cuda_graphs_can_be_turned_off_by_config(pair_paths):
     assert AppConfig(mode="spec", **models).engine.engine_config("spec").cuda_graphs is None  # on where CUDA is
     off = AppConfig(mode="spec", engine={"cuda_graphs": False}, **models)
     assert off.engine.engine_config("spec").cuda_graphs is False
-    assert AppConfig(mode="spec", engine={"draft_graphs": False}, **models).engine.engine_config("spec").draft_graphs is False
 
 
 def test_a_lanes_custom_resources_go_to_its_actor_and_each_rank_and_rays_own_names_are_refused():

@@ -58,7 +58,6 @@ class EngineConfig:
     idle_prefill_tokens: int = 2048  # prefill budget per step when nothing is decoding
     attention_kernel: bool | None = None  # in-place pool attention for decode/verify (None: on CUDA)
     cuda_graphs: bool | None = None  # replay decode/verify forwards as CUDA graphs (None: with the kernel on CUDA)
-    draft_graphs: bool = True  # with graphs on, a whole draft (L forwards and sampling) replays as one graph
     fused_layers: bool | None = None  # our fused Llama-family layers instead of HF's modules (None: where supported)
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks per model pool (None: from gpu_memory_utilization on CUDA, else
@@ -130,7 +129,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.draft = draft
-        self.proposer = proposer if proposer is not None else DraftLane(draft, config.max_draft_len, config.draft_graphs) if draft is not None else None
+        self.proposer = proposer if proposer is not None else DraftLane(draft) if draft is not None else None
         self.verifier = verifier
         self.prefiller = prefiller
         self.streams = streams or LaneStreams(torch.device("cpu"))
@@ -199,7 +198,7 @@ class EngineCore:
         """Capture the CUDA graphs of this engine's own forwards before it serves, so that no live
         step stalls on a first use (ModelRunner.capture_graphs): the target's forward at 1 to L + 1
         tokens (verify; fewer drafts near max_tokens, 1 with speculation off), the draft's 1- and
-        2-token forwards and whole drafts of 1 to L tokens, and whole-prompt prefill where prompts are prefilled here. Remote lanes
+        2-token forwards, and whole-prompt prefill where prompts are prefilled here. Remote lanes
         capture their own; a draft length the controller raises past L captures on first use. Returns
         the ms spent."""
         runners = self.local_runners()
@@ -209,10 +208,6 @@ class EngineCore:
             spent_ms += target.capture_graphs(range(1, self.default_draft_len + 2), prefill=prefill_here)
         if (draft := runners.get("draft")) is not None:
             spent_ms += draft.capture_graphs({1, 2}, prefill=prefill_here)
-            if isinstance(self.proposer, DraftLane):  # whole drafts of 1 to L tokens
-                start_s = time.perf_counter()
-                self.proposer.capture_graphs(range(1, self.default_draft_len + 1))
-                spent_ms += (time.perf_counter() - start_s) * 1e3
         if spent_ms:
             log.info("captured the engine's CUDA graphs in %.1f s", spent_ms / 1e3)
         return spent_ms

@@ -5,8 +5,6 @@ capture them before serving (ModelRunner.capture_graphs); a bucket missed there 
   (batch bucket, Q).
 - `GraphedPrefill`: whole-prompt prefill (every row from position 0), one graph per (batch bucket,
   width bucket), the logits of each row's last prompt token only.
-- `GraphedDraft`: a whole draft, its L forwards and the sampling between them, one graph per (batch
-  bucket, key); its body comes from the draft lane (lanes/spec/draft.py).
 
 Why both: a forward run eagerly costs its kernel launches on the host. A small draft model is
 launch-bound (eager HF runs ~10 ms per step at any batch size, see benchmarks/results), and so is a
@@ -163,42 +161,3 @@ class GraphedPrefill:
         rows_keep[:batch].copy_(keep, non_blocking=True)
         slots[batch:].fill_(self.pad_slot)
         return graph.replay()[:batch]
-
-
-class GraphedDraft:
-    """Bodies whose inputs all lead with the batch, one graph per (batch bucket, key).
-
-    A draft of L tokens replayed one forward at a time leaves the GPU idle between forwards while the
-    host launches the next replay and the sampling kernels: on an H200 a TinyLlama draft of 4 tokens
-    at batch 1 kept the GPU busy 4.6 ms of its 6.1 ms (benchmarks/results/profile_steps_h200_fused.json).
-    One graph launches the whole draft at once."""
-
-    def __init__(self, pad_slot: int, device, max_batch: int):
-        self.pad_slot = pad_slot
-        self.device = torch.device(device)
-        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
-        self.mempool = _mempool(self.device)  # its own: see GraphedPrefill
-        self.capture_stream = _capture_stream(self.device)
-        self.graphs: dict[tuple, _Graph] = {}
-        self.capture_ms: dict[tuple, float] = {}
-
-    def __call__(self, key: tuple, make_body: Callable[[], Callable], inputs: tuple[torch.Tensor, ...]
-                 ) -> tuple[torch.Tensor, ...]:
-        """`inputs`: slot ids [B] first, then per-row tensors [B, ...]; `make_body()` builds the body for
-        `key` on first use. Returns the body's outputs cut to B rows: views valid until the next replay.
-        Pad rows read and write the pad slot from position 0 (inputs 2 and on keep earlier values,
-        which are valid)."""
-        batch = inputs[0].shape[0]
-        bucket = _bucket(self.buckets, batch)
-        graph = self.graphs.get((bucket, *key))
-        if graph is None:
-            static = tuple(torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in inputs)
-            static[0].fill_(self.pad_slot)
-            graph = self.graphs[(bucket, *key)] = _capture(static, make_body(), self.mempool, self.capture_stream,
-                                                          self.capture_ms, (bucket, *key))
-        for buffer, value in zip(graph.inputs, inputs):
-            buffer[:batch].copy_(value, non_blocking=True)
-        if batch < bucket:
-            graph.inputs[0][batch:].fill_(self.pad_slot)
-            graph.inputs[1][batch:].zero_()  # the pad rows' start: their attention reads nothing
-        return tuple(out[:batch] for out in graph.replay())

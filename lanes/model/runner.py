@@ -73,7 +73,7 @@ class ModelRunner:
         self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel,
                                   row_linear) if use_fused else None
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
-        self.graphs = GraphedForward(self.step_logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
+        self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
         # Whole-prompt prefill through our fused layers replays graphs too (HF's modules build masks
         # and caches on the host, which a graph would freeze).
         self.prefill_graphs = (GraphedPrefill(self._prompt_logits, pool.pad_slot, self.device, pool.shape.num_slots,
@@ -110,7 +110,7 @@ class ModelRunner:
         if (prefill and self.prefill_graphs is not None and keep is not None and rows.max_start == 0
                 and self.prefill_graphs.fits(batch, q_len)):
             return self.prefill_graphs(rows.slot_ids, input_ids, keep)  # [B, V], replayed
-        if not prefill and self.replays(q_len):
+        if self.graphs is not None and not prefill and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len):
             logits = self.graphs(rows.slot_ids, rows.starts, input_ids)  # [B, Q, V], replayed
             return logits[index, keep] if keep is not None else logits
         starts = rows.starts.to(torch.int32)
@@ -170,13 +170,8 @@ class ModelRunner:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits.float()
 
-    def replays(self, q_len: int) -> bool:
-        """Whether a few-token forward of `q_len` tokens a row replays a CUDA graph."""
-        return self.graphs is not None and q_len <= GRAPH_MAX_Q and self._kernel_fits(q_len)
-
-    def step_logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """A graph body: few-token forward through the in-place kernel, all logits [B, Q, V]. `starts`
-        int32 [B]. Reads the pool's device block table as it is: the caller synced it."""
+    def _logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The graph body: few-token forward through the in-place kernel, all logits [B, Q, V]."""
         return self._head(self._hidden(slot_ids, starts, input_ids, None))
 
     def _prompt_logits(self, slot_ids: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor,

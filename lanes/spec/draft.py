@@ -3,9 +3,7 @@ forward per drafted position.
 
 Host work per step is one pass over the sequences and one host-to-device copy of their inputs;
 between the L forwards the rows advance on the device, and nothing is read back (with a grammar, each
-drawn token is, while the next forward runs: the next position's mask depends on it). Where CUDA
-graphs are on and no row has a grammar or penalties, the L forwards and their sampling replay as one
-graph (lanes/model/cuda_graphs.py GraphedDraft): the host launches a whole draft at once.
+drawn token is, while the next forward runs: the next position's mask depends on it).
 """
 
 import itertools
@@ -18,7 +16,6 @@ import torch
 
 from lanes.device.batching import pad_rows, pad_tokens, to_device, to_host_async
 from lanes.engine.sequence import Sequence
-from lanes.model.cuda_graphs import GraphedDraft
 from lanes.model.runner import ModelRunner, Rows
 from lanes.sample.grammar import ColumnMasks
 from lanes.sample.penalties import Penalties, PenaltyHistory
@@ -66,31 +63,8 @@ class Proposer(Protocol):
 
 
 class DraftLane:
-    def __init__(self, runner: ModelRunner, max_draft_len: int = 8, graphed: bool = True):
-        """`max_draft_len`: the longest draft any step asks for (sizes the graphed draft's outputs);
-        `graphed`: a whole draft replays as one graph where the runner replays graphs."""
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.max_draft_len = max_draft_len
-        # Tensor-parallel drafts share each forward's inputs with their workers: those run forward by forward.
-        self.graphs = (GraphedDraft(runner.pool.pad_slot, runner.device, runner.pool.shape.num_slots)
-                       if graphed and runner.graphs is not None and runner.share_forward is None else None)
-        self._outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None  # every graph's [rows, L] and [rows, L, V]
-
-    def capture_graphs(self, draft_lens: list[int] | range) -> None:
-        """Capture the greedy draft of every batch bucket at each of `draft_lens`, from 1 or 2 pending
-        tokens, on the pool's pad slot (sampled rows' graphs are captured on first use)."""
-        if self.graphs is None:
-            return
-        pool, device = self.runner.pool, self.runner.device
-        for bucket in self.graphs.buckets:
-            slots = torch.full((bucket,), pool.pad_slot, dtype=torch.long, device=device)
-            starts = torch.zeros(bucket, dtype=torch.long, device=device)
-            for q_len in (1, 2):
-                pending = torch.zeros(bucket, q_len, dtype=torch.long, device=device)
-                keep = torch.full((bucket,), q_len - 1, dtype=torch.long, device=device)
-                for draft_len in draft_lens:
-                    if 0 < draft_len <= self.max_draft_len and self.runner.replays(q_len):
-                        self._replay(draft_len, SamplingTensors.build([], [], device), slots, starts, pending, keep)
 
     def propose(self, seqs: list[Sequence], draft_lens: list[int]) -> DraftProposal:
         """Draft `draft_lens[i]` tokens for `seqs[i]` (0 allowed), sampling as each request asks. A row
@@ -138,11 +112,6 @@ class DraftLane:
         # Every per-row input of the L forwards in one copy: [4 + Q, B].
         host = to_device([slots, kv_lens, last, num_tokens, *zip(*pending)], torch.long, self.runner.device)
         slot_ids, starts, keep, base = host[:4]  # base: absolute position of draft 0, len(token_ids)
-        if self._graphed(seqs, len(pending[0]), max_len):
-            pool.sync_block_table()  # blocks given back since the last forward, as a forward would
-            tokens, probs = self._replay(max_len, st, slot_ids, starts, host[4:].T, keep)
-            pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1  # as below
-            return tokens, probs, None
         logits = self.runner.forward(Rows(slot_ids, starts, max(kv_lens)), host[4:].T, keep=keep)  # [B, V]
         masks = make_masks()
         rows = Rows(slot_ids, base, max(num_tokens))  # every row now holds its committed tokens
@@ -166,58 +135,6 @@ class DraftLane:
         # Fed everything up to draft n - 1; draft n was sampled but not fed.
         pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
         return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None, masks  # [B, L], [B, L, V]
-
-    def _graphed(self, seqs: list[Sequence], q_len: int, draft_len: int) -> bool:
-        """Whether this draft replays as one graph: the next position's grammar mask needs the host, and
-        penalties' histories change shape from step to step."""
-        return (self.graphs is not None and draft_len <= self.max_draft_len and self.runner.replays(q_len)
-                and all(s.grammar is None and not s.params.penalised for s in seqs))
-
-    def _replay(self, draft_len: int, st: SamplingTensors, slot_ids: torch.Tensor, starts: torch.Tensor,
-                pending: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The graphed draft: tokens [B, L] and, unless every row is greedy, their q [B, L, V]."""
-        kind = (st.all_greedy, st.needs_filter, st.log_min_p is not None)
-        sampling = () if st.all_greedy else (st.temperature, st.top_k, st.top_p, st.seeds) + (
-            (st.log_min_p,) if st.log_min_p is not None else ())
-        out = self.graphs((pending.shape[1], draft_len, kind), partial(self._graph_body, draft_len, kind),
-                          (slot_ids, starts, pending, keep, *sampling))
-        # Copies: the proposal outlives the next replay (it travels to the verify lane).
-        return out[0].clone(), out[1].clone() if len(out) > 1 else None
-
-    def _graph_body(self, draft_len: int, kind: tuple[bool, bool, bool]):
-        """The draft of `_draft`, sampling included, for one graph: no grammar, no penalties. Its
-        outputs are views into buffers that every draft graph shares (one replay at a time), so that
-        graphs of every bucket and L do not each keep their own [B, L, V] probabilities."""
-        all_greedy, needs_filter, _ = kind
-        runner = self.runner
-        tokens_out, probs_out = self._shared_outputs(need_probs=not all_greedy)
-
-        def body(slot_ids, starts, pending, keep, *sampling):  # [B], [B], [B, Q], [B], then [B] each
-            batch = slot_ids.shape[0]
-            st = SamplingTensors(None, None, None, None, False, True) if all_greedy else SamplingTensors(
-                *sampling[:4], needs_filter, all_greedy=False, log_min_p=sampling[4] if len(sampling) > 4 else None)
-            logits = runner.step_logits(slot_ids, starts.to(torch.int32), pending)  # [B, Q, V]
-            logits = logits.gather(1, keep.view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))[:, 0]  # [B, V]
-            base = starts + keep + 1  # [B] absolute position of draft 0
-            for j in range(draft_len):
-                token, q = draw(logits[:, None], st, base[:, None] + j, STREAM_DRAFT)  # [B, 1], [B, 1, V] | None
-                tokens_out[:batch, j : j + 1].copy_(token)
-                if q is not None:
-                    probs_out[:batch, j : j + 1].copy_(q)
-                if j + 1 < draft_len:
-                    logits = runner.step_logits(slot_ids, (base + j).to(torch.int32), token)[:, 0]
-            tokens = tokens_out[:batch, :draft_len]
-            return (tokens,) if all_greedy else (tokens, probs_out[:batch, :draft_len])
-
-        return body
-
-    def _shared_outputs(self, need_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows, device = self.graphs.buckets[-1], self.runner.device
-        tokens, probs = self._outputs or (torch.zeros(rows, self.max_draft_len, dtype=torch.long, device=device), None)
-        if need_probs and probs is None:
-            probs = torch.zeros(rows, self.max_draft_len, self.runner.vocab_size, dtype=torch.float32, device=device)
-        self._outputs = (tokens, probs)
-        return tokens, probs
 
     def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> np.ndarray:
         """Feed tokens the draft has not seen (after a stretch with L = 0, or a prompt prefilled at
