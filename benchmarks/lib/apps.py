@@ -24,17 +24,14 @@ from loadtest.report import Point
 from loadtest.runner import run_load
 from loadtest.spec_stats import SpecDecodeCounters
 
-# The served benchmarks' defaults by device; every key is also a flag of gpu_evidence.py (dual_gpu.py
-# takes the workload's lengths and timeouts). GPU: one H200 (139 GiB).
+# The served benchmarks' defaults by device: dtype, the lanes' CPUs and timeouts (lanes_1gpu.py, lane_faults.py,
+# lane_soak.py), the uniform workload's log-normal lengths (dual_gpu.py's flags). GPU: one H200 (139 GiB).
 PRESETS = {
-    "cuda": dict(dtype="bfloat16", max_num_seqs=160, max_model_len=0, prompt_len_median=128,
-                 min_prompt_len=16, max_prompt_len=384, output_len_median=128, min_output_len=64, max_output_len=192,
-                 single_requests=4, lane_num_cpus=1.0, budget_s=480.0, deploy_timeout_s=180.0,
+    "cuda": dict(dtype="bfloat16", prompt_len_median=128, min_prompt_len=16, max_prompt_len=384, output_len_median=128,
+                 min_output_len=64, max_output_len=192, lane_num_cpus=1.0, deploy_timeout_s=180.0,
                  request_timeout_s=120.0),
-    "cpu": dict(dtype="float32", max_num_seqs=16, max_model_len=512, prompt_len_median=32,
-                min_prompt_len=4, max_prompt_len=96, output_len_median=16, min_output_len=8, max_output_len=32,
-                single_requests=2, lane_num_cpus=0.25, budget_s=1800.0, deploy_timeout_s=300.0,
-                request_timeout_s=120.0),
+    "cpu": dict(dtype="float32", prompt_len_median=32, min_prompt_len=4, max_prompt_len=96, output_len_median=16,
+                min_output_len=8, max_output_len=32, lane_num_cpus=0.25, deploy_timeout_s=300.0, request_timeout_s=120.0),
 }
 # Lane shares of one GPU; pdv's are configs/pdv-1gpu.yaml's.
 PDV_1GPU = yaml.safe_load((REPO / "configs" / "pdv-1gpu.yaml").read_text())["applications"][0]["args"]

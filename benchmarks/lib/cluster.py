@@ -6,7 +6,6 @@ GPU, and where and how a run was measured.
 from __future__ import annotations
 
 import gc
-import math
 import os
 import platform
 import socket
@@ -19,13 +18,11 @@ import torch
 import yaml
 from ray import serve
 from ray.serve.schema import ApplicationStatus
-from safetensors import safe_open
 
 from deployments.builder import build_app
 
 REPO = Path(__file__).resolve().parents[2]
 STARTED_S = time.monotonic()
-ALL_MODES = ("nospec", "spec", "unified", "pd", "pdv")
 
 
 def log(message: str) -> None:
@@ -220,15 +217,6 @@ def shm_gib() -> float | None:
     except OSError:
         return None
     return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
-
-
-def count_parameters(model_dir: str) -> int:
-    """Stored parameters (tied embeddings once), read from the safetensors headers."""
-    total = 0
-    for shard in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as tensors:
-            total += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
-    return total
 
 
 def git_commit() -> str:
