@@ -1,5 +1,5 @@
 """Lanes placed over the two GPUs of one host, against one GPU and against data parallelism
-(issues 8 and 32; method and results in docs/dual_gpu.md).
+(method and results in docs/dual_gpu.md).
 
 Placements, each one file of configs/placements/ deployed as it is (only the model paths are
 replaced by the pair this run saves, and the context raised where mixed traffic needs it):
@@ -35,7 +35,7 @@ placement's time runs out, and results are rewritten after every point.
 
     python3 benchmarks/dual_gpu.py --out DIR                       # two-H200 machine, under 9 minutes
     python3 benchmarks/dual_gpu.py --out DIR --placements d,b,c,f --workloads uniform,mixed \
-        --rates 4,8,16,32 --sat-ttft-ms 1000 --no-handover --budget-s 520     # issue 32, one device call
+        --rates 4,8,16,32 --sat-ttft-ms 1000 --no-handover --budget-s 520     # one device call
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dual_gpu.py --shape small --device cpu \
         --budget-s 1300 --out DIR                                  # CPU dry run: every step, no GPUs
     .venv/bin/python benchmarks/dual_gpu.py --plot-only DIR        # plots from DIR/dual_gpu.json

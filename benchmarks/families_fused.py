@@ -1,4 +1,4 @@
-"""Issue 31, 3: Qwen3-, Gemma-2- and Mistral-shaped models on the fused path, on one GPU.
+"""Qwen3-, Gemma-2- and Mistral-shaped models on the fused path, on one GPU.
 
     python3 benchmarks/families_fused.py --out OUT [--budget-s 240]                      (one GPU)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/families_fused.py --device cpu --out /tmp/ff   (dry run)

@@ -1,4 +1,4 @@
-"""Issue 31's GPU evidence, one part per device call or several per call; every ratio from one run.
+"""The GPU evidence of docs/performance.md, one part per device call or several per call; every ratio from one run.
 
     python3 benchmarks/gpu_evidence.py --part controller|extras|prefix|ngram|paged|families \\
         --out OUT [--budget-s 540]                                        (one GPU: H100 or H200)
@@ -79,7 +79,7 @@ GRAMMAR_TOKENS = ["</s>", "{", "}", '"', ":", ",", "text", " "]  # compact JSON 
 RESERVED_IDS = 16
 JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
                "additionalProperties": False}
-GOALS = {  # issue 31's goals, by part and check: (comparison, value)
+GOALS = {  # the goals, by part and check: (comparison, value)
     "controller": {"every point": (">=", 0.97), "1 and 16 in flight": (">=", 1.3)},
     "extras": {"logprobs": (">=", 0.9), "penalties": (">=", 0.9), "json_schema": (">=", 0.8)},
     "prefix": {"ttft_p50 off / on": (">=", 3.0)},

@@ -1,4 +1,4 @@
-"""Kill -9 of each lane's process in pdv and pd on one GPU, mid-load (issue 33, item 1).
+"""Kill -9 of each lane's process in pdv and pd on one GPU, mid-load.
 
     python3 benchmarks/lane_faults.py --out OUT --budget-s 500                  # one H100/H200, ~9 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lane_faults.py --shape small --device cpu \\
@@ -19,7 +19,7 @@ bucket on first use), then per lane in --kills order, `loadtest.faults.kill_and_
   4. the same greedy requests again, and device memory again.
 The next kill waits for that replacement, so each kill meets an app whole again.
 
-Goals per kill (issue 33): every stream in flight at the kill ends; those that fail end within 10 s
+Goals per kill: every stream in flight at the kill ends; those that fail end within 10 s
 of the kill (one that completes may take longer: it waited for a recompute, and its end is stated);
 none times out; the app serves again without a redeploy (recovered_s: /health 200 after the kill);
 no other lane's process changed (a survivor that crashed would have been replaced by Serve);
@@ -87,7 +87,7 @@ def ratio(after: float | None, before: float | None) -> float | None:
 
 def kill_row(mode: str, result: KillResult, survivors_replaced: list[str] | None = None) -> dict:
     """A kill's line of the table: the harness's summary, the failed streams' last end, the memory
-    ratios and issue 33's goals (None where a quantity was not measured, e.g. memory on the CPU).
+    ratios and the goals (None where a quantity was not measured, e.g. memory on the CPU).
     `survivors_replaced`: the other lanes whose processes changed over the kill (one that crashed
     after its peer's death and was replaced by Serve)."""
     s = result.summary()

@@ -1,4 +1,4 @@
-"""Soak: pdv on one GPU for 20 minutes at 70 % of its capacity, mixed prompt lengths (issue 33, item 2).
+"""Soak: pdv on one GPU for 20 minutes at 70 % of its capacity, mixed prompt lengths.
 
     python3 benchmarks/lane_soak.py --dir /tmp/soak --detach       # starts it under setsid, returns at once
     python3 benchmarks/lane_soak.py --collect /tmp/soak --wait-s 560 --copy-to $OUT

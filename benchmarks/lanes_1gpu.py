@@ -1,4 +1,4 @@
-"""The five modes on one GPU, served, under uniform load and under mixed traffic (issue 28).
+"""The five modes on one GPU, served, under uniform load and under mixed traffic.
 
     python benchmarks/lanes_1gpu.py --part uniform --out OUT    # uniform load, then 7,000-token prompts
     python benchmarks/lanes_1gpu.py --part mixed --out OUT      # mixed traffic at two rates

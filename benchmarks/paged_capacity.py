@@ -1,4 +1,4 @@
-"""Issue 31, 2 (a) and (b): paged KV pools against contiguous per-request slots of the same memory, in process.
+"""Paged KV pools against contiguous per-request slots of the same memory, in process.
 
     python3 benchmarks/paged_capacity.py --out OUT [--budget-s 300]            (one GPU)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paged_capacity.py --device cpu --out /tmp/pc   (dry run)

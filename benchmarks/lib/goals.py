@@ -1,4 +1,4 @@
-"""Issue 28's speed goals, read from one call's rows: each lane mode against unified served in the same call.
+"""The lanes' speed goals on one GPU from one call's rows: each lane mode against unified served in the same call.
 
 A goal counts only against a reference measured in the same run, on the same machine: a ratio between
 calls mixes two machines' states (unified alone read 5,729-7,789 tok/s from call to call on one H200).

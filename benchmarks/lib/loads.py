@@ -19,7 +19,7 @@ from loadtest.spec_stats import SpecDecodeCounters
 from loadtest.summary import Summary
 from loadtest.workload import LogNormal, WorkloadRequest, mix_long_prompts, synthetic
 
-# Mixed traffic (issue 28 on one GPU, issue 32 on two): a share of long prompts among short ones,
+# Mixed traffic (lanes_1gpu.py on one GPU, dual_gpu.py on two): a share of long prompts among short ones,
 # every output the same length. By device: the CPU sizes only prove the path.
 MIXED = {"cuda": dict(prompt=128, output=128, long=3000, long_share=0.1),
          "cpu": dict(prompt=16, output=8, long=96, long_share=0.1)}

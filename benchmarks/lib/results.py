@@ -17,7 +17,7 @@ from loadtest.report import Point, _pyplot
 from loadtest.spec_stats import SpecDecodeSummary
 from loadtest.summary import LatencyStats, Summary
 
-TTFT_SLO_MS = 1000.0  # issue 32's goodput: p99 TTFT within 1 s ...
+TTFT_SLO_MS = 1000.0  # goodput: p99 TTFT within 1 s ...
 TPOT_SLOS_MS = (15.0, 20.0, 30.0)  # ... and p99 TPOT within each of these
 
 
@@ -114,7 +114,7 @@ def goodput(points: list[dict], tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) ->
 
 
 def script_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
-    """The flags issue 31's scripts share (gpu_evidence.py passes them on to paged_capacity.py and
+    """The flags the GPU evidence scripts share (gpu_evidence.py passes them on to paged_capacity.py and
     families_fused.py): where it runs, where it writes, how long it may take, where the pairs are saved."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
