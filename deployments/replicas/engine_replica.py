@@ -186,7 +186,7 @@ class EngineServer:
         pid = self.engine.pid if isinstance(self.engine, ProcessEngine) else os.getpid()
         return {**report, "step_p95_ms": self.metrics.step_p95_ms(), "step_totals": self.metrics.verify_step_totals(),
                 "num_arrivals": self.num_arrivals, "ttft_p95_ms": self.ttft.p95_ms(), "tpot_p95_ms": self.tpot.p95_ms(),
-                # Engine steps and the stream messages they became (what serving_overhead.py reads),
+                # Engine steps and the stream messages they became (what benchmarks/stream_latency.py reads),
                 # and the process that steps (the one to profile).
                 "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
                 "num_coalesced": self.engine.num_coalesced,

@@ -139,7 +139,7 @@ class EngineCore:
         self.scheduler.holds_blocks, self.scheduler.forget = prefiller.holds_blocks, prefiller.forget
         self.default_draft_len = config.num_speculative_tokens if self.proposer is not None else 0
         self.total_stats = SpecDecodeStats()
-        self.step_profile = StepProfile()  # steps by what they launched (benchmarks/serving_overhead.py)
+        self.step_profile = StepProfile()  # steps by what they launched (benchmarks/stream_latency.py reads them)
         self.trace: StepTrace | None = None  # a torch.profiler trace of the next steps (lanes/engine/step_trace.py)
         self.num_migrations = 0  # requests recomputed because a remote lane lost their KV
         self._lost: dict[str, Sequence] = {}  # lost requests that no replica holds again yet (recover_within_s)
