@@ -57,7 +57,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
 def _options(cfg: AppConfig, lane: str) -> dict:
     opts = getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane),
                                                  DEFAULT_MPS_PRIORITY.get(lane, "normal"))
-    return planner_options(cfg, lane, opts) if cfg.slo is not None else opts
+    return planner_options(cfg, lane, opts, cluster_gpus(cfg)) if cfg.slo is not None else opts
 
 
 def _workers(cfg: AppConfig, lane: str, load):
@@ -118,15 +118,23 @@ def check_resources(cfg: AppConfig) -> None:
                               "require_gpus_present: false where the autoscaler starts such nodes on demand")
 
 
+def cluster_gpus(cfg: AppConfig) -> float | None:
+    """The GPUs of the Ray cluster the app runs on, where a lane asks for some (None: none does, or
+    `require_gpus_present` is off: GPU nodes start on demand)."""
+    if not cfg.require_gpus_present or not any(getattr(cfg, lane).num_gpus > 0 for lane in cfg.lanes):
+        return None
+    _connect()
+    return ray.cluster_resources().get("GPU", 0)
+
+
 def check_gpus(cfg: AppConfig) -> None:
     """A lane that asks for GPUs the cluster lacks would wait forever to be placed: fail now instead."""
+    have = cluster_gpus(cfg)
+    if have is None:
+        return
     # A replica that holds a sharded target takes its lane's GPU share once per rank.
     wanted = [(lane, getattr(cfg, lane).num_gpus, cfg.lane_ranks(lane)) for lane in cfg.lanes
               if getattr(cfg, lane).num_gpus > 0]
-    if not wanted or not cfg.require_gpus_present:
-        return
-    _connect()
-    have = ray.cluster_resources().get("GPU", 0)
     largest = max(g * n for _, g, n in wanted)
     if have == 0 or largest > have:
         asks = ", ".join(f"{lane}.num_gpus={g}" + (f" on each of {n} ranks" if n > 1 else "") for lane, g, n in wanted)

@@ -1,12 +1,15 @@
 """A lane's Serve options under `slo:` targets: autoscaling with the replica planner (controller/planner.py)
 as its policy."""
 
+import logging
+import math
 from dataclasses import asdict
 
 from controller.planner import PlannerTargets
 from deployments.config import AppConfig
 
 PLANNER_POLICY = "controller.planner:LanePlanner"
+log = logging.getLogger(__name__)
 
 
 def lane_kind(mode: str, lane: str) -> str:
@@ -30,10 +33,25 @@ def planner_targets(cfg: AppConfig, lane: str) -> PlannerTargets:
         min_draft_len=draft_floor)
 
 
-def planner_options(cfg: AppConfig, lane: str, opts: dict) -> dict:
+def gpu_replica_bound(cfg: AppConfig, lane: str, cluster_gpus: float) -> int | None:
+    """Most replicas of `lane` that the cluster's `cluster_gpus` GPUs hold while every other GPU lane keeps
+    its one replica (None: the lane takes no GPU). Ray places a replica only where its `num_gpus` per rank is
+    free, and the lane's memory profile sizes each replica to that share of a GPU's memory, so a replica
+    past this count would wait unplaced, and the planner, which decides nothing while a replica starts,
+    with it."""
+    share = getattr(cfg, lane).num_gpus * cfg.lane_ranks(lane)
+    if share <= 0:
+        return None
+    others = sum(getattr(cfg, other).num_gpus * cfg.lane_ranks(other) for other in cfg.lanes if other != lane)
+    # Ray counts GPU shares in units of 1e-4: 1 / 3 of a GPU three times is one GPU.
+    return max(1, math.floor((cluster_gpus - others) / share + 1e-4))
+
+
+def planner_options(cfg: AppConfig, lane: str, opts: dict, cluster_gpus: float | None = None) -> dict:
     """`opts` (the lane's Serve options) with the planner's autoscaling_config in place of num_replicas. The
     lane's own autoscaling_config overrides the planner's bounds and delays; a `policy` in it replaces
-    the planner."""
+    the planner. `cluster_gpus`: the GPUs of the cluster the app runs on (None: GPU nodes start on
+    demand); a GPU lane's max_replicas is then at most what they hold (`gpu_replica_bound`)."""
     slo, config = cfg.slo, getattr(cfg, lane)
     start = config.num_replicas or 1
     autoscaling = {
@@ -43,6 +61,12 @@ def planner_options(cfg: AppConfig, lane: str, opts: dict) -> dict:
         "policy": {"policy_function": PLANNER_POLICY, "policy_kwargs": asdict(planner_targets(cfg, lane))},
         **(config.autoscaling_config or {}),
     }
+    bound = gpu_replica_bound(cfg, lane, cluster_gpus) if cluster_gpus is not None else None
+    if bound is not None and autoscaling["max_replicas"] > bound:
+        log.info("%s: max_replicas %d -> %d, what %g GPU(s) hold at num_gpus %g", lane, autoscaling["max_replicas"],
+                 bound, cluster_gpus, config.num_gpus)
+        autoscaling["max_replicas"] = bound
+        autoscaling["initial_replicas"] = min(autoscaling.get("initial_replicas") or 1, bound)
     opts = {k: v for k, v in opts.items() if k != "num_replicas"} | {"autoscaling_config": autoscaling}
     if lane == "decode_lane":
         # A decode replica holds its requests' streams: scaled down, it stops taking requests and finishes

@@ -270,6 +270,33 @@ def test_a_lane_cannot_start_above_its_planner_bound():
                                   "slo": {"ttft_p95_ms": 500, "max_replicas": 2}, "decode_lane": {"num_replicas": 3}})
 
 
+def test_a_gpu_lane_is_bounded_by_the_replicas_its_share_fits_on_the_cluster():
+    from deployments.config import AppConfig
+    from deployments.planning import gpu_replica_bound, planner_options
+
+    def bound(mode: str, cluster_gpus: float | None, **lanes) -> dict:
+        cfg = AppConfig.model_validate({"mode": mode, "engine": {"max_model_len": 256},
+                                        "slo": {"ttft_p95_ms": 500, "max_replicas": 8}, **lanes})
+        return {lane: planner_options(cfg, lane, {}, cluster_gpus)["autoscaling_config"]["max_replicas"]
+                for lane in cfg.lanes}
+
+    # A quarter of one GPU: four replicas fit; thirds: three (not 2.9999...); on two GPUs, twice as many.
+    assert bound("unified", 1, decode_lane={"num_gpus": 0.25}) == {"decode_lane": 4}
+    assert bound("unified", 1, decode_lane={"num_gpus": 1 / 3}) == {"decode_lane": 3}
+    assert bound("unified", 2, decode_lane={"num_gpus": 0.3}) == {"decode_lane": 6}
+    # slo.max_replicas stays the bound where the GPUs hold more, on a CPU lane, and where GPU nodes start on demand.
+    assert bound("unified", 4, decode_lane={"num_gpus": 0.25}) == {"decode_lane": 8}
+    assert bound("unified", 1) == {"decode_lane": 8}
+    assert bound("unified", None, decode_lane={"num_gpus": 0.25}) == {"decode_lane": 8}
+    # Lanes sharing the GPU leave each other their one replica; a lane starts within its bound.
+    assert bound("pd", 1, prefill_lane={"num_gpus": 0.2}, decode_lane={"num_gpus": 0.2, "num_replicas": 2}) == {
+        "prefill_lane": 4, "decode_lane": 4}
+    cfg = AppConfig.model_validate({"mode": "unified", "engine": {"max_model_len": 256}, "decode_lane": {
+        "num_gpus": 0.5, "num_replicas": 3}, "slo": {"ttft_p95_ms": 500}})
+    assert gpu_replica_bound(cfg, "decode_lane", 1) == 2
+    assert planner_options(cfg, "decode_lane", {}, 1)["autoscaling_config"]["initial_replicas"] == 2
+
+
 def test_a_ramp_of_arrivals_follows_its_schedule():
     import numpy as np
 
