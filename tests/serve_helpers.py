@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import ray
-from openai import OpenAI
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.serve.context import _get_global_client
@@ -238,8 +237,10 @@ def serving(apps: dict[str, dict], shared: bool = False, **cluster):
             delete(apps)
 
 
-def openai_client(app: str, api_key: str = "unused") -> OpenAI:
+def openai_client(app: str, api_key: str = "unused") -> "OpenAI":
     """The `openai` SDK pointed at one app, without retries (a test sees every failure)."""
+    from openai import OpenAI  # here: GPU benchmarks import this module where the openai client is not installed
+
     return OpenAI(base_url=base_url(app), api_key=api_key, max_retries=0)
 
 
