@@ -16,15 +16,25 @@ adds and removes nodes of its types as pdv's verify lane (shipped pair, CPU) sca
   Serve's autoscaler redeploys every lane (Serve counts deployments' autoscaling policies in the app's code
   version), which the test waits out before the burst.
 
+- The same under the replica planner (`slo:`, every lane autoscaled with `controller.planner:LanePlanner` as
+  its policy): a burst of streams holds the verify lane's KV slots over its occupancy threshold, the planner
+  asks for a second verify replica, the autoscaler starts a node for it and the replica runs there; one
+  stream at a time then lets the lane shrink to one replica and the idle node go. Only the verify lane
+  scales, and every stream is the target's greedy output.
+
 The ingress, prefill and decode lanes stay on the head (head_node), so only the verify lane's nodes come
 and go, and the two cores run one replica process per verify node.
 """
 
+import asyncio
+import itertools
 import time
 
+import httpx
 import pytest
 import ray
 import torch
+from ray import serve
 
 from deployments.builder import ConfigError, build_app
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET, AppConfig
@@ -32,8 +42,9 @@ from lanes.model.loader import load_model
 from loadtest.faults import lane_processes
 from tests.engine_helpers import greedy_references
 from tests.fake_cluster import FAKE_OVERRIDES, FakeCluster, fake_variant, launcher_config, node_layout
-from tests.serve_helpers import (Streamed, app_config, declare, decode_state, delete, lane_stats,
-                                 own_cluster, stop_ray, streams_across, wait_answering, wait_for_replicas, wait_until_idle)
+from tests.serve_helpers import (Streamed, app_config, declare, decode_state, delete, lane_stats, own_cluster,
+                                 stop_ray, stream_greedy, streams_across, wait_answering, wait_for_replicas,
+                                 wait_until_idle)
 
 pytestmark = pytest.mark.serve(cluster="fake_multinode")
 
@@ -53,6 +64,14 @@ SERVE_ENV = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 # for 3 replicas while any stream runs, and for 1 once none does.
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 0.3, "metrics_interval_s": 0.5,
                "look_back_period_s": 2, "upscale_delay_s": 1, "downscale_delay_s": 3}
+# The replica planner with targets the shipped pair meets on the head with room to spare (TTFT, the prefill
+# lane's; TPOT, the decode lane's and the verify calls'), so that the one signal over its target is the verify
+# lane's KV occupancy: 8 streams hold the 8 slots of its one replica (one decode replica of 8 seqs), against an
+# occupancy_high of 0.5; one stream holds 1. Serve's delays and windows short, as above; draft_shed_grace_s 0:
+# no wait for the L controller to shed L (test_planner.py's), since L is not what this test is about.
+PLANNER_SLO = {"ttft_p95_ms": 60_000, "tpot_p95_ms": 60_000, "max_replicas": 2, "upscale_delay_s": 1,
+               "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 2, "draft_shed_grace_s": 0}
+PLANNER_CONTROLLER = {"occupancy_high": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +156,15 @@ def _wait_for_verify_nodes(cluster: FakeCluster, count: int) -> set[str]:
 
 def _pids(deployment: str) -> set[int]:
     return {p.pid for p in lane_processes(APP, deployment)}
+
+
+def _wait_redeployed(before: dict[str, set[int]]) -> None:
+    """Wait until every lane runs one replica, none of whose process ids is in `before`, and the app answers."""
+    deadline = time.monotonic() + NODES_TIMEOUT_S
+    while not all(len(now := _pids(name)) == 1 and not now & before[name] for name in DEPLOYMENTS):
+        assert time.monotonic() < deadline, {name: (before[name], _pids(name)) for name in DEPLOYMENTS}
+        time.sleep(0.5)
+    wait_answering([APP])
 
 
 def _verify_replica_nodes() -> dict[int, str]:
@@ -246,11 +274,7 @@ def test_autoscaling_config_under_load_adds_verify_nodes_and_removes_them_after(
     _scale(app, {"num_replicas": "auto", "autoscaling_config": AUTOSCALING})
     # Serve counts a deployment's autoscaling policy in its app's code version: handing the lane to Serve's
     # autoscaler redeploys every lane (a new replica each), which this test waits out before the load.
-    deadline = time.monotonic() + NODES_TIMEOUT_S
-    while not all(len(now := _pids(name)) == 1 and not now & before[name] for name in DEPLOYMENTS):
-        assert time.monotonic() < deadline, {name: (before[name], _pids(name)) for name in DEPLOYMENTS}
-        time.sleep(0.5)
-    wait_answering([APP])
+    _wait_redeployed(before)
     first = _wait_for_verify_nodes(cluster, 1)
     print(f"verify lane handed to Serve's autoscaler: every lane redeployed in {time.monotonic() - began:.1f} s")
 
@@ -282,5 +306,76 @@ def test_autoscaling_config_under_load_adds_verify_nodes_and_removes_them_after(
     left = _wait_for_verify_nodes(cluster, 1)
     print(f"after the burst: verify 3 -> 1 in {shrunk_s:.1f} s, {len(nodes - left)} idle nodes removed after "
           f"{time.monotonic() - ended_s:.1f} s")
+    assert left < nodes and set(_verify_replica_nodes().values()) == left
+    wait_until_idle(APP, "pdv")
+
+
+def _running(deployment: str) -> int:
+    """Replicas of a deployment that Serve counts as running; -1 while any is starting or stopping."""
+    states = serve.status().applications[APP].deployments[deployment].replica_states
+    return states.get("RUNNING", 0) if sum(states.values()) == states.get("RUNNING", 0) else -1
+
+
+def _one_at_a_time(streams, until, timeout_s: float) -> list[tuple[Streamed, list[int]]]:
+    """Stream the prompts of `streams` one after another until `until()`; each result with its reference."""
+    async def run():
+        out, deadline = [], time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=600) as http:
+            for prompt, ref in itertools.cycle(streams):
+                if await asyncio.to_thread(until):
+                    return out
+                assert time.monotonic() < deadline, "the planner did not scale the lane down in time"
+                out.append((await stream_greedy(http, APP, prompt, MAX_TOKENS, asyncio.Event()), ref))
+
+    return asyncio.run(run())
+
+
+def test_the_planner_adds_a_verify_replica_on_a_node_the_autoscaler_starts_and_gives_both_back(cluster, app, streams):
+    before = {name: _pids(name) for name in DEPLOYMENTS}
+    began = time.monotonic()
+    # slo: is in the app's args: every lane is redeployed, now autoscaled with the planner as its policy.
+    declare({APP: {**app, "slo": PLANNER_SLO, "controller": PLANNER_CONTROLLER}}, {APP: []})
+    _wait_redeployed(before)
+    (first,) = _wait_for_verify_nodes(cluster, 1)
+    print(f"slo: set, every lane redeployed in {time.monotonic() - began:.1f} s")
+    head_lanes = {name: 1 for name in DEPLOYMENTS[1:3]}  # the most replicas each had while Serve was polled
+
+    def grow():  # the burst under way: the planner asks for a second verify replica, Ray's autoscaler for a node
+        began = time.monotonic()
+        deadline = began + NODES_TIMEOUT_S
+        while _running("VerifyLane") != 2:
+            assert time.monotonic() < deadline, (_running("VerifyLane"), _nodes_by_type(cluster))
+            for name in head_lanes:
+                head_lanes[name] = max(head_lanes[name], sum(serve.status().applications[APP].deployments[name]
+                                                             .replica_states.values()))
+            time.sleep(0.5)
+        grown_s = time.monotonic() - began
+        nodes = _wait_for_verify_nodes(cluster, 2)
+        # The new replica takes streams of the burst (once this driver's handle knows it: Serve's status may
+        # count it running first).
+        before = {s["lease"]: s["rows_verified"] for s in wait_for_replicas(APP, "VerifyLane", 2, NODES_TIMEOUT_S)}
+        deadline = time.monotonic() + 60
+        while not all(s["rows_verified"] > before.get(s["lease"], 0) for s in lane_stats(APP, "VerifyLane")):
+            assert time.monotonic() < deadline, "the new verify replica took no stream of the burst"
+            time.sleep(0.5)
+        return nodes, _verify_replica_nodes(), grown_s
+
+    (nodes, placed, grown_s), burst, refs, _ = _under_streams(streams, grow)
+    ended_s = time.monotonic()
+    print(f"planner: verify 1 -> 2 under {STREAMS} streams in {grown_s:.1f} s, on nodes {sorted(placed.values())}; "
+          f"{len(burst)} streams: {_outcomes(burst, refs)}; head lanes at most {head_lanes}")
+    assert first in nodes and len(nodes) == 2  # one node added, of the verify type
+    assert sorted(placed.values()) == sorted(nodes)  # the first replica on the first node, the new one on the new
+    assert head_lanes == {"PrefillLane": 1, "DecodeLane": 1}, head_lanes  # only the lane over its target scaled
+    assert _outcomes(burst, refs) == {"completed": len(burst), "wrong output": 0, "failed": 0}, _errors(burst)
+
+    after = _one_at_a_time(streams, lambda: _running("VerifyLane") == 1, NODES_TIMEOUT_S)
+    shrunk_s = time.monotonic() - ended_s
+    left = _wait_for_verify_nodes(cluster, 1)
+    results, refs = [r for r, _ in after], [ref for _, ref in after]
+    print(f"planner: verify 2 -> 1 in {shrunk_s:.1f} s under one stream at a time ({len(after)} streams: "
+          f"{_outcomes(results, refs)}), the idle node removed after {time.monotonic() - ended_s:.1f} s")
+    assert after, "scaled down before any stream ran on two verify replicas"
+    assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}, _errors(results)
     assert left < nodes and set(_verify_replica_nodes().values()) == left
     wait_until_idle(APP, "pdv")
