@@ -208,7 +208,7 @@ class SloConfig(BaseModel):
     draft_shed_grace_s: float = Field(
         default=5.0, ge=0, description="Seconds the planner leaves the draft-length controller to shed L once a "
         "target lane goes over target, and after each fall of L, before it asks for replicas (while L is above "
-        "`controller.min_draft_len`); likewise it asks for fewer replicas only this long after L last rose.",
+        "`controller.min_draft_len`). Scale-downs are not held for L: `downscale_delay_s` outlasts L's rise.",
     )
     urgent_pressure: float = Field(
         default=2.0, gt=1, description="A latency at or above this multiple of its target asks for replicas at "
