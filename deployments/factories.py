@@ -206,7 +206,11 @@ def _verify_config(cfg: AppConfig) -> EngineConfig:
     config = _engine_config(cfg, cfg.verify_lane, "verify lane")
     # Each verify replica may hold requests of every decode replica (slots are handed out by the verify
     # replica with the fewest calls in flight, not the fewest slots in use): size its pool for all of them.
-    replicas = cfg.decode_lane.num_replicas or (cfg.decode_lane.autoscaling_config or {}).get("max_replicas", 1)
+    autoscaling = cfg.decode_lane.autoscaling_config or {}
+    if cfg.slo is not None:  # the planner grows the lane up to slo.max_replicas: num_replicas is where it starts
+        replicas = autoscaling.get("max_replicas", cfg.slo.max_replicas)
+    else:
+        replicas = cfg.decode_lane.num_replicas or autoscaling.get("max_replicas", 1)
     return replace(config, max_num_seqs=config.max_num_seqs * replicas)
 
 

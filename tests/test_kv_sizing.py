@@ -92,6 +92,10 @@ def test_the_verify_lane_pool_holds_every_decode_replica_and_the_prefill_lane_ba
                     decode_lane={"num_replicas": 2}, verify_lane={"num_gpus": 0.5})
     assert _verify_config(cfg).max_num_seqs == 16
     assert _verify_config(cfg).lane_name == "verify lane"
+    # Under slo: the decode lane starts at num_replicas and the planner may take it to slo.max_replicas.
+    planned = AppConfig(mode="pdv", engine={"max_model_len": 512, "max_num_seqs": 8}, decode_lane={"num_replicas": 1},
+                        verify_lane={"num_gpus": 0.5}, slo={"tpot_p95_ms": 40, "max_replicas": 3})
+    assert _verify_config(planned).max_num_seqs == 24
     prefill = _prefill_config(cfg)
     assert prefill.num_kv_blocks is None and prefill.max_num_seqs == 8 and prefill.lane_name == "prefill lane"
 
