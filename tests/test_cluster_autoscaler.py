@@ -66,12 +66,13 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 
                "look_back_period_s": 2, "upscale_delay_s": 1, "downscale_delay_s": 3}
 # The replica planner with targets the shipped pair meets on the head with room to spare (TTFT, the prefill
 # lane's; TPOT, the decode lane's and the verify calls'), so that the one signal over its target is the verify
-# lane's KV occupancy: 8 streams hold the 8 slots of its one replica (one decode replica of 8 seqs), against an
-# occupancy_high of 0.5; one stream holds 1. Serve's delays and windows short, as above; draft_shed_grace_s 0:
-# no wait for the L controller to shed L (test_planner.py's), since L is not what this test is about.
+# lane's KV occupancy: 8 streams hold 8 of the 16 slots of its one replica (8 seqs for each of the 2 decode
+# replicas the planner may start), against an occupancy_high of 0.3; one stream holds 1. Serve's delays and
+# windows short, as above; draft_shed_grace_s 0: no wait for the L controller to shed L (test_planner.py's),
+# since L is not what this test is about.
 PLANNER_SLO = {"ttft_p95_ms": 60_000, "tpot_p95_ms": 60_000, "max_replicas": 2, "upscale_delay_s": 1,
                "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 2, "draft_shed_grace_s": 0}
-PLANNER_CONTROLLER = {"occupancy_high": 0.5}
+PLANNER_CONTROLLER = {"occupancy_high": 0.3}
 
 
 @pytest.fixture(scope="module")

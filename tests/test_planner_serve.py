@@ -32,7 +32,7 @@ SCALE_BOUND_S = 60.0  # the planner waits 1 s, Serve starts a replica: seconds, 
 FAST_SLO = {"max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
             "look_back_period_s": 2}
 PDV_LANES = ("PrefillLane", "DecodeLane", "VerifyLane")
-PDV_BURST = 6  # streams in flight: 6 of the verify replica's 8 KV slots, 6 of the decode replica's 8 seqs
+PDV_BURST = 6  # streams in flight: 6 of the verify replica's 16 KV slots, 6 of the decode replica's 8 seqs
 
 
 @pytest.fixture
@@ -51,8 +51,8 @@ def unified(pair_paths):
 def pdv(pair_paths):
     target, draft = pair_paths
     config = app_config("pdv", target, draft, decode_lane={"num_cpus": 0.05, "num_replicas": 1})
-    # One decode replica of 8 seqs: each verify replica's pool has 8 KV slots. The burst holds 6 of them, over
-    # the verify lane's occupancy_high (0.3 of a replica's slots, where the default 0.9 would need every slot
+    # Decode replicas of 8 seqs, at most 2: each verify replica's pool has 16 KV slots. The burst holds 6 of them,
+    # over the verify lane's occupancy_high (0.3 of a replica's slots, where the default 0.9 would need every slot
     # held at every report); one stream holds 1. Targets the tiny pair meets with room to spare (TTFT, the
     # prefill lane's, and TPOT, the decode lane's) leave the verify lane's occupancy the only signal over its
     # target. draft_shed_grace_s 0: the L controller's shedding is test_planner.py's; here the replica count.
