@@ -34,11 +34,11 @@ from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lib.cluster import deploy, free_device_memory, git_commit, log, machine, start_cluster  # noqa: E402
+from benchmarks.lib.apps import GPU_SHARES, MAX_ONGOING  # noqa: E402
+from benchmarks.lib.cluster import (benchmark_app_args, deploy, free_device_memory, git_commit, log, machine,  # noqa: E402
+                                    start_cluster)
 from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.lib.results import rows_table  # noqa: E402
-from benchmarks.lib.apps import GPU_SHARES, MAX_ONGOING  # noqa: E402
-from benchmarks.lib.cluster import benchmark_app_args  # noqa: E402
 from benchmarks.lib.engine_runs import random_work  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from lanes.engine.step_profile import StepProfile  # noqa: E402

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 import ray
@@ -20,6 +21,9 @@ from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.builder import build_app
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 
 def _free_port() -> int:
