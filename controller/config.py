@@ -226,21 +226,6 @@ class SloConfig(BaseModel):
     max_step_up: int = Field(
         default=2, ge=1, description="Most replicas added to a lane in one decision.",
     )
-    capacity_check_s: float = Field(
-        default=15.0, gt=0, description="Seconds after replicas added to an engine or decode lane run that the "
-        "planner compares the lane's served output tokens per second (a 10 s window) with what it served before; "
-        "checked once, and only while the lane is still over target (demand to serve more). The lane asks for no "
-        "more replicas meanwhile.",
-    )
-    min_capacity_gain: float = Field(
-        default=0.2, ge=0, description="... and if the lane then serves less than 1 + this times what it served "
-        "before (replicas that share cores, or a GPU without MPS, take turns), it goes back to the count it had "
-        "and grows past it no more for `capacity_hold_s`.",
-    )
-    capacity_hold_s: float = Field(
-        default=600.0, ge=0, description="Seconds a lane stays at most at the count a capacity check found it gained "
-        "nothing past.",
-    )
     prefill_ttft_frac: float = Field(
         default=0.7, gt=0, le=1, description="pd, pdv: the share of `ttft_p95_ms` that the prefill lane's own time "
         "(queue, forward, KV hand-over) may take; the rest is the ingress, routing and the first decode step.",

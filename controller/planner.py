@@ -20,11 +20,6 @@ Who decides what
       replica fewer would stay well under capacity (below), whatever L. (Holding a scale-down while L
       rose restarted Serve's delay at every move of L: on the CPU ramp, an L that moved every few seconds
       at 1x kept four replicas to the end.)
-    - Replicas must add capacity. An engine or decode lane reports the output tokens per second it serves;
-      `capacity_check_s` after replicas it asked for run (it asks for no more meanwhile), if it is still
-      over target and serves less than 1 + `min_capacity_gain` times what it served before, it goes back to
-      the count it had and stays at most there for `capacity_hold_s`. Replicas that share cores, or one GPU without MPS, take turns:
-      measured on a 2-core CPU and on one H100, a second replica served no more than the first.
     - Hysteresis: a lane scales up when a latency passes its target (pressure > 1) and down only when
       its latencies are under `down_latency_frac` of their targets and its load, spread over one replica
       fewer, would be under `scale_down_frac` of its capacity. Each decision adds at most `max_step_up` replicas and removes at most one,
@@ -56,10 +51,10 @@ log = logging.getLogger("ray.serve")
 LANES = ("engine", "decode", "prefill", "verify")
 # Metric names the replicas report (`record_autoscaling_stats`), and how a lane's replicas combine.
 TTFT_MS, TPOT_MS = "ttft_p95_ms", "tpot_p95_ms"
-IN_FLIGHT, MAX_NUM_SEQS, DRAFT_LEN, SERVED_TOKENS_PER_S = "in_flight", "max_num_seqs", "draft_len", "served_tokens_per_s"
+IN_FLIGHT, MAX_NUM_SEQS, DRAFT_LEN = "in_flight", "max_num_seqs", "draft_len"
 PREFILL_MS, PENDING_TOKENS, PREFILL_TOKENS_PER_S = "prefill_p95_ms", "pending_tokens", "prefill_tokens_per_s"
 VERIFY_MS, PENDING_ROWS, OCCUPANCY, BUSY_FRAC = "verify_p95_ms", "pending_rows", "occupancy", "busy_frac"
-_SUMMED = {IN_FLIGHT, MAX_NUM_SEQS, PENDING_TOKENS, PENDING_ROWS, PREFILL_TOKENS_PER_S, SERVED_TOKENS_PER_S}
+_SUMMED = {IN_FLIGHT, MAX_NUM_SEQS, PENDING_TOKENS, PENDING_ROWS, PREFILL_TOKENS_PER_S}
 _MEAN = {OCCUPANCY, BUSY_FRAC}  # everything else: the max over replicas (the slowest bounds the p95)
 
 
@@ -80,9 +75,6 @@ class PlannerTargets:
     urgent_pressure: float = 2.0
     max_step_up: int = 2
     draft_shed_grace_s: float = 5.0
-    capacity_check_s: float = 15.0
-    min_capacity_gain: float = 0.2
-    capacity_hold_s: float = 600.0
     # The L below which the L controller sheds nothing; None: the lane's L is not the planner's concern
     # (controller off, or a lane whose cost does not depend on L).
     min_draft_len: int | None = None
@@ -205,46 +197,13 @@ def draft_first(want: int, n: int, pressure: float, state: dict, now_s: float, t
     return want, None
 
 
-def check_capacity(n: int, rate: float | None, pressure: float, state: dict, now_s: float, t: PlannerTargets
-                   ) -> tuple[dict, int | None, str | None]:
-    """Whether the replicas added last served more: (new state, the lane's ceiling or None, why a ceiling
-    was just set). `rate`: the lane's served tokens per second (None: the lane does not report one)."""
-    new = dict(state)
-    ceiling = state.get("ceiling") if (state.get("ceiling_until_s") or 0.0) > now_s else None
-    grew_from = state.get("grew_from")
-    if grew_from is None or rate is None:
-        return new, ceiling, None
-    if n <= grew_from:  # the added replicas are gone again
-        new["grew_from"] = None
-        return new, ceiling, None
-    if state.get("grew_at_s") is None:  # the first decision with them running
-        new["grew_at_s"] = now_s
-        return new, ceiling, None
-    if now_s - state["grew_at_s"] < t.capacity_check_s:
-        return new, ceiling, None
-    new["grew_from"] = new["grew_at_s"] = None  # checked once
-    gain = rate / state["rate_before"] if state.get("rate_before") else math.inf
-    if pressure <= 1.0 or gain >= 1.0 + t.min_capacity_gain:
-        return new, ceiling, None
-    new["ceiling"], new["ceiling_until_s"] = grew_from, now_s + t.capacity_hold_s
-    return new, grew_from, f"{n} replicas served {gain:.2f}x what {grew_from} did: at most {grew_from} for {t.capacity_hold_s:g} s"
-
-
 def plan(n: int, signals: dict[str, float], state: dict, now_s: float, t: PlannerTargets) -> Plan:
     """One decision for a lane of `n` running replicas whose combined signals are `signals`."""
     pressure = lane_pressure(signals, n, t)
     load = lane_load(signals, t)
-    rate = signals.get(SERVED_TOKENS_PER_S)
     state = track_draft_len(state, signals.get(DRAFT_LEN), pressure.value > 1.0, now_s)
-    state, ceiling, capped_why = check_capacity(n, rate, pressure.value, state, now_s, t)
     want, why = wanted_replicas(n, pressure.value, load, t)
     held, held_why = draft_first(want, n, pressure.value, state, now_s, t)
-    if ceiling is not None and held > ceiling:
-        held, held_why = ceiling, capped_why or f"at most {ceiling}: replicas past it added no capacity"
-    elif held > n and state.get("grew_from") is not None and rate is not None:
-        held, held_why = n, "first, whether the replicas added last serve more"
-    if held > n and rate is not None:  # to be checked once the new replicas run
-        state = {**state, "grew_from": n, "rate_before": rate, "grew_at_s": None}
     reason = f"{t.lane}: {pressure.why}, load {load:.2f}; {n} -> {held} ({held_why or why})"
     return Plan(held, state, pressure.value, load, reason)
 
@@ -271,5 +230,4 @@ class LanePlanner:
         return decision.replicas, decision.state
 
 
-_STATE_KEYS = ("draft_len", "draft_fell_s", "over_since_s", "grew_from", "rate_before", "grew_at_s", "ceiling",
-               "ceiling_until_s")
+_STATE_KEYS = ("draft_len", "draft_fell_s", "over_since_s")

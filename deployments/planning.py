@@ -30,8 +30,7 @@ def planner_targets(cfg: AppConfig, lane: str) -> PlannerTargets:
         occupancy_high=controller.occupancy_high, scale_down_frac=slo.scale_down_frac,
         down_latency_frac=slo.down_latency_frac,
         urgent_pressure=slo.urgent_pressure, max_step_up=slo.max_step_up, draft_shed_grace_s=slo.draft_shed_grace_s,
-        capacity_check_s=slo.capacity_check_s, min_capacity_gain=slo.min_capacity_gain,
-        capacity_hold_s=slo.capacity_hold_s, min_draft_len=draft_floor)
+        min_draft_len=draft_floor)
 
 
 def gpu_replica_bound(cfg: AppConfig, lane: str, cluster_gpus: float) -> int | None:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from controller.config import ControllerConfig, SloConfig
 from controller.planner import (
     DRAFT_LEN, IN_FLIGHT, MAX_NUM_SEQS, OCCUPANCY, PENDING_ROWS, PENDING_TOKENS, PREFILL_MS, PREFILL_TOKENS_PER_S,
-    SERVED_TOKENS_PER_S, TPOT_MS, TTFT_MS, VERIFY_MS, LanePlanner, PlannerTargets, combine, lane_pressure, plan, wanted_replicas)
+    TPOT_MS, TTFT_MS, VERIFY_MS, LanePlanner, PlannerTargets, combine, lane_pressure, plan, wanted_replicas)
 from controller.policy import PolicyState, decide
 from controller.signals import LaneSignals, RequestDraftStats, expected_tokens_per_step
 
@@ -83,55 +83,6 @@ def test_moves_of_l_do_not_hold_a_scale_down():
         p = plan(3, {**quiet, DRAFT_LEN: draft_len}, state, float(now_s), ENGINE)
         assert p.replicas == 2
         state = p.state
-
-
-def _grow_then_check(rate_after: float, over_after: bool) -> list:
-    """A lane of one replica over its TTFT target at 100 tokens/s asks for a second; the second runs from
-    t = 10 s; decisions at 10, 30 and 41 s (past the 30 s check), then later ones."""
-    t = PlannerTargets("engine", ttft_p95_ms=1000, capacity_check_s=30, min_capacity_gain=0.2, capacity_hold_s=600)
-    over = {TTFT_MS: 1500, SERVED_TOKENS_PER_S: 100.0}
-    p = plan(1, over, {}, 0.0, t)
-    assert p.replicas == 2 and p.state["grew_from"] == 1 and p.state["rate_before"] == 100.0
-    after = {TTFT_MS: 1500 if over_after else 500, SERVED_TOKENS_PER_S: rate_after, IN_FLIGHT: 12, MAX_NUM_SEQS: 16}
-    plans = [p]
-    for now_s in (10.0, 30.0, 41.0, 100.0, 700.0):
-        plans.append(plan(2, after, plans[-1].state, now_s, t))
-    return plans
-
-
-def test_a_replica_that_adds_no_capacity_is_given_back_and_not_asked_for_again_for_the_hold():
-    plans = _grow_then_check(rate_after=105.0, over_after=True)  # 1.05x: the two take turns
-    assert [p.replicas for p in plans[1:3]] == [2, 2]  # still over target, but no more before the check
-    assert "added last" in plans[2].reason
-    assert plans[3].replicas == 1 and "1.05x" in plans[3].reason and plans[3].state["ceiling"] == 1
-    assert plans[4].replicas == 1  # over target, but held at the ceiling
-    assert plans[5].replicas == 3  # the hold (600 s) passed: it may try again
-
-
-def test_a_replica_that_adds_capacity_or_brings_the_lane_within_target_stays():
-    grew = _grow_then_check(rate_after=190.0, over_after=True)
-    assert grew[3].replicas == 3 and grew[3].state.get("ceiling") is None  # 1.9x: more replicas may help
-    within = _grow_then_check(rate_after=100.0, over_after=False)  # demand fell: the rate says nothing
-    assert [p.replicas for p in within[1:]] == [2, 2, 2, 2, 2] and within[3].state.get("ceiling") is None
-    # A lane that reports no served rate (prefill, verify) is never capped.
-    assert plan(1, {TTFT_MS: 1500}, {}, 0.0, PlannerTargets("engine", ttft_p95_ms=1000)).state.get("grew_from") is None
-
-
-def test_a_replica_reports_what_it_served_per_second_over_its_window(monkeypatch):
-    from deployments.telemetry import slo_signals
-
-    clock = [100.0]
-    monkeypatch.setattr(slo_signals.time, "monotonic", lambda: clock[0])
-    served = slo_signals.RateWindow(window_s=10)
-    clock[0] = 102.0
-    served.add(30)
-    served.add(10)  # the same second: one bucket
-    assert served.per_s() == pytest.approx(20.0)  # 40 tokens over the 2 s since the replica started
-    clock[0] = 110.5
-    served.add(60)
-    assert served.per_s() == pytest.approx(10.0)  # 100 over the last 10 s
-    clock[0] = 113.5
-    assert served.per_s() == pytest.approx(6.0)  # the first bucket (second 102 to 103) left the window
 
 
 @dataclass

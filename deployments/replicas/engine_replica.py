@@ -12,7 +12,7 @@ from functools import partial
 import ray
 from ray import serve
 
-from controller.planner import DRAFT_LEN, IN_FLIGHT, MAX_NUM_SEQS, SERVED_TOKENS_PER_S, TPOT_MS, TTFT_MS
+from controller.planner import DRAFT_LEN, IN_FLIGHT, MAX_NUM_SEQS, TPOT_MS, TTFT_MS
 from deployments.channels.peer_calls import EnginePeers
 from deployments.channels.remote import PEER_CALL_TIMEOUT_S
 from deployments.placement.gpu_binding import lane_device
@@ -20,7 +20,7 @@ from deployments.placement.kv_transfer import Placement
 from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
 from deployments.telemetry.engine_metrics import EngineMetrics
 from deployments.telemetry.metrics import read_gpu_stats
-from deployments.telemetry.slo_signals import LatencyWindow, RateWindow
+from deployments.telemetry.slo_signals import LatencyWindow
 from deployments.telemetry.timeline import TIMELINE, replica_report
 from lanes.engine.async_engine import AsyncEngine
 from lanes.engine.outputs import RequestOutput
@@ -98,7 +98,6 @@ class EngineServer:
         # The latencies this replica's requests see from here (TTFT: from the call to the first token; TPOT:
         # per token after it), and how many it holds: the planner's and the L controller's signals.
         self.ttft, self.tpot = LatencyWindow(), LatencyWindow()
-        self.served = RateWindow()  # output tokens streamed: whether added replicas added capacity
         self.in_flight = 0
         self._max_num_seqs: int | None = None
         self.peers = {"prefill": prefill, "verify": verify}
@@ -140,7 +139,6 @@ class EngineServer:
                 if first_s is None and out.token_ids:
                     first_s = time.time()
                     self.ttft.end(request_id)
-                self.served.add(max(0, out.num_output_tokens - tokens))
                 tokens = max(tokens, out.num_output_tokens)
                 yield out
         except ParamError as exc:
@@ -200,7 +198,7 @@ class EngineServer:
         if self._max_num_seqs is None:
             self._max_num_seqs = (await self.engine.call(core_report))["max_num_seqs"]
         signals = {TTFT_MS: self.ttft.p95_ms(), TPOT_MS: self.tpot.p95_ms(), IN_FLIGHT: self.in_flight,
-                   MAX_NUM_SEQS: self._max_num_seqs, SERVED_TOKENS_PER_S: self.served.per_s()}
+                   MAX_NUM_SEQS: self._max_num_seqs}
         if self._last_snap is not None:
             signals[DRAFT_LEN] = self._last_snap.default_draft_len
         return signals

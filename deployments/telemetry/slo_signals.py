@@ -69,27 +69,3 @@ class BusyWindow:
     def work_per_busy_s(self) -> float:
         busy_s, work = self._recent()
         return work / busy_s if busy_s > 0 else 0.0
-
-
-class RateWindow:
-    """What a replica served per second over the last `window_s` seconds (since its start while younger), in
-    one-second buckets: an engine streams thousands of tokens a second, too many to keep one by one."""
-
-    def __init__(self, window_s: float = SIGNAL_WINDOW_S):
-        self.window_s = window_s
-        self._started_s = time.monotonic()
-        self._buckets: deque[list] = deque()  # [whole second, amount]
-
-    def add(self, amount: float) -> None:
-        second = int(time.monotonic())
-        if self._buckets and self._buckets[-1][0] == second:
-            self._buckets[-1][1] += amount
-        else:
-            self._buckets.append([second, amount])
-
-    def per_s(self) -> float:
-        now = time.monotonic()
-        while self._buckets and self._buckets[0][0] + 1 <= now - self.window_s:
-            self._buckets.popleft()
-        span_s = min(self.window_s, now - self._started_s)
-        return sum(amount for _, amount in tuple(self._buckets)) / span_s if span_s > 0 else 0.0
