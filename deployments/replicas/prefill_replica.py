@@ -16,8 +16,9 @@ from deployments.channels.remote import PEER_CALL_TIMEOUT_S, PrefillDone, Prefil
 from deployments.factories import PREFILL_BATCH_MAX
 from deployments.placement.kv_transfer import HostKV, Placement, PoolHandle, PoolViews, write_all
 from deployments.replicas.lane_batcher import LaneBatcher
+from deployments.replicas.lane_server import LaneServer
 from deployments.replicas.lane_worker import LaneWorker
-from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.replicas.tp_workers import bind_workers, watch_workers
 from deployments.routing.hedged import hedged
 from deployments.routing.router_state import describe
 from deployments.routing.serve_calls import own_request
@@ -53,7 +54,9 @@ class Prefilled:
     committed: asyncio.Future | None = None  # pdv in place: the verify lane taking the batch's slots
 
 
-class PrefillServer:
+class PrefillServer(LaneServer):
+    lane_name = "prefill"
+
     def __init__(self, prefiller_factory, mode: str, verify=None, start_workers=None):
         """`start_workers()`: starts the worker ranks of a sharded target in this replica's placement
         group (deployments/replicas/tp_workers.py); the prefiller, rank 0, is built with the address they meet at."""
@@ -93,23 +96,6 @@ class PrefillServer:
 
     async def placement(self) -> Placement:
         return self.placement_
-
-    def check_health(self) -> None:
-        """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""
-        if (problem := self.worker.problem()) is not None:
-            raise RuntimeError(f"prefill lane: {problem}")
-
-    async def pid(self) -> int:
-        """This replica's process id (operators, fault tests)."""
-        return os.getpid()
-
-    async def shard_pids(self) -> list[int]:
-        """The process ids of this replica's tensor-parallel worker ranks 1..N-1 (none at TP = 1)."""
-        return await worker_pids(self.shard_workers)
-
-    async def health(self) -> str:
-        """This lane's state for the ingress's /health: "ok" or why not."""
-        return self.worker.problem() or "ok"
 
     async def prefill(self, job: PrefillJob) -> PrefillDone:
         """Prefill one prompt in the next batch (calls from all decode replicas are merged)."""

@@ -15,8 +15,9 @@ from deployments.channels.remote import current_actor, merge_rows
 from deployments.channels.verify_channel import ChannelAddress, VerifyChannelServer
 from deployments.placement.kv_transfer import HostKV, Placement, PoolHandle
 from deployments.replicas.lane_batcher import LaneBatcher
+from deployments.replicas.lane_server import LaneServer
 from deployments.replicas.lane_worker import LaneWorker
-from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.replicas.tp_workers import bind_workers, watch_workers
 from deployments.routing.lease_router import LeaseRouter
 from deployments.routing.leases import replica_lease
 from deployments.routing.slot_owners import SlotOwners
@@ -43,8 +44,10 @@ class StaleTargetSlots(RuntimeError):
     """A call names slots that another verify replica (or a dead one) handed out."""
 
 
-class VerifyServer:
+class VerifyServer(LaneServer):
     """Thin wrapper: forwards and KV copies run on the lane's worker thread, in call order."""
+
+    lane_name = "verify"
 
     def __init__(self, lane_factory, mode: str, start_workers=None, prefill_tokens: int = 0):
         """`start_workers()`: starts the worker ranks of a sharded target in this replica's placement
@@ -128,23 +131,6 @@ class VerifyServer:
         """Where this replica runs (`lease`: the replica asked about, for the router)."""
         self._check_lease(lease)
         return self.placement_
-
-    def check_health(self) -> None:
-        """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""
-        if (problem := self.worker.problem()) is not None:
-            raise RuntimeError(f"verify lane: {problem}")
-
-    async def pid(self) -> int:
-        """This replica's process id (operators, fault tests)."""
-        return os.getpid()
-
-    async def shard_pids(self) -> list[int]:
-        """The process ids of this replica's tensor-parallel worker ranks 1..N-1 (none at TP = 1)."""
-        return await worker_pids(self.shard_workers)
-
-    async def health(self) -> str:
-        """This lane's state for the ingress's /health: "ok" or why not."""
-        return self.worker.problem() or "ok"
 
     async def pool_handle(self, lease: str | None = None) -> PoolHandle | None:
         """CUDA IPC handle of the target pool, for a prefill lane on the same GPU (asked once per replica);
