@@ -29,19 +29,20 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     check_pair(cfg)
     check_tensor_parallel(cfg)
-    check_gpus(cfg)
+    gpus = cluster_gpus(cfg)  # one query of the cluster: the check and the planner's bounds read it
+    check_gpus(cfg, gpus)
     check_resources(cfg)
     check_controller(cfg)
     verify = prefill = None
     if cfg.mode == "pdv":
-        verify = VerifyDeployment.options(**_options(cfg, "verify_lane")).bind(
+        verify = VerifyDeployment.options(**_options(cfg, "verify_lane", gpus)).bind(
             partial(build_verify_lane, cfg), cfg.mode, start_workers=_workers(cfg, "verify_lane", load_verify_shards),
             prefill_tokens=cfg.engine.prefill_chunk_tokens if cfg.local_prefill_max_tokens else 0)
     if cfg.mode in ("pd", "pdv"):
-        prefill = PrefillDeployment.options(**_options(cfg, "prefill_lane")).bind(
+        prefill = PrefillDeployment.options(**_options(cfg, "prefill_lane", gpus)).bind(
             partial(build_prompt_prefiller, cfg), cfg.mode, verify,
             start_workers=_workers(cfg, "prefill_lane", load_prefill_shards))
-    engine = EngineDeployment.options(**_options(cfg, "decode_lane")).bind(
+    engine = EngineDeployment.options(**_options(cfg, "decode_lane", gpus)).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify,
         stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s,
         engine_process=cfg.engine_process, start_workers=_workers(cfg, "decode_lane", load_shards),
@@ -54,10 +55,11 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
                                                                               prefill=prefill, verify=verify)
 
 
-def _options(cfg: AppConfig, lane: str) -> dict:
+def _options(cfg: AppConfig, lane: str, gpus: float | None = None) -> dict:
+    """`gpus`: `cluster_gpus(cfg)`, read once for the whole app (None: no planner bound from the GPUs)."""
     opts = getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane),
                                                  DEFAULT_MPS_PRIORITY.get(lane, "normal"))
-    return planner_options(cfg, lane, opts, cluster_gpus(cfg)) if cfg.slo is not None else opts
+    return planner_options(cfg, lane, opts, gpus) if cfg.slo is not None else opts
 
 
 def _workers(cfg: AppConfig, lane: str, load):
@@ -127,9 +129,9 @@ def cluster_gpus(cfg: AppConfig) -> float | None:
     return ray.cluster_resources().get("GPU", 0)
 
 
-def check_gpus(cfg: AppConfig) -> None:
-    """A lane that asks for GPUs the cluster lacks would wait forever to be placed: fail now instead."""
-    have = cluster_gpus(cfg)
+def check_gpus(cfg: AppConfig, have: float | None) -> None:
+    """A lane that asks for GPUs the cluster lacks would wait forever to be placed: fail now instead.
+    `have`: `cluster_gpus(cfg)`."""
     if have is None:
         return
     # A replica that holds a sharded target takes its lane's GPU share once per rank.
