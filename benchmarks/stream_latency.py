@@ -4,15 +4,18 @@ loaded at several concurrencies through Serve's proxy and the OpenAI ingress, in
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stream_latency.py --device cpu --modes nospec --out /tmp/sl
     python3 benchmarks/stream_latency.py --device cuda --modes nospec,spec --out OUT
 
-`--settings` names each setting as NAME:STREAM_INTERVAL_MS:MAX_STREAM_MESSAGES_PER_S[:ENGINE_KEY=JSON...] (0: no
-bound; e.g. `eager:0:400:cuda_graphs=false` serves with eager forwards);
+`--settings` names each setting as NAME:STREAM_INTERVAL_MS:MAX_STREAM_MESSAGES_PER_S[:KEY=JSON...] (0: no
+bound; a KEY is an engine key, e.g. `eager:0:400:cuda_graphs=false` serves with eager forwards, or a dotted
+path into the app config, e.g. `wide:0:0:ingress.num_replicas=4` serves through four ingress replicas);
 the default compares the old default (50 ms, 400/s) with streaming every step (0, none). Each point is
 a closed loop of random token-id prompts (greedy, ignore_eos) with the load tester's streaming client,
 after a warm-up at the largest concurrency. Per point: tok/s, the client's ITL p50/p99 (the gap between
 two chunks of a request), TPOT p50/p99, the p99 over requests of each one's longest gap (decode stall),
 TTFT p50, every request counted, and from the decode replica's counters over the point: the engine's
 mean step and decode-only step (ms), stream messages per step, and the share of step outputs that went
-out merged into another's message (num_coalesced / (messages + num_coalesced)).
+out merged into another's message (num_coalesced / (messages + num_coalesced)); and the cores each
+process on the stream's path used over the point (`cpu_<role>`: the engine's process, the decode
+replica, the ingress replica, Serve's proxy, this client; benchmarks/lib/proc_cpu.py).
 
 Writes stream_latency_<device>.json and .md under --out, after every point.
 """
@@ -36,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 
 from benchmarks.lib.apps import GPU_SHARES, MAX_ONGOING  # noqa: E402
 from benchmarks.lib.cluster import (benchmark_app_args, deploy, free_device_memory, git_commit, log, machine,  # noqa: E402
-                                    start_cluster)
+                                    serve_env, start_cluster)
 from benchmarks.lib.pairs import save_pair  # noqa: E402
+from benchmarks.lib.proc_cpu import CpuMeter, serve_processes  # noqa: E402
 from benchmarks.lib.results import rows_table  # noqa: E402
 from benchmarks.lib.engine_runs import random_work  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
@@ -77,12 +81,25 @@ def parse_settings(text: str) -> list[tuple[str, float, float | None, dict]]:
     return settings
 
 
+def apply_overrides(config: dict, overrides: dict) -> None:
+    """A setting's KEY=JSON pairs: a dotted key is a path into the app config, a plain one an engine key."""
+    for key, value in overrides.items():
+        *path, last = key.split(".") if "." in key else ("engine", key)
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+
 def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -> dict:
     handle = serve.get_deployment_handle("DecodeLane", app_name=name)
     before = replica_counters(handle)
-    before_coalesced = handle.stats.remote().result().get("num_coalesced", 0)
+    stats = handle.stats.remote().result()
+    before_coalesced = stats.get("num_coalesced", 0)
+    meter = CpuMeter(point_processes(name, stats)).start()
     result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work.workload(), ClosedLoop(concurrency),
                                   options=OPTIONS, timeout_s=timeout_s, progress=False))
+    cores = meter.stop()
     after = replica_counters(handle)
     coalesced = handle.stats.remote().result().get("num_coalesced", 0) - before_coalesced
     s = result.summary()
@@ -100,7 +117,17 @@ def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -
             "decode_step_ms": _r(profile.get("decode_only_step_ms")),
             "itl_p50_over_step": _r(lat["itl_ms"].p50 / (step_ms / steps) if steps and lat["itl_ms"].p50 else None, 3),
             "messages_per_step": _r(messages / steps if steps else None),
-            "coalesced_share": _r(coalesced / (messages + coalesced) if messages + coalesced else None, 3)}
+            "coalesced_share": _r(coalesced / (messages + coalesced) if messages + coalesced else None, 3),
+            **{f"cpu_{role}": used for role, used in sorted(cores.items())}}
+
+
+def point_processes(app: str, decode_stats: dict) -> dict[str, int]:
+    """The processes a stream crosses: the engine (its own process, when it has one), the decode
+    replica, the ingress replica, Serve's proxy (none with direct ingress) and this client."""
+    pids = serve_processes(app)
+    if decode_stats.get("pid") not in (None, decode_stats.get("replica_pid")):
+        pids["engine"] = decode_stats["pid"]
+    return {**pids, "client": os.getpid()}
 
 
 def markdown(doc: dict) -> str:
@@ -133,6 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--budget-s", type=float, default=None, help="start no deployment after this long")
+    parser.add_argument("--serve-throughput-optimized", action="store_true",
+                        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC between replicas, the "
+                        "ingress serving HTTP itself (no proxy), user code on the replica's event loop")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -165,18 +195,20 @@ def main(argv: list[str] | None = None) -> None:
            "machine": machine(), "work": f"closed loops of {args.concurrency} in flight ({args.requests} requests), "
            f"prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
            f"L = {args.draft_len}, {args.dtype}, max_num_seqs {args.max_num_seqs}",
-           "rows": [], "errors": {}}
-    port = start_cluster({"TRITON_INTERPRET": "0"} if args.device == "cuda" else None)
+           "serve_throughput_optimized": args.serve_throughput_optimized, "rows": [], "errors": {}}
+    env = {**({"TRITON_INTERPRET": "0"} if args.device == "cuda" else {}), **serve_env(args.serve_throughput_optimized)}
+    port = start_cluster(env)
     try:
         for mode in args.modes:
             for name, interval_ms, rate, engine in args.settings:
                 label = f"{mode}-{name}"
                 if args.budget_s is not None and time.monotonic() - started_s > args.budget_s:
                     doc["errors"][label] = "skipped: --budget-s spent"
+                    write(doc, args.out, args.device)
                     continue
                 config = app_config(mode, target, draft, args)
                 config.update(stream_interval_ms=interval_ms, max_stream_messages_per_s=rate)
-                config["engine"].update(engine)
+                apply_overrides(config, engine)
                 try:
                     log(f"{label}: deploying (stream_interval_ms {interval_ms:g}, max_stream_messages_per_s {rate})")
                     deploy(label, config, timeout_s=600)

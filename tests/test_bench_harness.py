@@ -1,12 +1,18 @@
 """The pieces of the benchmarks' harness (benchmarks/lib/) that must be right before a device call: the
 saved pair and its tokenizer, rates taken from earlier points, and the time a load is expected to take."""
 
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.lib.loads import Load, estimate_s
 from benchmarks.lib.pairs import check_stored_head, save_pair, word_tokenizer
+from benchmarks.lib.proc_cpu import CpuMeter, _role
+from benchmarks.stream_latency import apply_overrides, parse_settings
 from loadtest.arrivals import ClosedLoop, OpenLoop
 from loadtest.summary import LatencyStats, Summary
 from loadtest.workload import WorkloadRequest, random_prompt, usable_token_ids
@@ -78,3 +84,34 @@ def test_a_closed_loop_above_every_measured_concurrency_is_not_priced_at_single_
     assert estimate_s(load, load.arrivals, {"c1": c1}) == pytest.approx(128 * 128 / (73.0 * 8))  # 28 s
     c64 = _summary(1472.0, 56.0, 5_000.0)
     assert estimate_s(load, load.arrivals, {"c1": c1, "c64": c64}) == pytest.approx(128 * 128 / (1472.0 * (64 / 56) ** 0.5))
+
+
+def test_the_cpu_meter_sees_a_busy_process_use_a_core_and_an_idle_one_none():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)  # both past their start-up
+        meter = CpuMeter({"busy": busy.pid, "idle": idle.pid, "gone": 2**22 + 7}).start()
+        time.sleep(1.5)
+        cores = meter.stop()
+    finally:
+        busy.kill()
+        idle.kill()
+    assert cores["busy"] > 0.5 and cores["idle"] < 0.1, cores  # a loaded 2-core host still gives it half
+    assert "gone" not in cores
+
+
+def test_serve_process_titles_name_the_role_also_while_a_call_runs():
+    assert _role("ray::ServeReplica:nospec-x:Ingress", "nospec-x") == "Ingress"
+    assert _role("ray::ServeReplica:nospec-x:DecodeLane.handle_request_streaming", "nospec-x") == "DecodeLane"
+    assert _role("ray::ServeReplica:other:DecodeLane", "nospec-x") is None
+    assert _role("ray::ProxyActor", "nospec-x") == "proxy"
+
+
+def test_a_stream_setting_overrides_engine_keys_and_dotted_app_config_paths():
+    config = {"engine": {"max_num_seqs": 8}, "ingress": {"num_cpus": 0.1}}
+    (_, interval_ms, rate, overrides), = parse_settings("wide:0:0:ingress.num_replicas=4:cuda_graphs=false")
+    apply_overrides(config, overrides)
+    assert (interval_ms, rate) == (0.0, None)
+    assert config == {"engine": {"max_num_seqs": 8, "cuda_graphs": False},
+                      "ingress": {"num_cpus": 0.1, "num_replicas": 4}}

@@ -9,6 +9,7 @@
     results.py      a row per point, Markdown tables, ratios against goals, goodput under latency bounds,
                     plots, files rewritten after every point; the flags the scripts share
     engine_runs.py  the co-located engine of an app config in process, and a closed loop over its steps
+    proc_cpu.py     the cores each serving process used over a point (which hop is busy)
     timelines.py    the lanes' timelines read: busy time, verify against drafting, the prefill path
     goals.py, mps.py, traces.py   lanes_1gpu.py's verdicts, MPS daemon, decode-step traces
 """
