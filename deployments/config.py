@@ -31,6 +31,8 @@ DEFAULT_DRAFT = str(REPO_ROOT / "models" / "vpd-draft")
 # step with no bound served 0.40x (64 in flight) and 0.30x (256) the tok/s of a 50 ms interval with this
 # bound (benchmarks/results/stream_latency_h100/). The bound acts once n / 400 s passes the step (3
 # requests at 6 ms); at one in flight the client's ITL p50 is the step (6.4 ms; 50 with a 50 ms interval).
+# What a message costs each process, and when no bound pays (Serve's high-throughput settings, 4 ingress
+# replicas): benchmarks/results/stream_hops_h100/.
 STREAM_INTERVAL_MS = 0.0
 MAX_STREAM_MESSAGES_PER_S = 400.0
 
