@@ -5,14 +5,16 @@ loaded at several concurrencies through Serve's proxy and the OpenAI ingress, in
     python3 benchmarks/stream_latency.py --device cuda --modes nospec,spec --out OUT
 
 `--settings` names each setting as NAME:STREAM_INTERVAL_MS:MAX_STREAM_MESSAGES_PER_S[:KEY=JSON...] (0: no
-bound; a KEY is an engine key, e.g. `eager:0:400:cuda_graphs=false` serves with eager forwards, or a dotted
-path into the app config, e.g. `wide:0:0:ingress.num_replicas=4` serves through four ingress replicas);
+bound; a KEY is an engine key, e.g. `eager:0:400:cuda_graphs=false` serves with eager forwards, an app config
+key, e.g. `step:0:0:stream_channel="step"`, or a dotted path into the app config, e.g.
+`wide:0:0:ingress.num_replicas=4` serves through four ingress replicas);
 the default compares the old default (50 ms, 400/s) with streaming every step (0, none). Each point is
 a closed loop of random token-id prompts (greedy, ignore_eos) with the load tester's streaming client,
 after a warm-up at the largest concurrency. Per point: tok/s, the client's ITL p50/p99 (the gap between
 two chunks of a request), TPOT p50/p99, the p99 over requests of each one's longest gap (decode stall),
 TTFT p50, every request counted, and from the decode replica's counters over the point: the engine's
-mean step and decode-only step (ms), stream messages per step, and the share of step outputs that went
+mean step and decode-only step (ms), stream messages per step (and, with `stream_channel: step`, the
+channel messages that carried them), and the share of step outputs that went
 out merged into another's message (num_coalesced / (messages + num_coalesced)); and the cores each
 process on the stream's path used over the point (`cpu_<role>`: the engine's process, the decode
 replica, the ingress replica, Serve's proxy, this client; benchmarks/lib/proc_cpu.py).
@@ -64,7 +66,7 @@ def app_config(mode: str, target: Path | None, draft: Path | None, args: argpars
 def replica_counters(handle) -> dict:
     """Steps, time in steps and stream messages of the app's one DecodeLane replica, cumulative."""
     stats = handle.stats.remote().result()
-    return {**{k: stats[k] for k in ("num_steps", "step_ms_total", "num_messages", "pid")},
+    return {**{k: stats[k] for k in ("num_steps", "step_ms_total", "num_messages", "channel_messages", "pid")},
             "profile": StepProfile(**stats["step_profile"])}
 
 
@@ -82,9 +84,11 @@ def parse_settings(text: str) -> list[tuple[str, float, float | None, dict]]:
 
 
 def apply_overrides(config: dict, overrides: dict) -> None:
-    """A setting's KEY=JSON pairs: a dotted key is a path into the app config, a plain one an engine key."""
+    """A setting's KEY=JSON pairs: an app config key (`stream_channel`), a dotted path into the app config
+    (`ingress.num_replicas`), else an engine key."""
     for key, value in overrides.items():
-        *path, last = key.split(".") if "." in key else ("engine", key)
+        top = key in AppConfig.model_fields
+        *path, last = key.split(".") if "." in key or top else ("engine", key)
         node = config
         for part in path:
             node = node.setdefault(part, {})
@@ -103,7 +107,8 @@ def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -
     after = replica_counters(handle)
     coalesced = handle.stats.remote().result().get("num_coalesced", 0) - before_coalesced
     s = result.summary()
-    steps, step_ms, messages = (after[k] - before[k] for k in ("num_steps", "step_ms_total", "num_messages"))
+    steps, step_ms, messages, channel_messages = (after[k] - before[k] for k in (
+        "num_steps", "step_ms_total", "num_messages", "channel_messages"))
     profile = after["profile"].since(before["profile"]).summary()
     gaps = [max(r.itl_ms) for r in result.records if r.status == "completed" and r.itl_ms]
     lat = s.latency_ms
@@ -117,6 +122,8 @@ def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -
             "decode_step_ms": _r(profile.get("decode_only_step_ms")),
             "itl_p50_over_step": _r(lat["itl_ms"].p50 / (step_ms / steps) if steps and lat["itl_ms"].p50 else None, 3),
             "messages_per_step": _r(messages / steps if steps else None),
+            # With `stream_channel: step` the messages above stay in the replica; these are what Serve carries.
+            "channel_messages_per_step": _r(channel_messages / steps if steps else None),
             "coalesced_share": _r(coalesced / (messages + coalesced) if messages + coalesced else None, 3),
             **{f"cpu_{role}": used for role, used in sorted(cores.items())}}
 

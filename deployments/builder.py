@@ -4,6 +4,7 @@ from functools import partial
 
 import ray
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from transformers import AutoConfig, AutoTokenizer
 
 from lanes.model.families import UnsupportedModelError
@@ -19,6 +20,7 @@ from deployments.replicas.engine_replica import EngineDeployment
 from deployments.replicas.prefill_replica import PrefillDeployment
 from deployments.replicas.tp_workers import start_shard_workers
 from deployments.replicas.verify_replica import VerifyDeployment
+from deployments.routing.lease_router import LeaseRouter
 
 
 class ConfigError(ValueError):
@@ -42,7 +44,7 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         prefill = PrefillDeployment.options(**_options(cfg, "prefill_lane", gpus)).bind(
             partial(build_prompt_prefiller, cfg), cfg.mode, verify,
             start_workers=_workers(cfg, "prefill_lane", load_prefill_shards))
-    engine = EngineDeployment.options(**_options(cfg, "decode_lane", gpus)).bind(
+    engine = EngineDeployment.options(**_decode_options(cfg, gpus)).bind(
         partial(build_engine, cfg), cfg.mode, prefill=prefill, verify=verify,
         stream_interval_s=cfg.stream_interval_ms / 1e3, max_stream_messages_per_s=cfg.max_stream_messages_per_s,
         engine_process=cfg.engine_process, start_workers=_workers(cfg, "decode_lane", load_shards),
@@ -60,6 +62,15 @@ def _options(cfg: AppConfig, lane: str, gpus: float | None = None) -> dict:
     opts = getattr(cfg, lane).deployment_options(cfg.kv_peer_access, cfg.lane_ranks(lane),
                                                  DEFAULT_MPS_PRIORITY.get(lane, "normal"))
     return planner_options(cfg, lane, opts, gpus) if cfg.slo is not None else opts
+
+
+def _decode_options(cfg: AppConfig, gpus: float | None) -> dict:
+    """The decode lane's; with `stream_channel: step` its router takes an ingress's subscription to the
+    replica it names (`lease=`), and any other call as it would."""
+    opts = _options(cfg, "decode_lane", gpus)
+    if cfg.stream_channel == "step":
+        opts["request_router_config"] = RequestRouterConfig(request_router_class=LeaseRouter)
+    return opts
 
 
 def _workers(cfg: AppConfig, lane: str, load):

@@ -301,6 +301,14 @@ class AppConfig(_Strict):
                                        "Batches with sampled drafts' probabilities or a grammar go through the "
                                        "host. None: on where the decode lane has a GPU; on the CPU the ring is "
                                        "shared memory.")
+    stream_channel: Literal["request", "step"] = Field(default="request", description="How a decode replica "
+                                                       "streams to the ingress. request: each request's chunks "
+                                                       "as messages of its own Serve call. step: one message per "
+                                                       "engine step per ingress replica, carrying every request's "
+                                                       "chunks (deployments/channels/step_channel.py). The "
+                                                       "ingress still sends each request's chunks to Serve's "
+                                                       "proxy as HTTP messages, so max_stream_messages_per_s "
+                                                       "still bounds them.")
     max_stream_messages_per_s: float | None = Field(default=MAX_STREAM_MESSAGES_PER_S, gt=0, description=
                                                     "Bound on the streamed messages a decode replica sends per "
                                                     "second over all its requests: with n requests in flight "

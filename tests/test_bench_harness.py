@@ -108,10 +108,11 @@ def test_serve_process_titles_name_the_role_also_while_a_call_runs():
     assert _role("ray::ProxyActor", "nospec-x") == "proxy"
 
 
-def test_a_stream_setting_overrides_engine_keys_and_dotted_app_config_paths():
+def test_a_stream_setting_overrides_engine_keys_app_config_keys_and_dotted_paths():
     config = {"engine": {"max_num_seqs": 8}, "ingress": {"num_cpus": 0.1}}
-    (_, interval_ms, rate, overrides), = parse_settings("wide:0:0:ingress.num_replicas=4:cuda_graphs=false")
+    (_, interval_ms, rate, overrides), = parse_settings(
+        'wide:0:0:ingress.num_replicas=4:cuda_graphs=false:stream_channel="step"')
     apply_overrides(config, overrides)
     assert (interval_ms, rate) == (0.0, None)
     assert config == {"engine": {"max_num_seqs": 8, "cuda_graphs": False},
-                      "ingress": {"num_cpus": 0.1, "num_replicas": 4}}
+                      "ingress": {"num_cpus": 0.1, "num_replicas": 4}, "stream_channel": "step"}

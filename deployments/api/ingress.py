@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from deployments.api.choices import Choice, interleave, sample_params, total_usage
 from deployments.api.openai_logprobs import ChoiceExtras
+from deployments.channels.step_inbox import StepInbox
 from deployments.api.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_choice, completion_choice,
     error_body, new_id, response_body, running_usage,
@@ -192,6 +193,8 @@ class Ingress:
         self._max_model_len: int | None = None  # the engine's, once it has answered (`served_max_model_len`)
         self.totals = SpecDecodeStats()  # over requests served by this ingress replica
         self.metrics = IngressMetrics(self.cfg.mode)
+        # `stream_channel: step`: this replica's outputs come one message a step per decode replica
+        self.inbox = StepInbox(engine) if self.cfg.stream_channel == "step" else None
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """This replica's requests since `start_s`, one page from `offset` (deployments/telemetry/timeline.py)."""
@@ -409,7 +412,8 @@ class Ingress:
         start, first_token_at, last = time.perf_counter(), None, None
         called_s, first_s = time.time(), None
         # Its own request id in Serve's router: the n choices of one request are n calls at once (serve_calls.py).
-        gen = own_request(self.engine.options(stream=True).generate, prompt, params, rid)
+        gen = (self.inbox.open(prompt, params, rid) if self.inbox is not None
+               else own_request(self.engine.options(stream=True).generate, prompt, params, rid))
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 async for out in gen:

@@ -14,10 +14,12 @@ from ray import serve
 
 from controller.planner import DRAFT_LEN, IN_FLIGHT, MAX_NUM_SEQS, TPOT_MS, TTFT_MS
 from deployments.channels.peer_calls import EnginePeers
+from deployments.channels.step_channel import StepChannels, StepEnd, StepTicket
 from deployments.channels.remote import PEER_CALL_TIMEOUT_S
 from deployments.placement.gpu_binding import lane_device
 from deployments.placement.kv_transfer import Placement
 from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
+from deployments.routing.leases import replica_lease
 from deployments.telemetry.engine_metrics import EngineMetrics
 from deployments.telemetry.metrics import read_gpu_stats
 from deployments.telemetry.slo_signals import LatencyWindow
@@ -101,6 +103,8 @@ class EngineServer:
         self.in_flight = 0
         self._max_num_seqs: int | None = None
         self.peers = {"prefill": prefill, "verify": verify}
+        self.channels = StepChannels()  # `stream_channel: step`: one message per step per ingress replica
+        self.replica_id = replica_lease()  # what an ingress's subscription names to reach this replica
         self._stopping = False
         self._worker_watch = watch_workers(self.shard_workers, self._lose_workers)
 
@@ -127,28 +131,51 @@ class EngineServer:
         engine = AsyncEngine(core, on_step=self._on_step, on_idle=self.metrics.on_idle, **streams)
         return engine, Placement.of_engine(None, core)
 
-    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput | GenerateError]:
-        """Stream a request's chunks. Cancelling the call (client gone) aborts it and frees its slots."""
+    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
+                       channel: str | None = None) -> AsyncIterator[RequestOutput | StepTicket | StepEnd | GenerateError]:
+        """Stream a request's chunks. Cancelling the call (client gone) aborts it and frees its slots.
+
+        With `channel` (an ingress replica's, deployments/channels/step_channel.py) only the first chunk comes
+        here, as a StepTicket; the others go to that channel, and a StepEnd ends the call."""
         self.num_arrivals += 1
         self.in_flight += 1
         self.ttft.begin(request_id)
         start_s, first_s, tokens = time.time(), None, 0
+        ticketed = finished = False
+        if channel is not None:
+            self.channels.register(channel, request_id)
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 if first_s is None and out.token_ids:
                     first_s = time.time()
                     self.ttft.end(request_id)
                 tokens = max(tokens, out.num_output_tokens)
-                yield out
+                finished = out.finished
+                if channel is None:
+                    yield out
+                elif not ticketed:
+                    ticketed = True
+                    yield StepTicket(self.replica_id, out)
+                else:
+                    self.channels.put(channel, out)
+            if ticketed:
+                yield StepEnd(delivered=finished)
         except ParamError as exc:
             yield GenerateError(400, str(exc), exc.field)
         finally:
+            if channel is not None:
+                self.channels.end(channel, request_id, delivered=finished)
             self.in_flight -= 1
             self.ttft.drop(request_id)
             if first_s is not None and tokens > 1:
                 self.tpot.add(1e3 * (time.time() - first_s) / (tokens - 1))
             TIMELINE.record("request", start_s, time.time(), first_s=first_s, request_id=request_id)
+
+    async def steps(self, channel: str, lease: str | None = None) -> AsyncIterator[dict[str, RequestOutput]]:
+        """An ingress replica's subscription to its channel here: each message holds every output of its
+        requests made since the last one (`lease`: this replica's id; lease_router.py routes the call here)."""
+        async for batch in self.channels.stream(channel):
+            yield batch
 
     def check_health(self) -> None:
         """Serve's health check: raising marks this replica unhealthy, and Serve replaces it."""
@@ -189,7 +216,7 @@ class EngineServer:
                 # Engine steps and the stream messages they became (what benchmarks/stream_latency.py reads),
                 # and the process that steps (the one to profile).
                 "num_steps": self.engine.num_steps, "num_messages": self.engine.num_messages,
-                "num_coalesced": self.engine.num_coalesced,
+                "num_coalesced": self.engine.num_coalesced, "channel_messages": self.channels.num_messages,
                 "step_ms_total": self.engine.step_ms_total, "pid": pid, "replica_pid": os.getpid()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

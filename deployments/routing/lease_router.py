@@ -1,4 +1,6 @@
-"""Verify-lane affinity: a call that names a lease reaches the verify replica that owns it.
+"""Verify-lane affinity: a call that names a lease reaches the verify replica that owns it. (The decode
+lane uses it too under `stream_channel: step`: an ingress's subscription names the decode replica whose
+channel it reads, deployments/channels/step_inbox.py.)
 
 A request's target KV lives in one verify replica (the one that handed out its slot). Its lease is
 that replica's Serve replica id, so a caller's router can find the owner among the replicas it

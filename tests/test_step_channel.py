@@ -1,0 +1,101 @@
+"""The decode replica's side of `stream_channel: step` (deployments/channels/step_channel.py), on one event
+loop: a subscription's message carries every request's outputs since the last, merged and in order; it ends
+when idle, never while a request of its channel runs; a request whose caller left leaves nothing behind."""
+
+import asyncio
+
+from deployments.channels.step_channel import StepChannels
+from lanes.engine.outputs import RequestOutput
+
+
+def _out(rid: str, token: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(rid, [token], str(token), finished, "length" if finished else None,
+                         num_output_tokens=token)
+
+
+async def _take(stream, n: int) -> list[dict]:
+    return [await asyncio.wait_for(stream.__anext__(), 1.0) for _ in range(n)]
+
+
+def test_one_message_carries_every_request_merged_in_order():
+    async def main():
+        channels = StepChannels()
+        for rid in ("a", "b"):
+            channels.register("ing", rid)
+        channels.put("ing", _out("a", 1))
+        channels.put("ing", _out("b", 1))
+        channels.put("ing", _out("a", 2))  # a second step before the reader came: merged
+        stream = channels.stream("ing", idle_end_s=0.05)
+        (first,) = await _take(stream, 1)
+        channels.put("ing", _out("b", 2, finished=True))
+        (second,) = await _take(stream, 1)
+        await stream.aclose()
+        return first, second, channels.num_messages
+
+    first, second, messages = asyncio.run(main())
+    assert {rid: out.token_ids for rid, out in first.items()} == {"a": [1, 2], "b": [1]}
+    assert first["a"].text == "12" and first["a"].num_output_tokens == 2
+    assert list(second) == ["b"] and second["b"].finished and second["b"].token_ids == [2]
+    assert messages == 2
+
+
+def test_a_subscription_ends_when_idle_but_not_while_a_request_runs():
+    async def main():
+        channels = StepChannels()
+        channels.register("ing", "a")
+        stream = channels.stream("ing", idle_end_s=0.05)
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.2)  # four idle periods with "a" open: still subscribed
+        assert not waiting.done()
+        channels.put("ing", _out("a", 1, finished=True))
+        got = await asyncio.wait_for(waiting, 1.0)
+        channels.end("ing", "a", delivered=True)
+        try:
+            await asyncio.wait_for(stream.__anext__(), 1.0)
+        except StopAsyncIteration:
+            return got, channels._channels
+        raise AssertionError("an idle subscription went on")
+
+    got, left = asyncio.run(main())
+    assert got["a"].finished
+    assert left == {}  # the idle channel is gone with its subscription
+
+
+def test_a_request_whose_caller_left_leaves_nothing_in_the_channel():
+    async def main():
+        channels = StepChannels()
+        channels.register("ing", "gone")
+        channels.register("ing", "kept")
+        channels.put("ing", _out("gone", 1))
+        channels.put("ing", _out("kept", 1))
+        channels.end("ing", "gone", delivered=False)  # its call was cancelled: the client left
+        stream = channels.stream("ing", idle_end_s=0.05)
+        (batch,) = await _take(stream, 1)
+        await stream.aclose()
+        return batch
+
+    assert list(asyncio.run(main())) == ["kept"]
+
+
+def test_a_newer_subscription_ends_the_older_so_one_reader_keeps_the_order():
+    async def main():
+        channels = StepChannels()
+        channels.register("ing", "a")
+        old = channels.stream("ing", idle_end_s=0.05)
+        old_next = asyncio.ensure_future(old.__anext__())
+        await asyncio.sleep(0.01)
+        new = channels.stream("ing", idle_end_s=0.05)
+        new_next = asyncio.ensure_future(new.__anext__())
+        await asyncio.sleep(0.01)
+        channels.put("ing", _out("a", 1))
+        got = await asyncio.wait_for(new_next, 1.0)
+        ended = False
+        try:
+            await asyncio.wait_for(old_next, 1.0)
+        except StopAsyncIteration:
+            ended = True
+        await new.aclose()
+        return got, ended
+
+    got, old_ended = asyncio.run(main())
+    assert got["a"].token_ids == [1] and old_ended
