@@ -23,6 +23,11 @@ from deployments.replicas.verify_replica import VerifyDeployment
 from deployments.routing.lease_router import LeaseRouter
 
 
+# Calls a decode replica takes beyond max_ongoing_requests under `stream_channel: step`: room for the
+# subscriptions of this many ingress replicas.
+SUBSCRIPTION_HEADROOM = 16
+
+
 class ConfigError(ValueError):
     """The app config cannot run here (checked before anything is deployed)."""
 
@@ -70,6 +75,9 @@ def _decode_options(cfg: AppConfig, gpus: float | None) -> dict:
     opts = _options(cfg, "decode_lane", gpus)
     if cfg.stream_channel == "step":
         opts["request_router_config"] = RequestRouterConfig(request_router_class=LeaseRouter)
+        # Each ingress replica's subscription is a call too: one that waited behind requests whose chunks it
+        # carries would hold their streams until one ended.
+        opts["max_ongoing_requests"] += SUBSCRIPTION_HEADROOM
     return opts
 
 

@@ -99,3 +99,17 @@ def test_a_newer_subscription_ends_the_older_so_one_reader_keeps_the_order():
 
     got, old_ended = asyncio.run(main())
     assert got["a"].token_ids == [1] and old_ended
+
+
+def test_a_channel_nobody_reads_is_dropped_once_abandoned_but_not_before(monkeypatch):
+    from deployments.channels import step_channel
+
+    channels = StepChannels()
+    channels.register("dead", "a")
+    channels.put("dead", _out("a", 1, finished=True))
+    channels.end("dead", "a", delivered=True)  # its ingress died before it subscribed
+    assert "dead" in channels._channels  # a live ingress may still be on its way to read it
+    monkeypatch.setattr(step_channel, "ABANDONED_S", 0.0)
+    channels.register("live", "b")
+    channels.end("live", "b", delivered=False)  # any request's end sweeps
+    assert channels._channels == {}

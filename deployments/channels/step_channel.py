@@ -18,6 +18,7 @@ The ingress side is deployments/channels/step_inbox.py.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ from lanes.engine.outputs import RequestOutput, merge_outputs
 # scaled down is not held by it (Serve waits for ongoing calls) and Serve's count of ongoing requests does
 # not carry it forever. The ingress opens it again with its next request here.
 IDLE_END_S = 2.0
+# A channel that nobody has read for this long and that has no request open is dropped with what it holds:
+# its ingress replica is gone (a live one subscribes within moments of a request's first chunk).
+ABANDONED_S = 60.0
 
 
 @dataclass
@@ -51,6 +55,8 @@ class _Channel:
         self.open: set[str] = set()  # requests of this channel running here
         self.wake = asyncio.Event()
         self.generation = 0  # a newer subscription ends an older one: one reader, so order is kept
+        self.readers = 0
+        self.read_s = time.monotonic()  # when a subscription last read it (or when it was made)
 
 
 class StepChannels:
@@ -79,14 +85,23 @@ class StepChannels:
             ch.pending.pop(request_id, None)
         if not ch.open and not ch.pending:
             ch.wake.set()  # an idle subscription may end
+        self._sweep()
+
+    def _sweep(self) -> None:
+        now_s = time.monotonic()
+        for name, ch in list(self._channels.items()):
+            if not ch.readers and not ch.open and now_s - ch.read_s > ABANDONED_S:
+                del self._channels[name]
 
     async def stream(self, channel: str, idle_end_s: float = IDLE_END_S) -> AsyncIterator[dict[str, RequestOutput]]:
         """The channel's outputs, one message per wake-up: every request's outputs since the last, merged."""
         ch = self._get(channel)
         ch.generation += 1
         mine = ch.generation
+        ch.readers += 1
         try:
             while ch.generation == mine:
+                ch.read_s = time.monotonic()
                 if not ch.pending:
                     ch.wake.clear()
                     try:
@@ -99,7 +114,9 @@ class StepChannels:
                 self.num_messages += 1
                 yield {rid: merge_outputs(outs) for rid, outs in batch.items()}
         finally:
-            if ch.generation == mine and not ch.open and not ch.pending:
+            ch.readers -= 1
+            ch.read_s = time.monotonic()
+            if ch.generation == mine and not ch.open and not ch.pending and self._channels.get(channel) is ch:
                 del self._channels[channel]
 
     def _get(self, channel: str) -> _Channel:

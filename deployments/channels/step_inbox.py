@@ -102,11 +102,12 @@ class ChannelStream:
             async for item in self.call:
                 yield item
             return
+        if not first.first.finished:  # read the channel from now on, not when the first chunk has been sent
+            self.inbox.follow(self.request_id, first.replica)
+            self._watch = asyncio.get_running_loop().create_task(self._watch_call())
         yield first.first
         if first.first.finished:
             return
-        self.inbox.follow(self.request_id, first.replica)
-        self._watch = asyncio.get_running_loop().create_task(self._watch_call())
         queue = self.inbox._queues[self.request_id]
         while True:
             item = await queue.get()
