@@ -113,3 +113,92 @@ def test_a_channel_nobody_reads_is_dropped_once_abandoned_but_not_before(monkeyp
     channels.register("live", "b")
     channels.end("live", "b", delivered=False)  # any request's end sweeps
     assert channels._channels == {}
+
+
+class _Call:
+    """A request's own call as the ingress reads it: its ticket, then (held until `end` is set) its StepEnd."""
+
+    def __init__(self, ticket, end_item, end: asyncio.Event):
+        self.items, self.end_item, self.end, self.cancelled = [ticket], end_item, end, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop()
+        if self.end_item is None:
+            raise StopAsyncIteration
+        await self.end.wait()
+        item, self.end_item = self.end_item, None
+        if isinstance(item, _Raise):
+            raise item.exc
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _reader(inbox, ticket, end_item, end):
+    from deployments.channels.step_inbox import ChannelStream
+
+    inbox._queues["a"] = asyncio.Queue()
+    return ChannelStream(inbox, _Call(ticket, end_item, end), "a")
+
+
+def test_outputs_that_wait_for_a_slow_reader_go_out_merged_and_are_counted():
+    from deployments.channels.step_channel import StepEnd, StepTicket
+    from deployments.channels.step_inbox import StepInbox
+
+    async def main():
+        merged = []
+        inbox = StepInbox(engine=None, on_merged=merged.append)
+        inbox.follow = lambda request_id, replica: None  # no decode lane here: the test feeds the queue
+        end = asyncio.Event()
+        stream = _reader(inbox, StepTicket("r1", _out("a", 1)), StepEnd(delivered=True), end)
+        first = await stream.__anext__()
+        for token in (2, 3, 4):  # three channel messages arrive before the reader comes back
+            inbox._queues["a"].put_nowait(_out("a", token))
+        second = await stream.__anext__()
+        inbox._queues["a"].put_nowait(_out("a", 5, finished=True))
+        third = await stream.__anext__()
+        end.set()
+        stream.cancel()
+        return first, second, third, merged, inbox
+
+    first, second, third, merged, inbox = asyncio.run(main())
+    assert first.token_ids == [1] and second.token_ids == [2, 3, 4] and third.finished
+    assert merged == [2] and inbox.num_merged == 2 and inbox._queues == {}
+
+
+def test_a_request_the_engine_cut_short_ends_short_and_a_failure_is_raised_after_what_came_first():
+    from deployments.channels.step_channel import StepEnd, StepTicket
+    from deployments.channels.step_inbox import StepInbox
+
+    async def main(end_item):
+        inbox = StepInbox(engine=None)
+        inbox.follow = lambda request_id, replica: None
+        end = asyncio.Event()
+        stream = _reader(inbox, StepTicket("r1", _out("a", 1)), end_item, end)
+        got = [await stream.__anext__()]
+        inbox._queues["a"].put_nowait(_out("a", 2))
+        end.set()  # the call ends: cut (StepEnd not delivered) or failed (the exception the watch hands over)
+        await asyncio.sleep(0.01)
+        try:
+            async for out in stream:
+                got.append(out)
+        except RuntimeError as exc:
+            return got, repr(exc)
+        return got, None
+
+    cut, error = asyncio.run(main(StepEnd(delivered=False)))
+    assert [o.token_ids for o in cut] == [[1], [2]] and error is None
+    failed, error = asyncio.run(main(_Raise(RuntimeError("replica died"))))
+    assert [o.token_ids for o in failed] == [[1], [2]] and "replica died" in error
+
+
+class _Raise:
+    """Stands for the call failing: `_Call` returns it, and the watch's loop raises it."""
+
+    def __init__(self, exc):
+        self.exc = exc

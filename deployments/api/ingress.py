@@ -194,7 +194,8 @@ class Ingress:
         self.totals = SpecDecodeStats()  # over requests served by this ingress replica
         self.metrics = IngressMetrics(self.cfg.mode)
         # `stream_channel: step`: this replica's outputs come one message a step per decode replica
-        self.inbox = StepInbox(engine) if self.cfg.stream_channel == "step" else None
+        self.inbox = (StepInbox(engine, on_merged=self.metrics.observe_stream_coalesced)
+                      if self.cfg.stream_channel == "step" else None)
 
     async def timeline(self, start_s: float = 0.0, offset: int = 0) -> dict:
         """This replica's requests since `start_s`, one page from `offset` (deployments/telemetry/timeline.py)."""

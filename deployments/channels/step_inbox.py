@@ -11,13 +11,14 @@ lost a lane) reaches the request through it, and leaving early cancels it in the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
 
 from deployments.channels.step_channel import StepEnd, StepTicket
 from deployments.routing.serve_calls import own_request
-from lanes.engine.outputs import RequestOutput
+from lanes.engine.outputs import RequestOutput, merge_outputs
 
 log = logging.getLogger(__name__)
 _CUT = object()  # in a request's queue: the engine ended it unfinished
@@ -26,13 +27,16 @@ _CUT = object()  # in a request's queue: the engine ended it unfinished
 class StepInbox:
     """This ingress replica's channel: `open()` a request's stream of outputs over it."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, on_merged=None):
+        """`on_merged(n)`: n outputs of a request went out merged into another's chunk (a metric's count)."""
         self.engine = engine  # the decode lane's handle
+        self.on_merged = on_merged
         self.channel = uuid.uuid4().hex
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs (or the exception that ends it)
         self._replica_of: dict[str, str] = {}  # request id -> the decode replica whose channel carries it
         self._subscriptions: dict[str, asyncio.Task] = {}  # replica id -> the task reading its channel
         self.num_messages = 0
+        self.num_merged = 0  # outputs that waited for their request's reader and went out merged
 
     def open(self, prompt, params, request_id: str) -> "ChannelStream":
         """The request's outputs: its call to the decode lane, then its channel's."""
@@ -110,13 +114,22 @@ class ChannelStream:
             return
         queue = self.inbox._queues[self.request_id]
         while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is _CUT:  # the engine dropped the request unfinished: its stream ends here, short
-                return
-            yield item
-            if item.finished:
+            # What waits is merged into one chunk: it waits only where this replica's event loop fell behind.
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            outs = list(itertools.takewhile(lambda i: isinstance(i, RequestOutput), items))
+            if outs:
+                self.inbox.num_merged += len(outs) - 1
+                if self.inbox.on_merged is not None and len(outs) > 1:
+                    self.inbox.on_merged(len(outs) - 1)
+                yield merge_outputs(outs)
+                if outs[-1].finished:
+                    return
+            if len(outs) < len(items):  # then the request's end: a failure, or cut short by the engine
+                end = items[len(outs)]
+                if isinstance(end, BaseException):
+                    raise end
                 return
 
     async def _watch_call(self) -> None:

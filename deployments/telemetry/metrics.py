@@ -166,7 +166,8 @@ def _registry() -> _Registry:
         stream_coalesced=Counter("vpd_stream_coalesced_outputs", "Engine steps' outputs of a request that went "
                                  "out merged into another step's message: max_stream_messages_per_s or "
                                  "stream_interval_ms held it, or the replica's event loop had not taken the "
-                                 "previous one.", tag_keys=lane_tags),
+                                 "previous one (lane=ingress: an ingress replica under stream_channel: step "
+                                 "fell behind its channel).", tag_keys=lane_tags),
         prompts_prefilled=Counter("vpd_prompts_prefilled", "Prompts prefilled where they decode (where=decode_lane: "
                                   "at most local_prefill_max_tokens; in pdv the target's KV by the verify lane) and "
                                   "by the prefill lane.",
@@ -350,6 +351,11 @@ class IngressMetrics:
     def observe_internal_error(self, kind: str) -> None:
         """A request that failed inside the server (`kind`: a fixed label, never client text)."""
         self._metrics.internal_errors.inc(1, tags={**self._tags, "kind": kind})
+
+    def observe_stream_coalesced(self, outputs: int) -> None:
+        """Step outputs merged into another's chunk here because this replica fell behind its channel
+        (`stream_channel: step`)."""
+        self._metrics.stream_coalesced.inc(outputs, tags={**self._tags, "lane": "ingress"})
 
     def observe_request(self, status: str, ttft_ms: float | None, tpot_ms: float | None,
                         e2e_ms: float, completion_tokens: int) -> None:
