@@ -5,7 +5,7 @@ routing/    which replica a call between lanes reaches: leases and the lease rou
 placement/  which GPUs a lane replica sees, where it runs (`Placement`), and the KV hand-over chosen from that
 telemetry/  Ray metrics, the lanes' busy timelines, latency and busy windows for the planner and controller
 channels/   the decode engine's reach to the other lanes: remote proxies, peer calls, pdv's verify channel,
-            pdv's short prompts prefilled by a verify replica
+            pdv's short prompts prefilled by a verify replica; the step channel from decode replica to ingress
 replicas/   the lane deployments (engine, prefill, verify), their worker thread, batcher and TP workers
 api/        the HTTP surface: the ingress, the OpenAI protocol, logprobs, structured output, choices
 
