@@ -142,8 +142,8 @@ class _Call:
 def _reader(inbox, ticket, end_item, end):
     from deployments.channels.step_inbox import ChannelStream
 
-    inbox._queues["a"] = asyncio.Queue()
-    return ChannelStream(inbox, _Call(ticket, end_item, end), "a")
+    queue = inbox._queues["a"] = asyncio.Queue()
+    return ChannelStream(inbox, _Call(ticket, end_item, end), "a", queue)
 
 
 def test_outputs_that_wait_for_a_slow_reader_go_out_merged_and_are_counted():

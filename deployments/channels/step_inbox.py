@@ -40,14 +40,18 @@ class StepInbox:
 
     def open(self, prompt, params, request_id: str) -> "ChannelStream":
         """The request's outputs: its call to the decode lane, then its channel's."""
-        self._queues[request_id] = asyncio.Queue()
+        queue = self._queues[request_id] = asyncio.Queue()
         call = own_request(self.engine.options(stream=True).generate, prompt, params, request_id,
                            channel=self.channel)
-        return ChannelStream(self, call, request_id)
+        return ChannelStream(self, call, request_id, queue)
 
     def follow(self, request_id: str, replica: str) -> None:
-        """The request's later outputs come through `replica`'s channel: read it, if not already."""
+        """The request's later outputs come through `replica`'s channel."""
         self._replica_of[request_id] = replica
+        self._subscribe(replica)
+
+    def _subscribe(self, replica: str) -> None:
+        """Read `replica`'s channel, if not already."""
         task = self._subscriptions.get(replica)
         if task is None or task.done():
             self._subscriptions[replica] = asyncio.get_running_loop().create_task(self._read(replica))
@@ -78,15 +82,15 @@ class StepInbox:
             if self._subscriptions.get(replica) is asyncio.current_task():
                 del self._subscriptions[replica]
         # It ended as idle while a request had just started there (its ticket on the way): read it again.
-        if any(rep == replica for rep in self._replica_of.values()):
-            self.follow(next(r for r, rep in self._replica_of.items() if rep == replica), replica)
+        if replica in self._replica_of.values():
+            self._subscribe(replica)
 
 
 class ChannelStream:
     """A request's outputs over a channel, read as its own call's stream was: async iteration, `cancel()`."""
 
-    def __init__(self, inbox: StepInbox, call, request_id: str):
-        self.inbox, self.call, self.request_id = inbox, call, request_id
+    def __init__(self, inbox: StepInbox, call, request_id: str, queue: asyncio.Queue):
+        self.inbox, self.call, self.request_id, self.queue = inbox, call, request_id, queue
         self._outputs = self._iterate()
         self._watch: asyncio.Task | None = None
 
@@ -112,7 +116,7 @@ class ChannelStream:
         yield first.first
         if first.first.finished:
             return
-        queue = self.inbox._queues[self.request_id]
+        queue = self.queue
         while True:
             # What waits is merged into one chunk: it waits only where this replica's event loop fell behind.
             items = [await queue.get()]
