@@ -1,7 +1,8 @@
-"""`stream_channel: step` served (deployments/channels/step_channel.py, step_inbox.py): in spec, two ingress
-replicas read two decode replicas, each through one subscription per replica; in pdv, one ingress replica. Every stream is the target's greedy
-output in full, a step's outputs of many requests go as one message, a client that leaves frees its request
-in the lanes, and a decode replica killed under streams ends each of its streams with an error, none hung."""
+"""`stream_channel: step` served (deployments/channels/step_channel.py, step_inbox.py): in spec, two
+ingress replicas read two decode replicas, each through one subscription per replica; in pdv, one ingress
+replica. Every stream is the target's greedy output in full, a step's outputs of many requests go as one
+message, a client that leaves frees its request in the lanes, and a decode replica killed under streams
+ends each of its streams with an error, none hung."""
 
 import asyncio
 import json

@@ -20,11 +20,11 @@ from transformers import AutoTokenizer
 
 from deployments.api.choices import Choice, interleave, sample_params, total_usage
 from deployments.api.openai_logprobs import ChoiceExtras
-from deployments.channels.step_inbox import StepInbox
 from deployments.api.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_choice, completion_choice,
     error_body, new_id, response_body, running_usage,
 )
+from deployments.channels.step_inbox import StepInbox
 from deployments.config import AppConfig
 from deployments.placement.kv_transfer import Placement
 from deployments.replicas.engine_replica import GenerateError

@@ -14,8 +14,8 @@ from ray import serve
 
 from controller.planner import DRAFT_LEN, IN_FLIGHT, MAX_NUM_SEQS, TPOT_MS, TTFT_MS
 from deployments.channels.peer_calls import EnginePeers
-from deployments.channels.step_channel import StepChannels, StepEnd, StepTicket
 from deployments.channels.remote import PEER_CALL_TIMEOUT_S
+from deployments.channels.step_channel import StepChannels, StepEnd, StepTicket
 from deployments.placement.gpu_binding import lane_device
 from deployments.placement.kv_transfer import Placement
 from deployments.replicas.tp_workers import bind_workers, watch_workers, worker_pids
@@ -132,7 +132,8 @@ class EngineServer:
         return engine, Placement.of_engine(None, core)
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str,
-                       channel: str | None = None) -> AsyncIterator[RequestOutput | StepTicket | StepEnd | GenerateError]:
+                       channel: str | None = None
+                       ) -> AsyncIterator[RequestOutput | StepTicket | StepEnd | GenerateError]:
         """Stream a request's chunks. Cancelling the call (client gone) aborts it and frees its slots.
 
         With `channel` (an ingress replica's, deployments/channels/step_channel.py) only the first chunk comes
