@@ -130,7 +130,7 @@ def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -
 
 def point_processes(app: str, decode_stats: dict) -> dict[str, int]:
     """The processes a stream crosses: the engine (its own process, when it has one), the decode
-    replica, the ingress replica, Serve's proxy (none with direct ingress) and this client."""
+    replica, the ingress replicas, Serve's proxies and this client."""
     pids = serve_processes(app)
     if decode_stats.get("pid") not in (None, decode_stats.get("replica_pid")):
         pids["engine"] = decode_stats["pid"]
@@ -168,8 +168,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--budget-s", type=float, default=None, help="start no deployment after this long")
     parser.add_argument("--serve-throughput-optimized", action="store_true",
-                        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC between replicas, the "
-                        "ingress serving HTTP itself (no proxy), user code on the replica's event loop")
+                        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC between replicas, user "
+                        "code on the replica's event loop (Serve's proxy process still showed 1.5-1.7 cores "
+                        "busy in benchmarks/results/stream_hops_h100/)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -203,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
            f"prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
            f"L = {args.draft_len}, {args.dtype}, max_num_seqs {args.max_num_seqs}",
            "serve_throughput_optimized": args.serve_throughput_optimized, "rows": [], "errors": {}}
-    env = {**({"TRITON_INTERPRET": "0"} if args.device == "cuda" else {}), **serve_env(args.serve_throughput_optimized)}
-    port = start_cluster(env)
+    port = start_cluster({**({"TRITON_INTERPRET": "0"} if args.device == "cuda" else {}),
+                          **serve_env(args.serve_throughput_optimized)})
     try:
         for mode in args.modes:
             for name, interval_ms, rate, engine in args.settings:
