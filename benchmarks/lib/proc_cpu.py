@@ -10,49 +10,39 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
-CLOCK_TICKS_S = os.sysconf("SC_CLK_TCK")
+from scripts.proc_cpu import read_process, role
 
 
 def cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of `pid` so far (None: it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_S  # utime, stime (stat's fields 14 and 15)
+    read = read_process(str(pid))
+    return None if read is None else read[0]
 
 
 def serve_processes(app: str) -> dict[str, int]:
     """The process ids of `app`'s replicas and of Serve's proxies on this machine, by role
     (`Ingress`, `DecodeLane`, ..., `proxy`); several replicas of one deployment get `#1`, `#2`."""
     found: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        role = _role(title, app)
-        if role is not None:
-            name, n = role, 1
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        read = read_process(pid)
+        name = _role(read[2], app) if read is not None else None
+        if name is not None:
+            base, n = name, 1
             while name in found:
                 n += 1
-                name = f"{role}#{n}"
-            found[name] = int(entry.name)
+                name = f"{base}#{n}"
+            found[name] = int(pid)
     return found
 
 
 def _role(title: str, app: str) -> str | None:
+    """`title`'s deployment if it is a replica of `app`, "proxy" for Serve's proxy, else None (the
+    deployment read by scripts/proc_cpu.py's `role`, which also reads it while a call runs:
+    `...:DecodeLane.handle_request_streaming`)."""
     if title.startswith(f"ray::ServeReplica:{app}:"):
-        # While it runs a call Ray appends the method: `...:DecodeLane.handle_request_streaming`.
-        return title[len(f"ray::ServeReplica:{app}:"):].split()[0].split(".")[0]
-    if title.startswith("ray::ProxyActor"):
-        return "proxy"
-    return None
+        return role(title).removeprefix("replica ")
+    return "proxy" if role(title) == "ProxyActor" else None
 
 
 class CpuMeter:
