@@ -35,7 +35,6 @@ class StepInbox:
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs (or the exception that ends it)
         self._replica_of: dict[str, str] = {}  # request id -> the decode replica whose channel carries it
         self._subscriptions: dict[str, asyncio.Task] = {}  # replica id -> the task reading its channel
-        self.num_messages = 0
         self.num_merged = 0  # outputs that waited for their request's reader and went out merged
 
     def open(self, prompt, params, request_id: str) -> "ChannelStream":
@@ -69,7 +68,6 @@ class StepInbox:
         sub = own_request(self.engine.options(stream=True).steps, self.channel, lease=replica)
         try:
             async for batch in sub:
-                self.num_messages += 1
                 for request_id, out in batch.items():
                     if (queue := self._queues.get(request_id)) is not None:
                         queue.put_nowait(out)
