@@ -27,11 +27,15 @@ TOKENS = 24
 def apps(pair_paths):
     target, draft = pair_paths
     lane = {"num_cpus": 0.05, "health_check_period_s": 1.0}
-    config = app_config("spec", target, draft, stream_channel="step", ingress={**lane, "num_replicas": 2},
+    # Every step streamed, as the step channel is meant and was measured: with a message bound each request's
+    # chunks wait for a timer of their own, so one step's chunks can reach the channel at several moments and
+    # go as several messages.
+    channel = {"stream_channel": "step", "max_stream_messages_per_s": None}
+    config = app_config("spec", target, draft, **channel, ingress={**lane, "num_replicas": 2},
                         decode_lane={**lane, "num_replicas": 2})
     config["engine"].update(max_model_len=1024, max_num_seqs=16)  # streams long enough to be cut
     # pdv, as app_config deploys it (two decode replicas, one verify and one prefill replica, one ingress)
-    with serving({APP: config, PDV: app_config("pdv", target, draft, stream_channel="step")}):
+    with serving({APP: config, PDV: app_config("pdv", target, draft, **channel)}):
         yield
 
 

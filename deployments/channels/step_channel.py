@@ -12,6 +12,10 @@ this replica), a `StepEnd` once its last output is in the channel, its refusal o
 cancellation. Its other outputs wait in the channel, merged per request, until that ingress's one
 subscription (`stream`) takes them, all at once, as one message.
 
+With `max_stream_messages_per_s` (or `stream_interval_ms`) each request's chunks wait for a timer of their
+own in the engine front, so one step's chunks can reach the channel at several moments and go as several
+messages; streaming every step (no bound) is what keeps it to one.
+
 Serve counts each subscription as an ongoing call of the decode replica (one per ingress replica that has
 requests there): its default autoscaling policy sees that many more, and the builder gives the lane room
 for them beyond `max_ongoing_requests`.
