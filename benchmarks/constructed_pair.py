@@ -1,19 +1,9 @@
 """Shape-faithful draft/target pairs whose acceptance is constructed, then measured by the engine.
 
-No model hub is reachable, and random weights give ~0 acceptance. Here every layer keeps random,
-non-zero weights, but the next-token map is built (docs/constructed_pair.md has the derivation):
-
-  * embeddings: random rows of RMS 1, e_x for token x (near-orthogonal in high dimension);
-  * layers: random, variance-preserving weights; the residual-branch outputs (attention o_proj,
-    MLP down_proj) scaled by `residual_scale`, so the last hidden state stays close to e_x while
-    every layer still adds its (context-dependent) share;
-  * LM head (untied): row σ(x) = sharpness * e_x / hidden, so after the final RMSNorm the logit of
-    token u is sharpness * cos(h, e_σ⁻¹(u)): large for u = σ(x), near 0 for every other u;
-  * draft: its own shape, embeddings and head, built the same way around σ_d, which equals σ on a
-    seeded share `agreement` of the vocabulary and differs on the rest.
-
-Greedy acceptance per drafted token is then the share of agreeing tokens, and sampled acceptance
-sum_v min(p, q) depends on `sharpness`; both come out of the engine's ordinary verification.
+Every layer keeps random, non-zero weights, but the next-token map is built, and the draft's map agrees
+with the target's on a chosen share of the vocabulary (docs/constructed_pair.md has the method). The CLI
+builds a pair per agreement, checks its map, and measures acceptance through the engine's ordinary
+verification, greedy and at temperature 1:
 
     python benchmarks/constructed_pair.py --shape small --agreement 0.5 0.8 --out DIR
     python benchmarks/constructed_pair.py --shape tinyllama-7b --agreement 0.5 0.8 --out DIR   (GPU)
@@ -70,9 +60,7 @@ def shape_configs(shape: str) -> tuple[dict, dict]:
 
 def successor_maps(vocab_size: int, agreement: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """σ (target) and σ_d (draft), [V] each, both permutations; σ_d == σ on round(agreement * V) tokens.
-
-    A pure function of its arguments (CPU generator), so callers recompute the maps a pair was built with.
-    """
+    A pure function of its arguments, so callers recompute the maps a pair was built with."""
     if not 0 <= agreement <= 1:
         raise ValueError(f"agreement must be in [0, 1], got {agreement}")
     gen = torch.Generator().manual_seed(seed)
@@ -113,16 +101,22 @@ def build_constructed_model(
     """One model whose greedy next token after x is successor[x], whatever the context."""
     # Untied: the head's rows are the successors' predecessors' embeddings, not the embeddings.
     config = {**config, "tie_word_embeddings": False}
+    hidden = config["hidden_size"]
     # Built on the device: 7B parameters are not initialised on the CPU and then copied over.
     with torch.device(device):
-        loaded = build_random_model(config, dtype=dtype, device=device, seed=seed)
-    model = loaded.model
+        model = build_random_model(config, dtype=dtype, device=device, seed=seed).model
     gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         reinit_layers(model, residual_scale, gen)
-        embeddings = unit_rms_rows(config["vocab_size"], config["hidden_size"], gen, device)  # [V, H]
+        # Embeddings e_x: random rows of RMS 1 (norm sqrt(hidden)), what the first RMSNorm expects. [V, H]
+        embeddings = torch.randn(config["vocab_size"], hidden, generator=gen, device=device)
+        embeddings = embeddings * (math.sqrt(hidden) / embeddings.norm(dim=-1, keepdim=True))
+        # Head row successor[x] = sharpness * e_x / hidden: after the final RMSNorm (norm sqrt(hidden)) the
+        # logit of u is sharpness * cos(h, e of u's predecessor). [V, H]
+        head = torch.empty_like(embeddings)
+        head[successor.to(embeddings.device)] = embeddings * (sharpness / hidden)
         model.get_input_embeddings().weight.copy_(embeddings)
-        model.get_output_embeddings().weight.copy_(successor_head(embeddings, successor, sharpness))
+        model.get_output_embeddings().weight.copy_(head)
         # The head assumes the final RMSNorm leaves directions alone: a unit gain, whatever init did.
         model.get_decoder().norm.weight.fill_(1.0)
     assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
@@ -130,12 +124,8 @@ def build_constructed_model(
 
 
 def reinit_layers(model: torch.nn.Module, residual_scale: float, gen: torch.Generator) -> None:
-    """Random variance-preserving weights (std 1/sqrt(fan_in)); residual outputs scaled down.
-
-    HF's fixed std 0.02 makes a branch's output size depend on the hidden size (tiny at 256, large
-    at 4096); with std 1/sqrt(fan_in) every projection keeps unit scale, attention scores are O(1),
-    and `residual_scale` means the same thing at every shape.
-    """
+    """Random variance-preserving weights (std 1/sqrt(fan_in)), the residual outputs scaled by
+    `residual_scale` (HF's fixed std 0.02 would make a branch's size depend on the hidden size)."""
     num_residual = 0
     for name, module in model.get_decoder().layers.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -147,22 +137,6 @@ def reinit_layers(model: torch.nn.Module, residual_scale: float, gen: torch.Gene
         if module.bias is not None:
             module.bias.zero_()
     assert num_residual == 2 * len(model.get_decoder().layers), "expected o_proj and down_proj in every layer"
-
-
-def unit_rms_rows(rows: int, dim: int, gen: torch.Generator, device: str) -> torch.Tensor:
-    """Random rows scaled to RMS 1 (norm sqrt(dim)), what the first RMSNorm expects. [rows, dim] float32"""
-    x = torch.randn(rows, dim, generator=gen, device=device)
-    return x * (math.sqrt(dim) / x.norm(dim=-1, keepdim=True))
-
-
-def successor_head(embeddings: torch.Tensor, successor: torch.Tensor, sharpness: float) -> torch.Tensor:
-    """LM-head rows: row successor[x] = sharpness * e_x / hidden. [V, H]
-
-    The final RMSNorm gives h a norm of sqrt(hidden), so logit u = sharpness * cos(h, e_σ⁻¹(u)).
-    """
-    head = torch.empty_like(embeddings)
-    head[successor.to(embeddings.device)] = embeddings * (sharpness / embeddings.shape[1])
-    return head
 
 
 # ---- what the pair does, read from plain forwards ----------------------------------------------
@@ -187,11 +161,8 @@ def map_fidelity(model: LoadedModel, successor: torch.Tensor, prompts: torch.Ten
 
 @torch.inference_mode()
 def residual_share(model: LoadedModel, prompts: torch.Tensor) -> float:
-    """RMS of what all layers add to the residual stream, relative to the embeddings' RMS.
-
-    Large enough shows the layers do real work; small enough keeps the map. Read at the final
-    norm's input, the residual stream after the last layer.
-    """
+    """RMS of what all layers add to the residual stream (read at the final norm's input), relative to
+    the embeddings' RMS: large enough shows the layers work, small enough keeps the map."""
     captured: list[torch.Tensor] = []
     decoder = model.model.get_decoder()
     handle = decoder.norm.register_forward_hook(lambda _module, args, _out: captured.append(args[0]))
@@ -206,37 +177,31 @@ def residual_share(model: LoadedModel, prompts: torch.Tensor) -> float:
 
 
 def predicted_acceptance(target: LoadedModel, draft: LoadedModel, prompts: torch.Tensor) -> dict[str, float]:
-    """Per-token acceptance the verification rule gives, from the two models' distributions.
-
-    greedy: share of positions where the argmaxes agree; temperature_1: mean of sum_v min(p, q),
-    the probability that rejection sampling accepts a token drawn from q.
-    """
+    """Per-token acceptance the verification rule gives: greedy, the share of positions whose argmaxes
+    agree; temperature_1, the mean of sum_v min(p, q)."""
     p = next_token_logits(target, prompts).softmax(-1)  # [B, T, V]
     q = next_token_logits(draft, prompts).softmax(-1)
-    return {
-        "greedy": (p.argmax(-1) == q.argmax(-1)).float().mean().item(),
-        "temperature_1": torch.minimum(p, q).sum(-1).mean().item(),
-    }
+    return {"greedy": (p.argmax(-1) == q.argmax(-1)).float().mean().item(),
+            "temperature_1": torch.minimum(p, q).sum(-1).mean().item()}
 
 
-def chain_expectation(per_token: float, draft_len: int) -> dict[str, float]:
-    """vLLM's counters when each drafted token is accepted independently with `per_token`.
-
-    A draft stops at its first rejection, so acceptance_rate = (a + ... + a^L) / L, not a.
-    """
-    accepted = sum(per_token ** (i + 1) for i in range(draft_len))
-    return {"acceptance_rate": accepted / draft_len, "mean_acceptance_length": 1 + accepted}
+def map_check(target: LoadedModel, draft: LoadedModel, agreement: float, seed: int, probes: torch.Tensor) -> dict:
+    """The pair built at (`agreement`, `seed`) read on `probes`: the designed share of agreeing tokens, each
+    model's map fidelity, and the per-token acceptance its distributions predict."""
+    successor, draft_successor = successor_maps(target.model.get_output_embeddings().weight.shape[0], agreement, seed)
+    return {"designed_greedy_agreement": (successor == draft_successor).float().mean().item(),
+            "map_fidelity": {"target": map_fidelity(target, successor, probes),
+                             "draft": map_fidelity(draft, draft_successor, probes)},
+            "predicted_per_token_acceptance": predicted_acceptance(target, draft, probes)}
 
 
 # ---- acceptance through the engine ------------------------------------------------------------
 
 @dataclass
 class TrialCountingStats(SpecDecodeStats):
-    """The engine's counters, plus the drafted tokens that verification actually judged.
-
-    A draft of n tokens with k accepted judged min(k + 1, n) of them; accepted / judged is the
-    per-token acceptance, exact even for drafts cut short near max_tokens.
-    """
+    """The engine's counters, plus the drafted tokens verification judged: a draft of n tokens with k
+    accepted judged min(k + 1, n), so accepted / judged is the per-token acceptance, exact even for
+    drafts cut short near max_tokens."""
 
     num_judged_tokens: int = 0
 
@@ -260,34 +225,23 @@ def run_engine(
     return run_to_completion(engine, requests), engine.total_stats
 
 
-def acceptance_counters(stats: TrialCountingStats, draft_len: int) -> dict:
-    """vLLM's spec-decode counters, plus the per-token acceptance and what independence predicts from it."""
-    per_token = stats.num_accepted_tokens / stats.num_judged_tokens
-    return {
-        **stats.to_dict(),
-        "mean_acceptance_length": stats.mean_acceptance_length,
-        "per_position_acceptance_rate": [n / stats.num_drafts for n in stats.accepted_per_pos],
-        "num_judged_tokens": stats.num_judged_tokens,
-        "per_token_acceptance": per_token,
-        "independent_positions": chain_expectation(per_token, draft_len),
-    }
+def acceptance_counters(stats: TrialCountingStats) -> dict:
+    """vLLM's spec-decode counters, plus the per-token acceptance (accepted / judged)."""
+    return {**stats.to_dict(), "mean_acceptance_length": stats.mean_acceptance_length,
+            "per_position_acceptance_rate": [n / stats.num_drafts for n in stats.accepted_per_pos],
+            "num_judged_tokens": stats.num_judged_tokens,
+            "per_token_acceptance": stats.num_accepted_tokens / stats.num_judged_tokens}
 
 
-def measure_acceptance(
-    target: LoadedModel, draft: LoadedModel, num_prompts: int, draft_len: int, device: str, max_tokens: int = 64,
-    seed: int = 0,
-) -> dict[str, dict]:
+def measure_acceptance(target: LoadedModel, draft: LoadedModel, num_prompts: int, draft_len: int,
+                       max_tokens: int = 64, seed: int = 0) -> dict[str, dict]:
     """Acceptance counters of the engine decoding random prompts, greedy and at temperature 1.0."""
-    for model in (target, draft):
-        on = next(model.model.parameters()).device
-        if on.type != torch.device(device).type:
-            raise ValueError(f"{model.name} is on {on}, measuring on {device}")
     vocab_size = target.model.get_output_embeddings().weight.shape[0]
     prompts = random_prompts(num_prompts, vocab_size, 4, 16, seed=seed)
     result = {}
     for mode, temperature in (("greedy", 0.0), ("temperature_1", 1.0)):
         _, stats = run_engine(target, draft, prompts, draft_len, temperature, max_tokens, seed)
-        result[mode] = acceptance_counters(stats, draft_len)
+        result[mode] = acceptance_counters(stats)
     return result
 
 
@@ -302,23 +256,12 @@ def evaluate(args: argparse.Namespace, agreement: float) -> dict:
     if torch.device(args.device).type == "cuda":
         torch.cuda.synchronize()  # the initialising kernels run asynchronously
     build_s = time.perf_counter() - start
-    successor, draft_successor = successor_maps(target_config["vocab_size"], agreement, args.seed)
     probes = probe_prompts(target_config["vocab_size"], args.probe_rows, seed=args.seed + 100)
     start = time.perf_counter()
-    measured = measure_acceptance(target, draft, args.num_prompts, args.draft_len, args.device, args.max_tokens,
-                                  args.seed)
-    designed = (successor == draft_successor).float().mean().item()
-    return {
-        "agreement": agreement,
-        "designed": {"per_token_acceptance_greedy": designed, **chain_expectation(designed, args.draft_len)},
-        "map_fidelity": {"target": map_fidelity(target, successor, probes),
-                         "draft": map_fidelity(draft, draft_successor, probes)},
-        "residual_share": {"target": residual_share(target, probes), "draft": residual_share(draft, probes)},
-        "predicted_per_token_acceptance": predicted_acceptance(target, draft, probes),
-        "measured": measured,
-        "build_s": round(build_s, 2),
-        "measure_s": round(time.perf_counter() - start, 2),
-    }
+    measured = measure_acceptance(target, draft, args.num_prompts, args.draft_len, args.max_tokens, args.seed)
+    return {"agreement": agreement, **map_check(target, draft, agreement, args.seed, probes),
+            "residual_share": {"target": residual_share(target, probes), "draft": residual_share(draft, probes)},
+            "measured": measured, "build_s": round(build_s, 2), "measure_s": round(time.perf_counter() - start, 2)}
 
 
 def print_table(results: list[dict]) -> None:

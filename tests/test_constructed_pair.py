@@ -59,7 +59,7 @@ def test_engine_greedy_acceptance_is_the_designed_agreement_and_output_is_the_ta
     agreement, target, draft = constructed
     prompts = random_prompts(NUM_PROMPTS, VOCAB, 4, 16, seed=1)
     outputs, stats = run_engine(target, draft, prompts, DRAFT_LEN, temperature=0.0, max_tokens=MAX_TOKENS, seed=0)
-    counters = acceptance_counters(stats, DRAFT_LEN)
+    counters = acceptance_counters(stats)
     assert abs(counters["per_token_acceptance"] - agreement) < TOLERANCE, counters
     for i in range(2):
         assert outputs[str(i)] == hf_greedy(target, prompts[i], MAX_TOKENS)
@@ -71,6 +71,6 @@ def test_sampled_acceptance_is_what_the_distributions_predict():
     target, draft = build_constructed_pair(SMALL_TARGET, SMALL_DRAFT, 0.5, seed=0, sharpness=6.0)
     predicted = predicted_acceptance(target, draft, probe_prompts(VOCAB, 8, seed=100))
     assert predicted["temperature_1"] > predicted["greedy"] + 4 * TOLERANCE
-    measured = measure_acceptance(target, draft, 16, DRAFT_LEN, "cpu", MAX_TOKENS, seed=2)
+    measured = measure_acceptance(target, draft, 16, DRAFT_LEN, MAX_TOKENS, seed=2)
     for mode in ("greedy", "temperature_1"):
         assert abs(measured[mode]["per_token_acceptance"] - predicted[mode]) < TOLERANCE, (mode, measured[mode])

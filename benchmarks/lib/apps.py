@@ -1,7 +1,5 @@
-"""One app's run: its config (a mode on one GPU, or a file of configs/placements/), deploy, a list
-of loads driven through Serve's proxy by the load tester, delete. Failures are recorded, never
-raised, so the next app still runs; the run keeps to a deadline.
-"""
+"""One app's run: its config, deploy, a list of loads through Serve's proxy, delete. Failures are
+recorded, never raised, so the next app still runs; the run keeps to a deadline."""
 
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ from loadtest.report import Point
 from loadtest.runner import run_load
 from loadtest.spec_stats import SpecDecodeCounters
 
-# The served benchmarks' defaults by device: dtype, the lanes' CPUs and timeouts (lanes_1gpu.py, lane_faults.py,
-# lane_soak.py), the uniform workload's log-normal lengths (dual_gpu.py's flags). GPU: one H200 (139 GiB).
+# The served benchmarks' defaults by device: dtype, the uniform workload's log-normal lengths, the lanes' CPUs,
+# timeouts. GPU: one H200 (139 GiB).
 PRESETS = {
     "cuda": dict(dtype="bfloat16", prompt_len_median=128, min_prompt_len=16, max_prompt_len=384, output_len_median=128,
                  min_output_len=64, max_output_len=192, lane_num_cpus=1.0, deploy_timeout_s=180.0,
@@ -51,8 +49,8 @@ def engine_args(max_model_len: int, max_num_seqs: int, draft_len: int = 3,
 
 def app_args(mode: str, target: Path, draft: Path, *, dtype: str, engine: dict, lane_num_cpus: float,
              one_gpu: bool, controller: bool = False) -> dict:
-    """configs/<mode>.yaml's args on this pair and engine; with `one_gpu`, the lanes share one GPU
-    (GPU_SHARES); with `controller`, the draft-length controller decides L from the first step."""
+    """configs/<mode>.yaml's args on this pair and engine; `one_gpu`: the lanes share one GPU (GPU_SHARES);
+    `controller`: the draft-length controller decides L from the first step."""
     config = benchmark_app_args(mode, target, draft, dtype=dtype, engine=engine, lane_num_cpus=lane_num_cpus,
                                 max_ongoing=MAX_ONGOING, gpu_shares=GPU_SHARES[mode] if one_gpu else None)
     if controller and mode != "nospec":
@@ -84,8 +82,7 @@ class AppRun:
 
 
 def deploy_app(run: AppRun, config: dict, timeout_s: float) -> bool:
-    """Deploy `config` as app `run.name` (route /name); False, with the failure recorded, if it
-    did not come up (Serve has then deleted it)."""
+    """Deploy `config` as app `run.name`; False, the failure recorded, if it did not come up."""
     try:
         run.deploy_s = deploy(run.name, config, timeout_s)
     except Exception as exc:  # recorded; the next app still runs
@@ -99,15 +96,13 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
               seed: int, on_point: Callable[[AppRun], None] = lambda run: None,
               lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False,
               sampler: Callable[[str, Load], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> None:
-    """Run `loads` in order against the deployed app `run.name`, appending a point to `run` each.
+    """Run `loads` in order against the deployed app `run.name`, a point each into `run`.
 
-    `deadline_s` (time.monotonic) bounds the whole: a load whose estimate (or `min_load_s`, if
-    more) no longer fits is skipped (and recorded so), and no request waits past it by more than
-    10 s. `on_point(run)` is called after every point; `lanes_of(start_s, end_s)`, if given, reads
-    the lanes' timelines over each measured point's wall-clock window. `request_counters`:
-    acceptance from the responses' own counters, not the server's totals (which cover one ingress
-    replica of several). `sampler(app_url, load)`, if given, runs beside every load and is cancelled
-    when it ends (e.g. polling the app's state).
+    A load whose estimate (or `min_load_s`) no longer fits before `deadline_s` (time.monotonic) is skipped,
+    and no request waits past it by more than 10 s. `on_point(run)` after every point; `lanes_of(start_s,
+    end_s)` reads the lanes' timelines over each measured point; `request_counters`: acceptance from the
+    responses' own counters (the server's totals cover one ingress replica of several); `sampler(app_url,
+    load)` runs beside every load, cancelled when it ends.
     """
     done = {load.name: point.summary for load, point in run.points}
     warmups = frozenset(load.name for load in loads if not load.measured)
@@ -141,18 +136,13 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
 
 
 def run_app(name: str, config: dict, port: int, loads: list[Load], deadline_s: float, *,
-            deploy_timeout_s: float, request_timeout_s: float, seed: int,
-            on_point: Callable[[AppRun], None] = lambda run: None,
-            lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False,
-            sampler: Callable[[str, Load], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> AppRun:
-    """Deploy `config` as app `name`, run `loads` in order against it (run_loads), delete it."""
+            deploy_timeout_s: float, **options) -> AppRun:
+    """Deploy `config` as app `name`, run `loads` against it (run_loads, with `options`), delete it."""
     run = AppRun(name)
     if not deploy_app(run, config, deploy_timeout_s):
         return run
     try:
-        run_loads(run, port, loads, deadline_s, request_timeout_s=request_timeout_s, seed=seed,
-                  on_point=on_point, lanes_of=lanes_of, request_counters=request_counters, sampler=sampler,
-                  min_load_s=min_load_s)
+        run_loads(run, port, loads, deadline_s, **options)
     except Exception as exc:  # recorded; the next app still runs
         run.failed(f"{type(exc).__name__}: {exc}")
     finally:
@@ -176,17 +166,15 @@ def lane_reader(name: str, mode: str) -> Callable[[float, float], dict]:
 
 
 def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: float) -> dict:
+    """lanes_of's reading, logged; its failure recorded instead of ending the run (a diagnostic)."""
     try:
         lanes = lanes_of(start_s, end_s)
-    except Exception as exc:  # a diagnostic: never let it end the run
+    except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    if path := lanes.get("prefill_path"):
-        log(f"  before decoding: {json.dumps(path)}")
-    if cycle := lanes.get("per_verify_ms"):
-        log(f"  per verify forward, ms: {json.dumps(cycle)}")
-    for lane in ("engine", "decode"):
-        if steps := lanes.get(f"{lane}_steps"):
-            log(f"  {lane} lane's steps: {json.dumps(steps)}")
+    for key, label in (("prefill_path", "before decoding"), ("per_verify_ms", "per verify forward, ms"),
+                       ("engine_steps", "engine lane's steps"), ("decode_steps", "decode lane's steps")):
+        if value := lanes.get(key):
+            log(f"  {label}: {json.dumps(value)}")
     return lanes
 
 

@@ -1,7 +1,5 @@
-"""The cluster of a served benchmark: one Ray cluster with Serve's proxy, apps of the five modes
-deployed from configs/<mode>.yaml and removed again, what their replicas logged and left on the
-GPU, and where and how a run was measured.
-"""
+"""A served benchmark's cluster: Ray with Serve's proxy, apps deployed from configs/<mode>.yaml and
+removed, what their replicas logged and left on the GPU, and where and how a run was measured."""
 
 from __future__ import annotations
 
@@ -34,22 +32,13 @@ class DeployFailed(RuntimeError):
     """An app did not reach RUNNING; the message says why (Serve's own status message)."""
 
 
-def mode_args(mode: str, target: Path | None, draft: Path | None) -> dict:
-    """The `args:` of configs/<mode>.yaml with model paths absolute (replicas may run elsewhere)."""
-    config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())
-    args = config["applications"][0]["args"]
-    for role, override in (("target", target), ("draft", draft)):
-        path = override or REPO / args[role]["path"]
-        args[role]["path"] = str(Path(path).resolve())
-    return args
-
-
 def benchmark_app_args(mode: str, target: Path | None, draft: Path | None, *, dtype: str, engine: dict,
                        lane_num_cpus: float, max_ongoing: int, gpu_shares: dict[str, float] | None) -> dict:
-    """configs/<mode>.yaml's args with a benchmark's models, engine sizes and lane placement: every
-    lane (and the ingress) admits `max_ongoing` requests, and with `gpu_shares` the lanes share GPUs."""
-    config = mode_args(mode, target, draft)
-    for role in ("target", "draft"):
+    """configs/<mode>.yaml's args with a benchmark's models (paths absolute: replicas may run elsewhere),
+    engine sizes and placement: every lane and the ingress admit `max_ongoing` requests; `gpu_shares`."""
+    config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())["applications"][0]["args"]
+    for role, override in (("target", target), ("draft", draft)):
+        config[role]["path"] = str(Path(override or REPO / config[role]["path"]).resolve())
         config[role]["dtype"] = dtype
     config["engine"] = {**config["engine"], **engine}
     config["max_queued_requests"] = max_ongoing
@@ -62,52 +51,37 @@ def benchmark_app_args(mode: str, target: Path | None, draft: Path | None, *, dt
     return config
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_cluster(env_vars: dict[str, str] | None = None) -> int:
-    """A Ray cluster of this machine with Serve's proxy on a free port; returns the port.
-
-    `env_vars` reach every replica (OMP_NUM_THREADS=1 always: replicas share the cores). Those of Ray
-    (`RAY_*`) are also set here before Ray starts, so that its own processes read them too: Serve's
-    controller and proxy take settings such as RAY_SERVE_THROUGHPUT_OPTIMIZED from the environment they
-    start in, which is the raylet's, inherited from this process.
-    """
+    """A Ray cluster of this machine with Serve's proxy on a free port; returns the port. `env_vars` reach
+    every replica (OMP_NUM_THREADS=1 always); `RAY_*` ones are also set here, before Ray starts, as Serve's
+    controller and proxy read them from the raylet's environment, inherited from this process."""
     os.environ.update({key: value for key, value in (env_vars or {}).items() if key.startswith("RAY_")})
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **(env_vars or {})}})
-    port = free_port()
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
 
 
 def serve_env(throughput_optimized: bool) -> dict[str, str]:
-    """The environment of Serve's high-throughput settings (Ray >= 2.55), or none: user code on the
-    replica's own event loop instead of a second thread's, the router on it too, gRPC between replicas,
-    the ingress replicas serving HTTP themselves, request logs buffered, the garbage collector frozen
-    after start (ray/serve/_private/constants.py). An ingress replica that serves HTTP itself drains for
-    30 s when deleted; a benchmark deletes each app after its last request has ended, so 1 s."""
+    """Serve's high-throughput settings (Ray >= 2.55, ray/serve/_private/constants.py), or none. An ingress
+    replica serving HTTP itself drains 30 s when deleted; a benchmark deletes apps once idle, so 1 s."""
     return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"} if throughput_optimized else {}
 
 
 def start_model_cluster(env_vars: dict[str, str] | None = None) -> int:
-    """start_cluster for apps of large models: a replica that fails to start is not rebuilt three
-    times (each try would load the weights again), and Triton compiles for the GPU (unless the
-    driver's TRITON_INTERPRET says otherwise)."""
+    """start_cluster for large models: a replica that fails to start is not rebuilt three times (each try
+    loads the weights again); Triton compiles for the GPU unless the driver's TRITON_INTERPRET says not."""
     return start_cluster({"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"),
                           "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1", **(env_vars or {})})
 
 
 def deploy(name: str, app_args: dict, timeout_s: float) -> float:
-    """Deploy `app_args` as app `name` (route /name) and wait until it runs; returns the seconds taken.
-
-    Raises DeployFailed with Serve's message when the app fails or is not running within
-    `timeout_s`, after deleting it, so that the next app gets the machine.
-    """
+    """Deploy `app_args` as app `name` (route /name), wait until it runs, return the seconds taken. Raises
+    DeployFailed with Serve's message if it fails or is not running within `timeout_s`, after deleting it."""
     started_s = time.monotonic()
     try:
         serve.run_many([serve.RunTarget(build_app(app_args), name=name, route_prefix=f"/{name}")],
@@ -134,7 +108,8 @@ def _status_message(status) -> str:
 
 
 def replica_logs() -> list[Path]:
-    """This Ray session's Serve replica logs (replica output does not reach the driver)."""
+    """This Ray session's Serve replica logs (replica output does not reach the driver). Ray's private
+    API: callers catch its failures, so that it never hides the failure being reported."""
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
     return sorted(logs.glob("replica_*.log"))
 
@@ -143,7 +118,7 @@ def replica_log_tail(name: str, lines: int = 25) -> str:
     """The last lines of app `name`'s replica logs."""
     try:
         paths = [p for p in replica_logs() if p.name.startswith(f"replica_{name}_")]
-    except Exception as exc:  # a private API: never let it hide the failure being reported
+    except Exception as exc:
         return f"(replica logs not found: {exc})"
     return "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
                      for path in paths)
@@ -153,7 +128,7 @@ def replica_log_lines(wanted: tuple[str, ...], most: int = 400) -> str:
     """Every replica's log lines that contain one of `wanted` (memory plans, refusals, errors)."""
     try:
         paths = replica_logs()
-    except Exception as exc:  # a private API: never let it end the run
+    except Exception as exc:
         return f"(replica logs not found: {exc})"
     lines = [f"{path.name}: {line.strip()}" for path in paths
              for line in path.read_text(errors="replace").splitlines() if any(w in line for w in wanted)]
@@ -186,8 +161,7 @@ def machine() -> dict:
                       if line.startswith("model name")), platform.processor())
     return {"cpu_model": cpu_model, "cpu_cores": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-                                1),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "ray": ray.__version__,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
@@ -220,8 +194,7 @@ def shm_gib() -> float | None:
 
 
 def git_commit() -> str:
-    """HEAD, with "-dirty" when the working tree has uncommitted changes ("unknown" without git:
-    the GPU machine gets a copy of the working tree, not the repository)."""
+    """HEAD, "-dirty" with uncommitted changes; "unknown" without git (the GPU machine gets a copy of the tree)."""
     try:
         done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=REPO,
                               capture_output=True, text=True)

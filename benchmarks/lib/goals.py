@@ -1,11 +1,6 @@
-"""The lanes' speed goals on one GPU from one call's rows: each lane mode against unified served in the same call.
-
-A goal counts only against a reference measured in the same run, on the same machine: a ratio between
-calls mixes two machines' states (unified alone read 5,729-7,789 tok/s from call to call on one H200).
-Where unified was deployed more than once in a call (`--modes unified,pd,unified`), a p99 goal must hold
-against each of its points, so that a reference that drifted within the call shows as a split verdict
-instead of hiding in an average.
-"""
+"""The lanes' speed goals on one GPU: each lane mode against unified served in the same call (a ratio
+between calls mixes two machines' states). Where unified ran more than once in a call, a p99 goal must
+hold against each of its points, so a reference that drifted shows as a split verdict."""
 
 from __future__ import annotations
 
@@ -19,10 +14,9 @@ STALL_P99_MAX = {"pd": 1.0, "pdv": 1.0, "spec": 3.0}  # mixed traffic at each ra
 
 
 def goal_rows(rows: list[dict], base_of: Callable[[str], str]) -> list[dict]:
-    """One row per (mode, load, measure) that has a goal and a reference: the ratio to unified (to each
-    of unified's points where it has several), the goal, and whether it is met against every one.
-    `rows`: `benchmarks.lib.results.row` dicts with `mode` and `load`; `base_of`: a benchmark variant's
-    mode of configs/ (pd512 -> pd)."""
+    """One row per (mode, load, measure) with a goal and a reference: the ratio to each of unified's points,
+    the goal, and whether it is met against every one. `rows`: results.row dicts with `mode` and `load`;
+    `base_of`: a variant's mode of configs/ (pd512 -> pd)."""
     return _uniform(rows, base_of) + _mixed(rows, base_of)
 
 
@@ -32,7 +26,7 @@ def _uniform(rows: list[dict], base_of) -> list[dict]:
     if not reference:
         return []
     out = []
-    for mode in _modes(uniform):
+    for mode in dict.fromkeys(r["mode"] for r in uniform):
         if (goal := UNIFORM_MIN.get(base_of(mode))) is None or mode == REFERENCE:
             continue
         ratio = mean(r["tok_s"] for r in uniform if r["mode"] == mode) / mean(reference)
@@ -54,10 +48,6 @@ def _mixed(rows: list[dict], base_of) -> list[dict]:
                 if goal is not None and ratios:
                     out.append(_verdict(r["mode"], load, measure, ratios, f"<= {goal}", max(ratios) <= goal))
     return out
-
-
-def _modes(rows: list[dict]) -> list[str]:
-    return list(dict.fromkeys(r["mode"] for r in rows))
 
 
 def _verdict(mode: str, load: str, measure: str, ratios: list[float], goal: str, met: bool) -> dict:

@@ -1,7 +1,5 @@
-"""What a served benchmark sends and how long it should take: loads (requests at arrivals), the
-warm-up burst, mixed traffic, and what a load's records say beyond the load tester's summary
-(the decode stall, acceptance from the responses' own counters, requests in flight over time).
-"""
+"""What a served benchmark sends and how long it should take: loads, the warm-up burst, mixed traffic,
+and what a load's records say beyond the load tester's summary (decode stall, acceptance, in flight)."""
 
 from __future__ import annotations
 
@@ -19,16 +17,16 @@ from loadtest.spec_stats import SpecDecodeCounters
 from loadtest.summary import Summary
 from loadtest.workload import LogNormal, WorkloadRequest, mix_long_prompts, synthetic
 
-# Mixed traffic (lanes_1gpu.py on one GPU, dual_gpu.py on two): a share of long prompts among short ones,
-# every output the same length. By device: the CPU sizes only prove the path.
+# Mixed traffic: a share of long prompts among short ones, every output the same length. The CPU sizes
+# only prove the path.
 MIXED = {"cuda": dict(prompt=128, output=128, long=3000, long_share=0.1),
          "cpu": dict(prompt=16, output=8, long=96, long_share=0.1)}
 
 
 @dataclass(frozen=True)
 class Load:
-    """One point of an app's run: these requests, at fixed arrivals or at a rate taken from an
-    earlier point of the same app (Poisson at `factor` x that point's completed requests/s)."""
+    """One point of an app's run: these requests, at fixed arrivals or Poisson at `factor` x the
+    completed requests/s of an earlier point of the same app (`rate_of`)."""
 
     name: str
     requests: list[WorkloadRequest]
@@ -52,8 +50,8 @@ def exactly(tokens: int) -> LogNormal:
 
 def warmup_requests(tokenizer: Any, count: int, seed: int, prompts: LogNormal, long_prompts: int = 0,
                     long_prompt_len: int = 0) -> list[WorkloadRequest]:
-    """A burst of `count` requests (as many as the app has decode slots), `long_prompts` of them
-    `long_prompt_len` tokens long, so that an app meets long prompts first in its warm-up."""
+    """A burst of `count` requests (the app's decode slots), `long_prompts` of them `long_prompt_len`
+    tokens long, so that an app meets long prompts first in its warm-up."""
     # Outputs of 4-64 tokens end at different times, so the batch passes every bucket going down.
     burst = synthetic(tokenizer, count, seed, prompts, LogNormal(24, 0.6, 4, 64))
     if not long_prompts:
@@ -70,15 +68,10 @@ def mixed_requests(tokenizer: Any, count: int, seed: int, device: str) -> list[W
 
 def estimate_s(load: Load, arrivals: Arrivals, done: dict[str, Summary],
                warmups: frozenset[str] = frozenset()) -> float:
-    """How long a load should take, from the closest earlier point (0 before any).
-
-    Warm-up points (`warmups`) count only while nothing else has run: their throughput includes
-    CUDA-graph capture and kernel compilation (263 tok/s against 1,472 at c64 for nospec on an
-    H200), and taking it as the reference skipped loads that would have fit. A closed loop above
-    every measured concurrency scales the nearest point's throughput by the square root of the
-    concurrency ratio: decoding gains nearly linearly with batch while memory-bound, the root keeps
-    a margin; taken unscaled, nospec's c1 (73 tok/s) said c64 needed 221 s, against about 12 s.
-    """
+    """How long a load should take, from the closest earlier point (0 before any). Warm-up points
+    (`warmups`, slowed by graph capture and compilation) count only while nothing else has run. A closed
+    loop above every measured concurrency scales the nearest point's throughput by the root of the
+    concurrency ratio (decoding gains nearly linearly with batch while memory-bound; the root keeps a margin)."""
     points = {name: s for name, s in done.items() if name not in warmups} or done
     measured = [s for s in points.values() if s.output_token_throughput_tps > 0]
     if not measured:
@@ -95,16 +88,15 @@ def estimate_s(load: Load, arrivals: Arrivals, done: dict[str, Summary],
 
 
 def request_spec_counters(records: list[RequestRecord]) -> SpecDecodeCounters:
-    """vLLM's spec-decode counters summed over the completed requests' own usage.spec_decode. The
-    server's totals would be partial behind several ingress replicas: each counts what it served."""
+    """vLLM's spec-decode counters summed over the completed requests' own usage.spec_decode (behind several
+    ingress replicas, the server's totals are one replica's)."""
     done = [r for r in records if r.status == "completed" and r.num_draft_tokens]
     return SpecDecodeCounters(sum(r.num_drafts for r in done), sum(r.num_draft_tokens for r in done),
                               sum(r.num_accepted_tokens for r in done), [])
 
 
 def in_flight_steps(records: list[RequestRecord], origin_s: float) -> list[tuple[float, int]]:
-    """Requests in flight after every submit and end, on a clock where the load began at `origin_s`.
-    [(s, count)]"""
+    """Requests in flight after every submit and end, [(s, count)], on a clock where the load began at `origin_s`."""
     events = sorted([(r.start_s, 1) for r in records] + [(r.end_s, -1) for r in records])
     count, steps = 0, []
     for t, delta in events:

@@ -1,11 +1,6 @@
-"""NVIDIA's Multi-Process Service for a benchmark run: lanes that share one GPU as separate processes.
-
-Without MPS the driver time-slices the GPU between processes: a kernel of the prefill lane and
-one of the decode lane never run at once, and a decode step waits out another process's slice.
-Under MPS every process's work goes through one server context, so kernels of different lanes
-run side by side (what unified gets inside its one process). Only the control daemon is started
-here: no setting of the card changes (compute mode stays as found), and the daemon is told to quit
-when the run ends.
+"""NVIDIA's Multi-Process Service for lanes that share one GPU as separate processes: without it the driver
+time-slices the GPU between them; under it their kernels run side by side. Only the control daemon is
+started (the card's settings stay as found), and told to quit when the run ends.
 
     with mps_daemon(Path("/tmp/mps")) as env:   # before the first CUDA call of this process
         start_model_cluster(env)                 # replicas inherit the pipe directory
@@ -43,9 +38,8 @@ def server_pids(env: dict[str, str]) -> list[int]:
 
 @contextlib.contextmanager
 def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
-    """Start the MPS control daemon with its pipes and logs under `directory`, export the
-    variables that make this process and its children MPS clients, and yield them (to pass to
-    Ray's runtime_env too). Must run before this process makes a CUDA context."""
+    """Start the MPS control daemon with its pipes and logs under `directory`, export the variables that
+    make this process and its children its clients, and yield them (for Ray's runtime_env too)."""
     if shutil.which(CONTROL) is None:
         raise MPSUnavailable(f"{CONTROL} is not on PATH")
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(directory / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(directory / "log")}
@@ -54,9 +48,8 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
     started = _start(env)
     deadline_s = time.monotonic() + STALE_WAIT_S
     while started.returncode != 0 and time.monotonic() < deadline_s:
-        # An earlier run's daemon that outlived its quit: it waits for its clients (Ray's workers) to exit, and
-        # a `-d` meanwhile exits 1 with nothing on stderr (twice on a warm H200, 2026-11-29). Ask it again and
-        # wait for it to go.
+        # An earlier run's daemon that outlived its quit (it waits for its clients to exit; a `-d` meanwhile
+        # exits 1 with nothing on stderr): ask it again and wait for it to go.
         _quit_stale(env)
         time.sleep(STALE_POLL_S)
         started = _start(env)
@@ -83,8 +76,7 @@ def _start(env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def _quit_stale(env: dict[str, str]) -> None:
-    """Ask a daemon still running on these pipes to quit (its run's `quit` timed out while its clients were
-    exiting: a second `-d` on a warm machine then exited 1, 2026-11-28)."""
+    """Ask a daemon still running on these pipes to quit."""
     try:
         _control("get_server_list", env, timeout_s=5.0)
         _control("quit", env, timeout_s=60.0)

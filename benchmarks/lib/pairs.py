@@ -1,7 +1,5 @@
-"""The constructed model pair on disk: built once (benchmarks/constructed_pair.py), saved as two HF
-model directories with a word-level tokenizer, reused by every later run, and checked after
-loading as the replicas load it (docs/constructed_pair.md).
-"""
+"""The constructed model pair on disk (docs/constructed_pair.md): built once, saved as two HF model
+directories with a word-level tokenizer, reused by every later run, checked as the replicas load it."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from benchmarks.constructed_pair import (build_constructed_pair, map_fidelity, predicted_acceptance,
-                                         probe_prompts, shape_configs, successor_maps)
+from benchmarks.constructed_pair import build_constructed_pair, map_check, probe_prompts, shape_configs
 from benchmarks.lib.cluster import free_device_memory, log
 from lanes.model.loader import load_model
 
@@ -25,8 +22,7 @@ PAIR_DIR = Path("/tmp/vpd_gpu_modes")  # where the benchmarks keep saved pairs b
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Token i is the word "t<i>", split on whitespace; no special tokens (the constructed configs
-    have no EOS: requests end at max_tokens)."""
+    """Token i is the word "t<i>"; no special tokens (the pairs have no EOS: requests end at max_tokens)."""
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
@@ -43,9 +39,8 @@ class SavedPair:
 
 def save_pair(shape: str, agreement: float, pair_dir: Path, *, dtype: str, device: str, seed: int = 0,
               reload_check: str = "structure") -> SavedPair:
-    """Build the pair on `device` and save it under `pair_dir`, unless a finished save is already
-    there (the target does not depend on the agreement: one target serves every draft); then
-    check it (`reload_check`: "full" for check_reloaded, "structure" for check_stored_head)."""
+    """Build the pair on `device` and save it under `pair_dir`, unless a finished save is there (one target
+    serves every agreement); then check it (`reload_check`: "full" or "structure")."""
     target_config, draft_config = shape_configs(shape)
     base = pair_dir / f"{shape}-seed{seed}-{dtype}"
     target_dir, draft_dir = base / "target", base / f"draft-agreement{agreement:g}"
@@ -76,21 +71,11 @@ def check_reloaded(target_dir: Path, draft_dir: Path, agreement: float, seed: in
     start = time.perf_counter()
     target = load_model(str(target_dir), dtype, device)
     draft = load_model(str(draft_dir), dtype, device)
-    vocab_size = len(target.tokenizer)
-    successor, draft_successor = successor_maps(vocab_size, agreement, seed)
-    probes = probe_prompts(vocab_size, 8, seed=seed + 100)
-    designed = (successor == draft_successor).float().mean().item()
-    check = {
-        "designed_greedy_agreement": designed,
-        "map_fidelity": {"target": map_fidelity(target, successor, probes),
-                         "draft": map_fidelity(draft, draft_successor, probes)},
-        "predicted_per_token_acceptance": predicted_acceptance(target, draft, probes),
-        "untied_lm_head": all(m.model.get_output_embeddings().weight.data_ptr()
-                              != m.model.get_input_embeddings().weight.data_ptr()
-                              for m in (target, draft)),
-    }
-    check["ok"] = (min(check["map_fidelity"].values()) >= 0.95 and check["untied_lm_head"]
-                   and abs(check["predicted_per_token_acceptance"]["greedy"] - designed) <= 0.05)
+    check = map_check(target, draft, agreement, seed, probe_prompts(len(target.tokenizer), 8, seed=seed + 100))
+    check["untied_lm_head"] = all(m.model.get_output_embeddings().weight.data_ptr()
+                                  != m.model.get_input_embeddings().weight.data_ptr() for m in (target, draft))
+    check["ok"] = (min(check["map_fidelity"].values()) >= 0.95 and check["untied_lm_head"] and
+                   abs(check["predicted_per_token_acceptance"]["greedy"] - check["designed_greedy_agreement"]) <= 0.05)
     check["check_s"] = round(time.perf_counter() - start, 1)
     del target, draft
     free_device_memory()

@@ -1,10 +1,5 @@
-"""The CPU time each serving process spends over a load point, read from /proc (Linux): which hop of a
-stream (the engine, its replica, the ingress, Serve's proxy, the client) is busy.
-
-A process near 1.0 core is a single event loop (or a GIL) that cannot go faster: the hop that bounds
-the point. Ray names its workers by their actor (`ray::ServeReplica:<app>:<deployment>`,
-`ray::ProxyActor`), which is how they are found here.
-"""
+"""The cores each serving process uses over a load point, read from /proc through scripts/proc_cpu.py:
+which hop of a stream is busy (one near 1.0 core is an event loop or a GIL that bounds the point)."""
 
 from __future__ import annotations
 
@@ -37,9 +32,8 @@ def serve_processes(app: str) -> dict[str, int]:
 
 
 def _role(title: str, app: str) -> str | None:
-    """`title`'s deployment if it is a replica of `app`, "proxy" for Serve's proxy, else None (the
-    deployment read by scripts/proc_cpu.py's `role`, which also reads it while a call runs:
-    `...:DecodeLane.handle_request_streaming`)."""
+    """`title`'s deployment if it is a replica of `app` (Ray names workers by actor), "proxy" for Serve's
+    proxy, else None."""
     if title.startswith(f"ray::ServeReplica:{app}:"):
         return role(title).removeprefix("replica ")
     return "proxy" if role(title) == "ProxyActor" else None

@@ -1,8 +1,5 @@
-"""A served benchmark's results: a row per point (every submitted request counted), Markdown
-tables, ratios against goals, goodput under latency bounds, bar plots, and the files rewritten
-after every point so that a run cut short keeps what it measured. matplotlib is imported only to plot: the GPU
-machine's image may lack it.
-"""
+"""A benchmark's results: a row per point (every submitted request counted), Markdown tables, goals,
+goodput under latency bounds, bar plots (matplotlib only if installed), files rewritten after every point."""
 
 from __future__ import annotations
 
@@ -33,8 +30,8 @@ def point_document(load: Load, point: Point) -> dict:
 
 
 def row(point: Point, **labels: str) -> dict:
-    """One line of a results table: `labels` (e.g. mode and load) first, then the counts (every
-    submitted request completed, failed or timed out), throughput, latencies and the decode stall."""
+    """One line of a results table: `labels` (e.g. mode and load), then the counts (every submitted request
+    completed, failed or timed out), throughput, latencies, the decode stall and acceptance."""
     s = point.summary
     lat = s.latency_ms
     spec = s.spec_decode
@@ -106,16 +103,14 @@ def within_slos(summary: dict, tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) -> 
 
 
 def goodput(points: list[dict], tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) -> dict | None:
-    """Of `points` ({"summary": Summary.to_dict(), ...}, one per offered rate), the one with the
-    most completed requests/s within the bounds (within_slos): measured rates only, so the goodput
-    is known to within the rate grid. None when no rate met them."""
+    """Of `points` ({"summary": Summary.to_dict(), ...}, one per offered rate), the one with the most
+    completed requests/s within the bounds (within_slos); None when no rate met them."""
     meeting = [p for p in points if within_slos(p["summary"], tpot_ms, ttft_ms)]
     return max(meeting, key=lambda p: p["summary"]["request_throughput_rps"], default=None)
 
 
 def script_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
-    """The flags the GPU evidence scripts share (gpu_evidence.py passes them on to paged_capacity.py and
-    families_fused.py): where it runs, where it writes, how long it may take, where the pairs are saved."""
+    """The flags the GPU evidence scripts share: device, output directory, time budget, saved pairs."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, required=True)
@@ -126,7 +121,7 @@ def script_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
 
 
 def write_document(out: Path, name: str, document: dict, markdown: str) -> None:
-    """Rewrite out/name.json and out/name.md (after every point: a run cut short keeps them)."""
+    """Rewrite out/name.json and out/name.md (after every point, so a run cut short keeps them)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(document, indent=1, default=str))
     (out / f"{name}.md").write_text(markdown)

@@ -1,7 +1,5 @@
 """Lane timelines (deployments/telemetry/timeline.py) fetched from a served app and read: how busy each lane
-was, whether verify overlapped drafting, and where pd / pdv requests waited before decoding.
-Read by benchmarks/lib/apps.py (lane_reader) and benchmarks/dual_gpu.py.
-"""
+was, whether verify overlapped drafting, and where pd / pdv requests waited before decoding."""
 
 from __future__ import annotations
 
@@ -14,8 +12,6 @@ from loadtest.summary import LatencyStats
 
 LANE_DEPLOYMENTS = {"unified": ("DecodeLane",), "pd": ("PrefillLane", "DecodeLane"),
                     "pdv": ("PrefillLane", "DecodeLane", "VerifyLane")}
-
-# ---- intervals -------------------------------------------------------------------------------
 
 Interval = tuple[float, float]
 
@@ -79,13 +75,9 @@ def ms_quantiles(values_s, digits: int = 1) -> dict:
 
 
 def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
-    """How busy each lane was in [start_s, end_s], and whether verify and drafting overlapped.
-
-    A decode replica drafts during its steps except while it waits on the verify lane; the verify
-    lane is busy during its forwards. `verify_with_drafting_share` is the part of the verify
-    lane's busy time during which at least one decode replica was drafting: 0 means the lanes took
-    turns, near 1 means the verify lane scored one group while the decode lane drafted for another.
-    """
+    """How busy each lane was in [start_s, end_s], and whether verify and drafting overlapped. A decode
+    replica drafts during its steps except while it waits on the verify lane. `verify_with_drafting_share`:
+    the part of the verify lane's forwards while some decode replica drafted (0: the lanes took turns)."""
     window_s = max(end_s - start_s, 1e-9)
     by_lane: dict[str, list[dict]] = {}
     for r in reports:
@@ -122,14 +114,10 @@ def lane_activity(reports: list[dict], start_s: float, end_s: float) -> dict:
 
 
 def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
-    """The engine steps of one lane's replicas that started in the window: how many, how long, over how
-    many rows, and the gap from one step's end to the replica's next step's start (the engine thread's
-    time outside steps: host work between them, waits for work, its hops through the replica). A step's
-    time over its rows sets a request's time per token; a lane that steps as long as another but leaves
-    longer gaps loses its time between steps, not in them. (An engine in a process of its own is stamped
-    by its replica when the step's report arrives: its gaps include the report's delay, and are 0 where
-    reports come in bunches.) Where the events carry them: the share of steps that prefilled, prompt tokens
-    a step, requests queued for prefill after a step, and out-of-memory recoveries."""
+    """The steps of one lane's replicas that started in the window: how many, how long, over how many rows,
+    the gap from a step's end to its replica's next step (the engine thread's time outside steps; for an
+    engine in its own process, stamped when the report arrives), and, where the events carry them, the
+    share that prefilled, prompt tokens and queued requests a step, out-of-memory recoveries."""
     steps, gaps = [], []
     for r in reports:
         own = sorted((e for e in r["events"].get("step", []) if start_s <= e["start_s"] < end_s),
@@ -146,8 +134,7 @@ def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
         "rows_per_step": round(statistics.mean(e["rows"] for e in steps), 2) if steps else None,
         "gap_ms": ms_quantiles(gaps, digits=2),
         "gap_ms_mean": round(1e3 * statistics.mean(gaps), 2) if gaps else None,
-        # A co-located engine's own prefill, and the prompts that waited for it after each step (older
-        # replicas' events lack them: 0).
+        # Older replicas' events lack these: 0.
         "prefill_steps_share": round(sum(t > 0 for t in prefill) / len(steps), 3) if steps else None,
         "prefill_tokens_per_step": round(statistics.mean(prefill), 1) if steps else None,
         "queued_per_step": round(statistics.mean(e.get("queued", 0) for e in steps), 2) if steps else None,
@@ -157,10 +144,9 @@ def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
 
 def verify_cycle(by_lane: dict[str, list[dict]], verify: list[Interval], drafting: list[Interval], forwards: int,
                  start_s: float, end_s: float) -> dict[str, float] | None:
-    """Where pdv's draft → verify → back cycle goes, in ms per verify forward. With one decode replica the
-    parts add up to the cycle: drafting, the forward, the verify replica's own time around it
-    (queue, merge, its thread hop), the rest of the decode replica's wait (the call's transit both ways
-    and the hand-offs between its engine thread and event loop), and the time between its steps."""
+    """Where pdv's draft → verify → back cycle goes, ms per verify forward; with one decode replica the parts
+    add up to the cycle: drafting, the forward, the verify replica's time around it, the rest of the decode
+    replica's wait (transit both ways, its thread hand-offs), and the time between its steps."""
     if not forwards:
         return None
     decode = by_lane.get("decode", [])
@@ -181,14 +167,8 @@ def window_events(by_lane: dict[str, list[dict]], lane: str, kind: str, start_s:
 
 
 def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -> dict:
-    """Where requests of pd / pdv wait before they decode, for requests submitted in the window.
-
-    `admit`: the request reached its decode replica -> submitted to the prefill lane;
-    `wait`: submitted to the prefill lane -> in the decode batch (decode replicas' prefill_wait);
-    `pickup`: the prefill lane's reply -> in the decode batch (the decode engine thread taking it
-    in); `to_batch`: sent -> the prefill batch holding it began (transit and the batch queue);
-    forwards and hand-overs are the prefill lane's own.
-    """
+    """Where pd / pdv requests submitted in the window waited before decoding (prefill_path_table's
+    footnote says what each part spans); forwards and hand-overs are the prefill lane's own."""
     waits = window_events(by_lane, "decode", "prefill_wait", start_s, end_s)
     forwards = window_events(by_lane, "prefill", "prefill", start_s, end_s)
     handovers = window_events(by_lane, "prefill", "handover", start_s, end_s)
@@ -209,11 +189,9 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
     }
 
 
-
 def timelines(app: str, mode: str, start_s: float, deployments: tuple[str, ...] | None = None) -> list[dict]:
-    """Every lane replica's timeline() since `start_s` (where it runs, its busy intervals), one
-    dict per replica with its events as rows, fetched page by page (`deployments`: these instead of
-    the mode's lanes, e.g. the Ingress)."""
+    """Every lane replica's timeline() since `start_s`, one dict per replica with its events as rows, fetched
+    page by page (`deployments`: these instead of the mode's lanes, e.g. the Ingress)."""
     merged: dict[str, dict] = {}
     for deployment in deployments or LANE_DEPLOYMENTS[mode]:
         handle = serve.get_deployment_handle(deployment, app_name=app)
@@ -228,8 +206,6 @@ def timelines(app: str, mode: str, start_s: float, deployments: tuple[str, ...] 
             offset += REPORT_PAGE_EVENTS
     return list(merged.values())
 
-
-# ---- report ----------------------------------------------------------------------------------
 
 def prefill_path_table(rows: list[tuple[str, str, dict]]) -> list[str]:
     """Markdown: where pd / pdv requests waited before decoding; rows of (run, load, prefill_path)."""
@@ -251,10 +227,7 @@ def prefill_path_table(rows: list[tuple[str, str, dict]]) -> list[str]:
                      f"{pair(path.get('transit_ms'))} | {pair(path.get('queue_ms'))} | {pair(path['pickup_ms'])} | "
                      f"{path['forwards']} | {path['rows_per_forward']} | {pair(path['forward_ms'])} | "
                      f"{pair(path['handover_ms'])} | {path['forward_busy_share']} |")
-    return lines + ["", "arrived → submitted: a request reaching its decode replica until it is sent to the "
-                    "prefill lane (admission at a step boundary, the replica's event loop); "
-                    "submitted → decoding: a request sent to the prefill lane until it joins its decode replica's "
-                    "batch; sent → received: its transit to the prefill lane's replica (Serve's router and RPC); "
-                    "received → batch began: its wait for a prefill forward; hand-over: the forward's end until "
-                    "the reply is ready (KV writes into the owners' pools, then the RPCs); "
-                    "reply → decoding: the part after the prefill lane replied (the decode engine taking it in).", ""]
+    return lines + ["", "arrived → submitted: at its decode replica until sent to the prefill lane; submitted → "
+                    "decoding: until in its decode replica's batch; sent → received: transit to the prefill replica; "
+                    "received → batch began: its wait for a forward; hand-over: the forward's end until the reply "
+                    "is ready (KV writes, RPCs); reply → decoding: the decode engine taking it in.", ""]
