@@ -1,25 +1,17 @@
-"""Qwen3-, Gemma-2- and Mistral-shaped models on the fused path, on one GPU.
+"""Qwen3-, Gemma-2- and Mistral-shaped models on the fused path, on one GPU: step times and greedy equality.
 
     python3 benchmarks/families_fused.py --out OUT [--budget-s 240]                      (one GPU)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/families_fused.py --device cpu --out /tmp/ff   (dry run)
     (or through benchmarks/gpu_evidence.py --part families, with the same flags)
 
-Steps. For each family, a model of a released checkpoint's shape with random bf16 weights (Qwen3-8B,
-Gemma-2-9B: no Gemma-2 of 7B was released, and Mistral-7B-v0.1, sliding window 4,096), one decode forward
-(1 new token a row) over the KV pool at context 512, batch 1 and 64, median of 10 (CUDA graphs and the
-pool-attention kernel on, as served): on the fused path (lanes/model/fused_decoder.py), on the HF fallback
-(the same runner with `fused_layers=False`: HF's decoder modules over the pool), and with HF eager
-(DynamicCache; benchmarks/gpu_check.py's). The floor is (weights + KV read) / the measured
-device-to-device copy bandwidth (gpu_check's). Goal: fused <= 1.6x the floor at batch 1; the fallback's
-cost is stated.
-
-Greedy. The same families at test size (tests/test_model_families.py's configs: Qwen3, Gemma-2 with its
-sliding window of 24 and soft-capping, Mistral with a window of 24), float32 on the GPU: the engine's
-greedy output (kernel, graphs, fused layers, L = 3 with a perturbed draft) against HF's eager `generate`
-on 8 prompts of 1-150 tokens, 5 of them past the window.
-
-On cpu the steps use the test-size configs too (the numbers mean nothing; the path runs). Writes
-families.json and families.md under --out after each family.
+Steps: a model of a released checkpoint's shape (SHAPES) with random bf16 weights, one decode forward at
+context 512, batch 1 and 64, on the fused path, on the HF fallback (`fused_layers=False`) and in HF eager,
+against the bandwidth floor (benchmarks/gpu_check.py's). Goal: fused <= 1.6x the floor at batch 1.
+Greedy: the same families at test size (tests/test_model_families.py's configs, sliding windows of 24),
+float32: the engine's output (kernel, graphs, fused layers, L = 3 with a perturbed draft) against HF's eager
+`generate` on 8 prompts of 1-150 tokens, 5 of them past the window. On cpu the steps use the test-size
+configs too (the numbers mean nothing; the path runs). Writes families.json and families.md under --out
+after each family.
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,7 +35,7 @@ FLOOR_GOAL = 1.6  # fused step / floor at batch 1
 GREEDY_PROMPT_LENS = [1, 9, 23, 25, 40, 77, 120, 150]  # the window of the test configs is 24 tokens
 MAX_NEW = 16
 _NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-SHAPES = {  # released checkpoints' shapes
+SHAPES = {  # released checkpoints' shapes; no Gemma-2 of 7B was released
     "qwen3": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                   num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                   max_position_embeddings=40960, rms_norm_eps=1e-6, **_NO_SPECIAL),  # Qwen3-8B
@@ -59,81 +50,33 @@ SHAPES = {  # released checkpoints' shapes
 TEST_CONFIGS = {"qwen3": "qwen3", "gemma2": "gemma2", "mistral": "mistral_window"}  # tests/test_model_families.py
 
 
-def sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(fn, device: str, repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def kv_bytes(config: dict, batch: int, context: int, itemsize: int) -> int:
-    """KV read by one decode forward over `batch` rows of `context` tokens (every layer's K and V)."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * itemsize * batch * context
-
-
-def floor_ms(weight_bytes: int, config: dict, batch: int, context: int, itemsize: int, bandwidth_gbs: float) -> float:
-    """(weights + KV read) / copy bandwidth: no forward can take less."""
-    return (weight_bytes + kv_bytes(config, batch, context, itemsize)) / (bandwidth_gbs * 1e9) * 1e3
-
-
-def decode_forward_ms(runner, batch: int, device: str) -> float:
-    """One decode forward of `batch` rows at CONTEXT tokens each, over a pool filled with random KV."""
-    import torch
-
-    slots = [runner.pool.allocate() for _ in range(batch)]
-    runner.pool.reserve(slots, [CONTEXT + 1] * batch)
-    runner.pool.kv.normal_()
-    for s in slots:
-        runner.pool.lengths[s] = CONTEXT
-    ids = torch.randint(0, runner.vocab_size, (batch, 1), device=device)
-    ms = median_ms(lambda: runner.forward(runner.rows(slots, [CONTEXT] * batch), ids), device)
-    for s in slots:
-        runner.pool.free(s)
-    return ms
-
-
 def step_rows(name: str, config: dict, args: argparse.Namespace, bandwidth_gbs: float | None) -> list[dict]:
+    """Decode forward times of one family at each batch: fused, HF fallback, HF eager (cuda), the floor."""
     import torch
 
+    from benchmarks.gpu_check import decode_forward_ms, floor_ms, hf_eager_ms
     from lanes.engine.core import EngineConfig, build_runner
     from lanes.model.loader import build_random_model
 
     with torch.device(args.device):
         model = build_random_model(config, dtype=args.dtype, device=args.device).model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    itemsize = next(model.parameters()).element_size()
-    rows = {b: {"family": name, "batch": b, "parameters_b": round(weight_bytes / itemsize / 1e9, 2)} for b in BATCHES}
+    parameters = sum(p.numel() for p in model.parameters())
+    rows = {b: {"family": name, "batch": b, "parameters_b": round(parameters / 1e9, 2)} for b in BATCHES}
     for path, fused in (("fused", None), ("hf_fallback", False)):
         runner = build_runner(model, EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=max(BATCHES),
                                                   fused_layers=fused))
         for b in BATCHES:
             rows[b][f"{path}_path"] = "fused" if runner.fused is not None else "hf modules"
-            rows[b][f"{path}_ms"] = round(decode_forward_ms(runner, b, args.device), 2)
+            rows[b][f"{path}_ms"] = round(decode_forward_ms(runner, b, CONTEXT), 2)
         del runner
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
     for b, row in rows.items():
         if args.device == "cuda":
-            from benchmarks.gpu_check import hf_eager_ms
-
             row["hf_eager_ms"] = round(hf_eager_ms(model, b, 1), 2)
         if bandwidth_gbs:
-            row["floor_ms"] = round(floor_ms(weight_bytes, config, b, CONTEXT, itemsize, bandwidth_gbs), 2)
+            row["floor_ms"] = round(floor_ms(model, b, CONTEXT, bandwidth_gbs), 2)
             row["fused_over_floor"] = round(row["fused_ms"] / row["floor_ms"], 2)
         row["fallback_over_fused"] = round(row["hf_fallback_ms"] / row["fused_ms"], 2)
     del model
@@ -174,7 +117,7 @@ def greedy_row(name: str, device: str) -> dict:
 def markdown(doc: dict) -> str:
     m = doc["machine"]
     return "\n".join([
-        f"# Issue 31, part families ({m.get('gpu') or m['cpu_model']})", "",
+        f"# Model families on the fused path ({m.get('gpu') or m['cpu_model']})", "",
         f"`{doc['command']}`, commit {doc['commit']}, {time.monotonic() - STARTED_S:.0f} s; copy bandwidth "
         f"{doc.get('copy_bandwidth_gbs')} GB/s.", "",
         f"## Decode forward at context {CONTEXT} (ms, median of 10); goal fused <= {FLOOR_GOAL} x floor at batch 1", "",
@@ -182,17 +125,12 @@ def markdown(doc: dict) -> str:
         rows_table(doc["greedy"])])
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = script_parser(__doc__, budget_s=240.0)  # --pair-dir: unused (random weights)
     parser.add_argument("--families", default="qwen3,gemma2,mistral")
     args = parser.parse_args(argv)
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    return args
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
     if args.device == "cuda":
         os.environ["TRITON_INTERPRET"] = "0"  # before tests' conftest would turn the interpreter on
     from tests.test_model_families import FAMILIES

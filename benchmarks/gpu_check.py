@@ -5,16 +5,15 @@ with CUDA IPC hand-over), then per-step timings against HF eager and the memory-
 
 `--floor` adds the steps against their floor alone: the draft step at L = 1..4 (greedy and sampled)
 beside the 7B verify step at the same L, and the 7B decode and verify steps at contexts 512, 4,096
-and 32,768.
-
-Writes gpu_check.json (and prints a table). Needs a CUDA device; Ray only for the serve part.
+and 32,768. Writes gpu_check.json (and prints a table). Needs a CUDA device; Ray only for the serve
+part. The tables and their reading: docs/performance.md.
 """
 
 import os
 
 # tests/conftest.py (imported below for its model helpers) turns on Triton's CPU interpreter for
-# the test suite; here the kernels must compile for the GPU.
-os.environ["TRITON_INTERPRET"] = "0"
+# the test suite; here the kernels must compile for the GPU (unless a CPU caller chose the interpreter).
+os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -40,6 +39,17 @@ TINYLLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=2048, interme
 CONTEXT = 512
 
 
+def random_bf16(shape: dict):
+    """A model of `shape` with random bf16 weights, built on the GPU (seconds, not minutes on the host)."""
+    with torch.device("cuda"):
+        return build_random_model(shape, dtype="bfloat16", device="cuda").model
+
+
+def step_config(max_model_len: int, max_num_seqs: int) -> EngineConfig:
+    return EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk_tokens=64,
+                        idle_prefill_tokens=64)
+
+
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy, bytes read + written per second (the floor's denominator)."""
     src = torch.randn(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
@@ -55,15 +65,20 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * 2 / statistics.median(times[2:]) / 1e9
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_ms(fn, repeats: int = 10) -> float:
+    """Host-timed median of `repeats` calls after one warm-up, synchronised around each (on CUDA)."""
     fn()
-    torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -142,6 +157,14 @@ def fill_pool(runner, batch: int, length: int) -> list[int]:
     return slots
 
 
+def timed_ms(pool, slots: list[int], step) -> float:
+    """median_ms of `step`, then `slots` back to the pool."""
+    ms = median_ms(step)
+    for s in slots:
+        pool.free(s)
+    return ms
+
+
 def verify_step_ms(lane: VerifyLane, batch: int, drafts: int, context: int = CONTEXT) -> float:
     slots = fill_pool(lane.runner, batch, context - 1)
     vocab = lane.runner.vocab_size
@@ -155,19 +178,15 @@ def verify_step_ms(lane: VerifyLane, batch: int, drafts: int, context: int = CON
             lane.pool.lengths[s] = context - 1
         lane.verify(vb)
 
-    ms = median_ms(step)
-    for s in slots:
-        lane.pool.free(s)
-    return ms
+    return timed_ms(lane.pool, slots, step)
 
 
 def decode_forward_ms(runner, batch: int, context: int = CONTEXT) -> float:
+    """One decode forward (1 new token a row) over `batch` rows of `context` tokens of random KV."""
     slots = fill_pool(runner, batch, context)
-    ids = torch.randint(0, runner.vocab_size, (batch, 1), device="cuda")
-    ms = median_ms(lambda: runner.forward(runner.rows(slots, [context] * batch), ids))
-    for s in slots:
-        runner.pool.free(s)
-    return ms
+    runner.pool.reserve(slots, [context + 1] * batch)  # the new token's block
+    ids = torch.randint(0, runner.vocab_size, (batch, 1), device=runner.pool.kv.device)
+    return timed_ms(runner.pool, slots, lambda: runner.forward(runner.rows(slots, [context] * batch), ids))
 
 
 def draft_propose_ms(runner, batch: int, draft_len: int, temperature: float = 0.0) -> float:
@@ -185,10 +204,7 @@ def draft_propose_ms(runner, batch: int, draft_len: int, temperature: float = 0.
             runner.pool.lengths[s] = CONTEXT - 1
         lane.propose(seqs, [draft_len] * batch).tokens.cpu()
 
-    ms = median_ms(step)
-    for s in slots:
-        runner.pool.free(s)
-    return ms
+    return timed_ms(runner.pool, slots, step)
 
 
 def hf_eager_ms(model, batch: int, q: int) -> float:
@@ -207,21 +223,25 @@ def hf_eager_ms(model, batch: int, q: int) -> float:
         return median_ms(step)
 
 
+def kv_bytes(config: dict, batch: int, context: int, itemsize: int) -> int:
+    """KV read by one forward over `batch` rows of `context` tokens (every layer's K and V)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * itemsize * batch * context
+
+
 def floor_ms(model, batch: int, context: int, bandwidth_gbs: float) -> float:
-    cfg = model.config
+    """(weights + KV read) / copy bandwidth: no forward can take less."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * batch * context
-    return (weights + kv) / (bandwidth_gbs * 1e9) * 1e3
+    itemsize = next(model.parameters()).element_size()
+    return (weights + kv_bytes(model.config.to_dict(), batch, context, itemsize)) / (bandwidth_gbs * 1e9) * 1e3
 
 
 def step_table(bandwidth: float) -> list[dict]:
     rows = []
-    config = EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=64, prefill_chunk_tokens=64, idle_prefill_tokens=64)
     for name, shape, q in (("verify Llama-2-7B, 4 drafts", LLAMA2_7B, 5), ("draft TinyLlama, 1 token", TINYLLAMA, 1)):
-        with torch.device("cuda"):
-            model = build_random_model(shape, dtype="bfloat16", device="cuda").model
-        runner = build_runner(model, config)
+        model = random_bf16(shape)
+        runner = build_runner(model, step_config(CONTEXT + 8, 64))
         lane = VerifyLane(runner)
         for batch in (1, 8, 32, 64):
             ours = verify_step_ms(lane, batch, q - 1) if q > 1 else decode_forward_ms(runner, batch)
@@ -242,11 +262,8 @@ def floor_table(bandwidth: float) -> dict:
     """Each step over its floor: the draft at L = 1..4 (greedy and sampled) beside the 7B verify at L, at
     batch 1 and 64; the 7B decode (1 token) and verify (4 drafts) at batch 1 over long contexts."""
     out = {"draft_vs_verify": [], "contexts": []}
-    models = {}
-    for name, shape in (("draft", TINYLLAMA), ("target", LLAMA2_7B)):
-        with torch.device("cuda"):
-            models[name] = build_random_model(shape, dtype="bfloat16", device="cuda").model
-    short = EngineConfig(max_model_len=CONTEXT + 16, max_num_seqs=64, prefill_chunk_tokens=64, idle_prefill_tokens=64)
+    models = {"draft": random_bf16(TINYLLAMA), "target": random_bf16(LLAMA2_7B)}
+    short = step_config(CONTEXT + 16, 64)
     draft, target = build_runner(models["draft"], short), VerifyLane(build_runner(models["target"], short))
     for batch in (1, 64):
         for draft_len in (1, 2, 3, 4):
@@ -261,8 +278,7 @@ def floor_table(bandwidth: float) -> dict:
     del draft, target
     torch.cuda.empty_cache()
     for context in (512, 4096, 32768):
-        config = EngineConfig(max_model_len=context + 16, max_num_seqs=1, prefill_chunk_tokens=64, idle_prefill_tokens=64)
-        lane = VerifyLane(build_runner(models["target"], config))
+        lane = VerifyLane(build_runner(models["target"], step_config(context + 16, 1)))
         floor = floor_ms(models["target"], 1, context, bandwidth)
         decode, verify = decode_forward_ms(lane.runner, 1, context), verify_step_ms(lane, 1, 4, context)
         row = {"context": context, "floor_ms": round(floor, 3), "decode_ms": round(decode, 3), "verify_L4_ms": round(verify, 3),

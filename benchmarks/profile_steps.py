@@ -1,6 +1,6 @@
-"""Where a verify step and a draft step spend GPU time: torch.profiler over a few replays,
-kernels grouped by kind, for the issue's shapes (Llama-2-7B verify at batch 64 with 4 drafts,
-TinyLlama draft at batch 1, L = 4), random bf16 weights, context 512.
+"""Where a verify step and a draft step spend GPU time: torch.profiler over a few replays, kernels
+grouped by kind (Llama-2-7B verify at batch 64 with 4 drafts, TinyLlama draft at batch 1, L = 4),
+random bf16 weights, context 512; the reading is in docs/performance.md.
 
     python benchmarks/profile_steps.py --out DIR      (writes profile_steps.json and prints tables)
 """
@@ -19,10 +19,10 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_check import CONTEXT, LLAMA2_7B, TINYLLAMA, fill_pool  # noqa: E402
+from benchmarks.gpu_check import (CONTEXT, LLAMA2_7B, TINYLLAMA, fill_pool, kv_bytes, random_bf16,  # noqa: E402
+                                  step_config)
 from lanes.engine.core import EngineConfig, build_runner  # noqa: E402
 from lanes.engine.sequence import Sequence  # noqa: E402
-from lanes.model.loader import build_random_model  # noqa: E402
 from lanes.sample.params import SamplingParams  # noqa: E402
 from lanes.spec.draft import DraftLane  # noqa: E402
 from lanes.spec.verify import VerifyBatch, VerifyLane  # noqa: E402
@@ -65,19 +65,17 @@ def profile_fn(fn, steps: int = 5) -> dict:
 def bandwidth_shares(profile: dict, model, batch: int, forwards: int) -> dict:
     """GB/s the GEMMs reach on the weights they read (embeddings excluded: a lookup reads B rows) and
     the attention kernel on the KV at CONTEXT, over the step's forwards."""
-    cfg = model.config
     embed = model.get_input_embeddings().weight
     gemm_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * batch * CONTEXT
+    kv = kv_bytes(model.config.to_dict(), batch, CONTEXT, embed.element_size())
     by_kind = profile["by_kind_ms"]
     gbs = {"GEMM": gemm_bytes * forwards / (by_kind.get("GEMM", 0) or float("nan")) / 1e6,
-           "attention (pool kernel)": kv_bytes * forwards / (by_kind.get("attention (pool kernel)", 0) or float("nan")) / 1e6}
+           "attention (pool kernel)": kv * forwards / (by_kind.get("attention (pool kernel)", 0) or float("nan")) / 1e6}
     return {**profile, "achieved_gbs": {k: round(v, 1) for k, v in gbs.items()}}
 
 
 def profile_verify(config: EngineConfig) -> dict:
-    with torch.device("cuda"):  # random init on the GPU: seconds, not minutes on the host
-        target = build_random_model(LLAMA2_7B, dtype="bfloat16", device="cuda").model
+    target = random_bf16(LLAMA2_7B)
     lane = VerifyLane(build_runner(target, config))
     slots = fill_pool(lane.runner, 64, CONTEXT - 1)
     drafts = torch.randint(0, 32000, (64, 4), device="cuda")
@@ -92,8 +90,7 @@ def profile_verify(config: EngineConfig) -> dict:
 
 
 def profile_draft(config: EngineConfig) -> dict:
-    with torch.device("cuda"):
-        draft = build_random_model(TINYLLAMA, dtype="bfloat16", device="cuda").model
+    draft = random_bf16(TINYLLAMA)
     runner = build_runner(draft, config)
     slot = fill_pool(runner, 1, CONTEXT - 1)[0]
     seq = Sequence("0", list(range(1, CONTEXT + 1)), SamplingParams(), 0, 4, draft_slot=slot)
@@ -110,7 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu")
     args = parser.parse_args()
-    config = EngineConfig(max_model_len=CONTEXT + 8, max_num_seqs=64, prefill_chunk_tokens=64, idle_prefill_tokens=64)
+    config = step_config(CONTEXT + 8, 64)
     result = {"device": torch.cuda.get_device_name()}
     result["verify_7b_b64_l4"] = profile_verify(config)
     print("verify", result["verify_7b_b64_l4"], flush=True)

@@ -102,8 +102,8 @@ def test_the_verify_lane_pool_holds_every_decode_replica_and_the_prefill_lane_ba
 
 def test_a_lone_lane_counts_the_one_sequence_pools_it_profiled_over_as_its_own():
     """The profile runs over pools of one sequence, which the lane still holds when it checks the free
-    memory and frees before its pools grow. At a long context they are large (paged_capacity at 32,768
-    tokens on an H200: 107.28 GiB needed against 106.43 free, alone on the GPU): the check credits them."""
+    memory and frees before its pools grow. At a long context they are large (an engine at 32,768 tokens on
+    an H200: 107.28 GiB needed against 106.43 free, alone on the GPU; docs/diagnoses.md): the check credits them."""
     plan = _plan(1.0, held=45 * GIB, activations=10 * GIB)  # the whole device: no slack to hide in
     assert plan.num_blocks < plan.max_blocks
     one_sequence = (SHAPE.blocks_per_slot + 1) * BLOCK
