@@ -2,16 +2,12 @@
 
     python3 benchmarks/families_fused.py --out OUT [--budget-s 240]                      (one GPU)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/families_fused.py --device cpu --out /tmp/ff   (dry run)
-    (or through benchmarks/gpu_evidence.py --part families, with the same flags)
 
-Steps: a model of a released checkpoint's shape (SHAPES) with random bf16 weights, one decode forward at
-context 512, batch 1 and 64, on the fused path, on the HF fallback (`fused_layers=False`) and in HF eager,
-against the bandwidth floor (benchmarks/gpu_check.py's). Goal: fused <= 1.6x the floor at batch 1.
-Greedy: the same families at test size (tests/test_model_families.py's configs, sliding windows of 24),
-float32: the engine's output (kernel, graphs, fused layers, L = 3 with a perturbed draft) against HF's eager
-`generate` on 8 prompts of 1-150 tokens, 5 of them past the window. On cpu the steps use the test-size
-configs too (the numbers mean nothing; the path runs). Writes families.json and families.md under --out
-after each family.
+Steps: one decode forward at context 512, batch 1 and 64, of a released checkpoint's shape (SHAPES, random
+bf16 weights) on the fused path, on the HF fallback and in HF eager, against gpu_check.py's bandwidth floor.
+Greedy: the engine against HF's `generate` at the test size of tests/test_model_families.py (float32), past
+the sliding window. On cpu the steps use the test sizes (the path runs; the numbers mean nothing). Writes
+families.json and families.md under --out after each family; the method and goal: docs/gpu_runs.md.
 """
 
 from __future__ import annotations
@@ -125,18 +121,17 @@ def markdown(doc: dict) -> str:
         rows_table(doc["greedy"])])
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def main() -> None:
     parser = script_parser(__doc__, budget_s=240.0)  # --pair-dir: unused (random weights)
     parser.add_argument("--families", default="qwen3,gemma2,mistral")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.device == "cuda":
         os.environ["TRITON_INTERPRET"] = "0"  # before tests' conftest would turn the interpreter on
     from tests.test_model_families import FAMILIES
 
     deadline_s = STARTED_S + args.budget_s - 10
-    doc = {"command": "python3 benchmarks/families_fused.py " + " ".join(argv), "commit": git_commit(),
+    doc = {"command": "python3 benchmarks/families_fused.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
            "machine": machine(), "steps": [], "greedy": [], "skipped": []}
     if args.device == "cuda":
         from benchmarks.gpu_check import copy_bandwidth_gbs

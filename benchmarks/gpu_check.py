@@ -1,12 +1,13 @@
-"""GPU checks in one device call: correctness of the lanes on CUDA (engine and the three-lane app
-with CUDA IPC hand-over), then per-step timings against HF eager and the memory-bandwidth floor.
+"""GPU checks in one device call: the engine's greedy output on CUDA against HF's, then per-step timings
+against HF eager and the memory-bandwidth floor.
 
-    python benchmarks/gpu_check.py --out results/gpu   [--skip-serve] [--skip-steps] [--floor]
+    python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile]
 
 `--floor` adds the steps against their floor alone: the draft step at L = 1..4 (greedy and sampled)
 beside the 7B verify step at the same L, and the 7B decode and verify steps at contexts 512, 4,096
-and 32,768. Writes gpu_check.json (and prints a table). Needs a CUDA device; Ray only for the serve
-part. The tables and their reading: docs/performance.md.
+and 32,768. `--profile` adds torch.profiler's GPU time by kernel kind for a 7B verify (batch 64, 4 drafts)
+and a TinyLlama draft (batch 1, L = 4). Writes gpu_check.json (and profile_steps.json with --profile);
+needs a CUDA device. The tables and their reading: docs/performance.md.
 """
 
 import os
@@ -19,11 +20,12 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -37,6 +39,7 @@ LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, interme
 TINYLLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                  num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096)
 CONTEXT = 512
+Step = Callable[[], None]  # one timed or profiled step, its inputs reset inside
 
 
 def random_bf16(shape: dict):
@@ -99,8 +102,8 @@ def engine_greedy_check() -> dict:
     result = {"prompts": len(prompts)}
     for name, chunk, idle in (("chunked", 32, 64), ("whole_prompts", 256, 1024)):
         # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
-        engine = EngineCore.colocated(target, draft, EngineConfig(max_model_len=320, max_num_seqs=16,
-                                                                    prefill_chunk_tokens=chunk, idle_prefill_tokens=idle))
+        config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle)
+        engine = EngineCore.colocated(target, draft, config)
         assert engine.draft.graphs is not None and engine.draft.attention_kernel
         outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
                                           for i, p in enumerate(prompts)})
@@ -109,40 +112,6 @@ def engine_greedy_check() -> dict:
                         # whole-prompt prefills replayed as graphs, by (batch bucket, width bucket)
                         "prefill_graph_shapes": sorted(engine.verifier.lane.runner.prefill_graphs.graphs)}
     return result
-
-
-def serve_pdv_check() -> dict:
-    import httpx
-    import ray
-    from ray import serve
-
-    from deployments.builder import build_app
-    from lanes.model.loader import load_model
-    from tests.engine_helpers import hf_greedy, random_prompts
-    from tests.serve_helpers import wait_until_idle
-    from tests.tiny_pair import save_tiny_pair
-
-    target_path, draft_path = save_tiny_pair(Path(tempfile.mkdtemp()))
-    ray.init(include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": 8011})
-    lane = {"num_gpus": 0.3, "num_cpus": 1}
-    config = {"mode": "pdv", "target": {"path": target_path}, "draft": {"path": draft_path},
-              "engine": {"max_model_len": 256, "max_num_seqs": 8}, "prefill_lane": lane, "decode_lane": lane,
-              "verify_lane": lane}
-    serve.run(build_app(config), name="pdv", route_prefix="/pdv")
-    ref_model = load_model(target_path, device="cuda")
-    prompts = random_prompts(6, len(ref_model.tokenizer), 1, 80, seed=21)
-    equal = 0
-    for p in prompts:
-        r = httpx.post("http://127.0.0.1:8011/pdv/v1/completions", timeout=120, json={
-            "model": "vpd-python", "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
-        equal += r.json()["choices"][0]["token_ids"] == hf_greedy(ref_model, p, 24)
-    prefill_stats = serve.get_deployment_handle("PrefillLane", app_name="pdv").stats.remote().result()
-    wait_until_idle("pdv", "pdv")
-    serve.shutdown()
-    ray.shutdown()
-    return {"prompts": len(prompts), "equal_to_hf_greedy": equal, "prefill_lane": prefill_stats}
 
 
 # ---- per-step timings -----------------------------------------------------------------------
@@ -157,7 +126,7 @@ def fill_pool(runner, batch: int, length: int) -> list[int]:
     return slots
 
 
-def timed_ms(pool, slots: list[int], step) -> float:
+def timed_ms(pool, step: Step, slots: list[int]) -> float:
     """median_ms of `step`, then `slots` back to the pool."""
     ms = median_ms(step)
     for s in slots:
@@ -165,12 +134,16 @@ def timed_ms(pool, slots: list[int], step) -> float:
     return ms
 
 
-def verify_step_ms(lane: VerifyLane, batch: int, drafts: int, context: int = CONTEXT) -> float:
+def verify_step(lane: VerifyLane, batch: int, drafts: int, context: int = CONTEXT,
+                draft_probs: bool = True) -> tuple[Step, list[int]]:
+    """A verify of `drafts` tokens a row over `batch` rows of `context` tokens of random KV, and its slots;
+    without `draft_probs` the drafts count as greedy (q one-hot, built in the step)."""
     slots = fill_pool(lane.runner, batch, context - 1)
     vocab = lane.runner.vocab_size
-    tokens = torch.randint(0, vocab, (batch, drafts), device="cuda")
-    vb = VerifyBatch(slots, [context] * batch, [1] * batch, tokens,
-                     torch.softmax(torch.randn(batch, drafts, vocab, device="cuda"), -1), [drafts] * batch,
+    device = lane.pool.kv.device
+    tokens = torch.randint(0, vocab, (batch, drafts), device=device)
+    probs = torch.softmax(torch.randn(batch, drafts, vocab, device=device), -1) if draft_probs else None
+    vb = VerifyBatch(slots, [context] * batch, [1] * batch, tokens, probs, [drafts] * batch,
                      [SamplingParams(max_tokens=16)] * batch, list(range(batch)))
 
     def step():
@@ -178,7 +151,7 @@ def verify_step_ms(lane: VerifyLane, batch: int, drafts: int, context: int = CON
             lane.pool.lengths[s] = context - 1
         lane.verify(vb)
 
-    return timed_ms(lane.pool, slots, step)
+    return step, slots
 
 
 def decode_forward_ms(runner, batch: int, context: int = CONTEXT) -> float:
@@ -186,17 +159,18 @@ def decode_forward_ms(runner, batch: int, context: int = CONTEXT) -> float:
     slots = fill_pool(runner, batch, context)
     runner.pool.reserve(slots, [context + 1] * batch)  # the new token's block
     ids = torch.randint(0, runner.vocab_size, (batch, 1), device=runner.pool.kv.device)
-    return timed_ms(runner.pool, slots, lambda: runner.forward(runner.rows(slots, [context] * batch), ids))
+    return timed_ms(runner.pool, lambda: runner.forward(runner.rows(slots, [context] * batch), ids), slots)
 
 
-def draft_propose_ms(runner, batch: int, draft_len: int, temperature: float = 0.0) -> float:
-    """A whole draft step: L tokens for every row (L forwards, sampling on the device)."""
+def draft_step(runner, batch: int, draft_len: int, temperature: float = 0.0) -> tuple[Step, list[int]]:
+    """A whole draft step, L tokens for every row (L forwards, sampling on the device), and its slots."""
     from lanes.engine.sequence import Sequence
     from lanes.spec.draft import DraftLane
 
     slots = fill_pool(runner, batch, CONTEXT - 1)
     params = SamplingParams(max_tokens=64, temperature=temperature, seed=1 if temperature else None)
-    seqs = [Sequence(str(i), list(range(1, CONTEXT + 1)), params, i, draft_len, draft_slot=s) for i, s in enumerate(slots)]
+    seqs = [Sequence(str(i), list(range(1, CONTEXT + 1)), params, i, draft_len, draft_slot=s)
+            for i, s in enumerate(slots)]
     lane = DraftLane(runner)
 
     def step():
@@ -204,7 +178,7 @@ def draft_propose_ms(runner, batch: int, draft_len: int, temperature: float = 0.
             runner.pool.lengths[s] = CONTEXT - 1
         lane.propose(seqs, [draft_len] * batch).tokens.cpu()
 
-    return timed_ms(runner.pool, slots, step)
+    return step, slots
 
 
 def hf_eager_ms(model, batch: int, q: int) -> float:
@@ -244,14 +218,14 @@ def step_table(bandwidth: float) -> list[dict]:
         runner = build_runner(model, step_config(CONTEXT + 8, 64))
         lane = VerifyLane(runner)
         for batch in (1, 8, 32, 64):
-            ours = verify_step_ms(lane, batch, q - 1) if q > 1 else decode_forward_ms(runner, batch)
+            ours = timed_ms(lane.pool, *verify_step(lane, batch, q - 1)) if q > 1 else decode_forward_ms(runner, batch)
             hf = hf_eager_ms(model, batch, q)
             floor = floor_ms(model, batch, CONTEXT, bandwidth)
             rows.append({"step": name, "batch": batch, "ours_ms": round(ours, 2), "hf_eager_ms": round(hf, 2),
                          "floor_ms": round(floor, 2), "ours_over_floor": round(ours / floor, 2),
                          "hf_over_ours": round(hf / ours, 2)})
             if q == 1:  # the whole draft step at L = 4 (four forwards and sampling)
-                rows[-1]["draft_step_L4_ms"] = round(draft_propose_ms(runner, batch, 4), 2)
+                rows[-1]["draft_step_L4_ms"] = round(timed_ms(runner.pool, *draft_step(runner, batch, 4)), 2)
             print(rows[-1], flush=True)
         del model, runner, lane
         torch.cuda.empty_cache()
@@ -266,13 +240,16 @@ def floor_table(bandwidth: float) -> dict:
     short = step_config(CONTEXT + 16, 64)
     draft, target = build_runner(models["draft"], short), VerifyLane(build_runner(models["target"], short))
     for batch in (1, 64):
+        draft_floor = round(floor_ms(models["draft"], batch, CONTEXT, bandwidth), 3)
+        verify_floor = floor_ms(models["target"], batch, CONTEXT, bandwidth)
         for draft_len in (1, 2, 3, 4):
-            row = {"batch": batch, "L": draft_len, "floor_one_draft_token_ms": round(floor_ms(models["draft"], batch, CONTEXT, bandwidth), 3)}
+            row = {"batch": batch, "L": draft_len, "floor_one_draft_token_ms": draft_floor}
             for label, temperature in (("greedy", 0.0), ("sampled", 0.8)):
-                row[f"draft_{label}_ms"] = round(draft_propose_ms(draft, batch, draft_len, temperature), 3)
-            row["verify_ms"] = round(verify_step_ms(target, batch, draft_len), 3)
-            row["verify_over_floor"] = round(row["verify_ms"] / floor_ms(models["target"], batch, CONTEXT, bandwidth), 2)
-            row["draft_per_token_over_floor"] = round(row["draft_greedy_ms"] / draft_len / row["floor_one_draft_token_ms"], 2)
+                ms = timed_ms(draft.pool, *draft_step(draft, batch, draft_len, temperature))
+                row[f"draft_{label}_ms"] = round(ms, 3)
+            row["verify_ms"] = round(timed_ms(target.pool, *verify_step(target, batch, draft_len)), 3)
+            row["verify_over_floor"] = round(row["verify_ms"] / verify_floor, 2)
+            row["draft_per_token_over_floor"] = round(row["draft_greedy_ms"] / draft_len / draft_floor, 2)
             print(row, flush=True)
             out["draft_vs_verify"].append(row)
     del draft, target
@@ -280,9 +257,11 @@ def floor_table(bandwidth: float) -> dict:
     for context in (512, 4096, 32768):
         lane = VerifyLane(build_runner(models["target"], step_config(context + 16, 1)))
         floor = floor_ms(models["target"], 1, context, bandwidth)
-        decode, verify = decode_forward_ms(lane.runner, 1, context), verify_step_ms(lane, 1, 4, context)
-        row = {"context": context, "floor_ms": round(floor, 3), "decode_ms": round(decode, 3), "verify_L4_ms": round(verify, 3),
-               "decode_over_floor": round(decode / floor, 2), "verify_over_floor": round(verify / floor, 2)}
+        decode = decode_forward_ms(lane.runner, 1, context)
+        verify = timed_ms(lane.pool, *verify_step(lane, 1, 4, context))
+        row = {"context": context, "floor_ms": round(floor, 3), "decode_ms": round(decode, 3),
+               "verify_L4_ms": round(verify, 3), "decode_over_floor": round(decode / floor, 2),
+               "verify_over_floor": round(verify / floor, 2)}
         print(row, flush=True)
         out["contexts"].append(row)
         del lane
@@ -290,21 +269,85 @@ def floor_table(bandwidth: float) -> dict:
     return out
 
 
+# ---- where a step's GPU time goes ---------------------------------------------------------------
+
+KINDS = (("attention (pool kernel)", ("_split_kernel", "_merge_kernel")),
+         ("GEMM", ("gemm", "Gemm", "sm90", "cutlass", "nvjet")),
+         ("fused norm / rotary+KV write / act-mul", ("_add_rms_norm_kernel", "_rope_store_kernel", "_act_mul_kernel")),
+         ("KV write (index_put)", ("index_put", "indexing")),
+         ("elementwise / norm / rotary", ("elementwise", "reduce", "vectorized")), ("copies", ("Memcpy", "copy")))
+
+
+def classify(name: str) -> str:
+    return next((kind for kind, keys in KINDS if any(k in name for k in keys)), "other")
+
+
+def profile_fn(fn, steps: int = 5) -> dict:
+    """GPU busy time (the sum of kernel times), span (first kernel start to last end) and kernels, per step."""
+    for _ in range(3):
+        fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+    by_kind: dict[str, float] = {}
+    kernels = 0
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+        if device_us <= 0:
+            continue
+        kernels += evt.count
+        kind = classify(evt.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + device_us / steps / 1e3
+    ranges = [e.time_range for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    span_ms = (max(r.end for r in ranges) - min(r.start for r in ranges)) / steps / 1e3 if ranges else None
+    return {"gpu_busy_ms_per_step": round(sum(by_kind.values()), 3),
+            "gpu_span_ms_per_step": round(span_ms, 3) if span_ms else None, "kernels_per_step": kernels // steps,
+            "by_kind_ms": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
+
+
+def bandwidth_shares(step_profile: dict, model, batch: int, forwards: int) -> dict:
+    """GB/s the GEMMs reach on the weights they read (embeddings excluded: a lookup reads B rows) and
+    the attention kernel on the KV at CONTEXT, over the step's forwards."""
+    embed = model.get_input_embeddings().weight
+    gemm_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    kv = kv_bytes(model.config.to_dict(), batch, CONTEXT, embed.element_size())
+    by_kind = step_profile["by_kind_ms"]
+    gbs = {"GEMM": gemm_bytes * forwards / (by_kind.get("GEMM", 0) or float("nan")) / 1e6,
+           "attention (pool kernel)": kv * forwards / (by_kind.get("attention (pool kernel)", 0) or float("nan")) / 1e6}
+    return {**step_profile, "achieved_gbs": {k: round(v, 1) for k, v in gbs.items()}}
+
+
+def profile_steps() -> dict:
+    """The 7B verify at batch 64 with 4 greedy drafts, and the TinyLlama draft at batch 1, L = 4, profiled."""
+    config = step_config(CONTEXT + 8, 64)
+    result = {"device": torch.cuda.get_device_name()}
+    target = random_bf16(LLAMA2_7B)
+    step, _ = verify_step(VerifyLane(build_runner(target, config)), 64, 4, draft_probs=False)
+    result["verify_7b_b64_l4"] = bandwidth_shares(profile_fn(step), target, 64, 1)
+    print("verify", result["verify_7b_b64_l4"], flush=True)
+    del target, step
+    torch.cuda.empty_cache()
+    draft = random_bf16(TINYLLAMA)
+    step, _ = draft_step(build_runner(draft, config), 1, 4)
+    result["draft_tinyllama_b1_l4"] = bandwidth_shares(profile_fn(step), draft, 1, 4)
+    print("draft", result["draft_tinyllama_b1_l4"], flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu")
-    parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--floor", action="store_true", help="the steps against their floor alone (see above)")
+    parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind: profile_steps.json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     result["engine_greedy"] = engine_greedy_check()
     print(result, flush=True)
-    if not args.skip_serve:
-        result["serve_pdv_one_gpu"] = serve_pdv_check()
-        print(result["serve_pdv_one_gpu"], flush=True)
     if not args.skip_steps:
         result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
         result["steps"] = step_table(result["copy_bandwidth_gbs"])
@@ -313,6 +356,9 @@ def main() -> None:
         result["floor"] = floor_table(result["copy_bandwidth_gbs"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    if args.profile:
+        torch.cuda.empty_cache()
+        (out / "profile_steps.json").write_text(json.dumps(profile_steps(), indent=2))
 
 
 if __name__ == "__main__":

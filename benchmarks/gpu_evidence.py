@@ -1,21 +1,12 @@
-"""Served GPU evidence of docs/performance.md: the draft-length controller and the prefix cache.
+"""Served GPU evidence of docs/performance.md: the draft-length controller (spec and unified with it on, over
+nospec, at 1 to 256 in flight and Poisson; its state every 0.5 s) and the prefix cache (TTFT p50, off over on).
 
-    python3 benchmarks/gpu_evidence.py --part controller|prefix|families --out OUT [--budget-s 540]   (one GPU)
+    python3 benchmarks/gpu_evidence.py --part controller|prefix --out OUT [--budget-s 540]   (one GPU)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gpu_evidence.py --part PART --device cpu --out /tmp/ev
                                                                (CPU dry run: the path, not the numbers)
 
-    controller  served nospec, then spec and unified with the draft-length controller on: closed loops of 1, 16,
-                64, 128 and 256 in flight, then Poisson at --rate-factor x nospec's completed requests/s at the
-                most in flight. Each point's output tok/s over nospec's, and the controller's state sampled
-                every 0.5 s (the trace in the JSON; L and the signals each point saw in a table).
-    prefix      requests sharing a system prompt of --prefix-tokens tokens, prefix cache on against off, in
-                unified and pdv: TTFT p50 off / on.
-    families    benchmarks/families_fused.py in process, with the same flags.
-
-The served parts drive apps through Serve's proxy and the OpenAI ingress with the load tester, on the
-constructed pair at agreement 0.8 (Llama-2-7B / TinyLlama shapes on cuda, `small` on cpu), greedy, ignore_eos,
-L = 3; workloads, goals and the device calls: docs/gpu_runs.md. Each part keeps to --budget-s (a load that no
-longer fits is skipped and recorded) and rewrites <part>.json and <part>.md under --out after every point.
+Apps on the constructed pair at agreement 0.8, through Serve's proxy; <part>.json and <part>.md rewritten
+under --out after every point, within --budget-s. Workloads, goals and the device calls: docs/gpu_runs.md.
 """
 
 from __future__ import annotations
@@ -209,16 +200,12 @@ def settle_requests(args: argparse.Namespace, concurrency: int) -> int:
 def controller_loads(requests: list[WorkloadRequest], concurrencies: list[int], args: argparse.Namespace,
                      poisson: dict) -> list[Load]:
     """Warm-up (max_num_seqs at once), the closed loops, then Poisson (`poisson`: the Load's arrivals, or
-    its rate_of and factor). Each closed loop is measured after an unmeasured one at the same concurrency,
-    on requests from the end of the list, so that the point shows the L the controller settles on at that
-    load, not its way there from the last load (on an H200, unified measured at 1 in flight right after the
-    warm-up's burst ran at L = 0 throughout)."""
+    its rate_of and factor). Each closed loop is measured after an unmeasured one at the same concurrency, on
+    requests from the end of the list, and has at least `min_measured_requests` (why: docs/gpu_runs.md)."""
     loads = [Load("warmup", requests[: args.max_num_seqs], OpenLoop(float("inf")), measured=False)]
     for c in concurrencies:
         if args.settle_requests_per_slot:
             loads.append(Load(f"settle c{c}", requests[-settle_requests(args, c):], ClosedLoop(c), measured=False))
-        # At least `min_measured_requests` a point: 2 x 16 requests are ~2 s on an H200, and in one run the
-        # same app gave 1.42x nospec over its 64 settling requests and 1.25x over the 32 measured after.
         count = args.single_requests if c == 1 else max(args.requests_per_slot * c, args.min_measured_requests)
         loads.append(Load(f"c{c}", requests[:count], ClosedLoop(c)))
     return loads + [Load("poisson", requests[: args.requests_per_slot * max(concurrencies)], **poisson)]
@@ -339,7 +326,7 @@ DEFAULT_MODES = {"controller": "nospec,spec,unified", "prefix": "unified,pdv"}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = script_parser(__doc__, budget_s=540.0)
-    parser.add_argument("--part", required=True, choices=(*SERVED_PARTS, "families"))
+    parser.add_argument("--part", required=True, choices=SERVED_PARTS)
     parser.add_argument("--modes", default=None, help="controller: nospec first (it sets the Poisson rate), "
                         "default nospec,spec,unified; prefix: default unified,pdv")
     parser.add_argument("--controller", default="{}", help="JSON merged into the controller block (controller part)")
@@ -352,12 +339,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if key != "dtype":
             parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
                                 help=f"default {value} on cuda, {PRESETS['cpu'][key]} on cpu")
-    args, rest = parser.parse_known_args(argv)
-    args.rest = rest
+    args = parser.parse_args(argv)
     for key, value in PRESETS[args.device].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.modes = args.modes or DEFAULT_MODES.get(args.part, "")
+    args.modes = args.modes or DEFAULT_MODES[args.part]
     args.max_num_seqs = args.max_num_seqs or max(8, *(int(c) for c in args.concurrencies.split(",")))
     args.max_model_len = args.max_model_len or args.prompt_len + args.output_len + 64
     return args
@@ -367,14 +353,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.part == "families":  # in process, no Ray: its own script, with the same flags
-        from benchmarks import families_fused
-
-        families_fused.main(["--device", args.device, "--out", str(args.out), "--budget-s", str(args.budget_s),
-                             "--pair-dir", str(args.pair_dir), *args.rest])
-        return
-    if args.rest:
-        raise SystemExit(f"unknown arguments for part {args.part}: {args.rest}")
     deadline_s = time.monotonic() + args.budget_s - 20  # the shutdown and the last write
     report = Report(args.part, args, argv)
     port = start_model_cluster()

@@ -3,7 +3,7 @@ rotary embedding + KV-pool write, SiLU-and-multiply; and Gemma's variants of the
 1 + w) and of the activation (tanh-approximated GELU).
 
 Unfused, HF spends ~35 small kernels a layer on these (norms alone are six), which on a small draft
-model costs as much GPU time as the GEMMs (benchmarks/profile_steps.py). Each function has a Triton
+model costs as much GPU time as the GEMMs (benchmarks/gpu_check.py --profile). Each function has a Triton
 kernel (CUDA; tests run it under TRITON_INTERPRET=1 on CPU) and a torch path with HF's exact
 arithmetic (CPU serving). Rounding follows HF: values are rounded to the model dtype where HF's
 eager code rounds them, so bf16 results match HF's to the last bit or one ulp.
