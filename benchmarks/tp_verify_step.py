@@ -18,7 +18,6 @@ from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,44 +49,36 @@ def build_target(shape: str, dtype: str, device: str) -> LoadedModel:
 
 def load_on_worker(shape: str, dtype: str, device_type: str):
     """A worker's loader (lanes.parallel.worker.Loader): its device is cuda:<rank> on GPUs."""
-    device = f"cuda:{dist.get_rank()}" if device_type == "cuda" else "cpu"
+    device = f"cuda:{torch.distributed.get_rank()}" if device_type == "cuda" else "cpu"
     return engine_config(), [build_target(shape, dtype, device).model], (True,)
 
 
-def median_ms(fn, device: torch.device, repeats: int = 10) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(repeats + 1):  # the first warms up
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
-
-
-def verify_step_ms(lane: VerifyLane, batch: int) -> float:
+def verify_step_ms(lane: VerifyLane, batch: int, repeats: int = 10) -> float:
+    """Median of `repeats` verify steps (after one warm-up) of DRAFTS random drafts over `batch` rows of random KV."""
     device, vocab = lane.runner.device, lane.runner.vocab_size
     slots = fill_pool(lane.runner, batch, CONTEXT - 1)
     drafts = torch.randint(0, vocab, (batch, DRAFTS), device=device)
     vb = VerifyBatch(slots, [CONTEXT] * batch, [1] * batch, drafts, None, [DRAFTS] * batch,
                      [SamplingParams(max_tokens=16, temperature=0.0)] * batch, list(range(batch)))
-
-    def step():
-        lane.pool.lengths[slots] = CONTEXT - 1
+    times_ms = []
+    for _ in range(repeats + 1):
+        lane.pool.lengths[slots] = CONTEXT - 1  # the step appended the drafts: back to the same context
+        start_s = time.perf_counter()
         lane.verify(vb)
-
-    ms = median_ms(step, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times_ms.append((time.perf_counter() - start_s) * 1e3)
     for s in slots:
         lane.pool.free(s)
-    return ms
+    return statistics.median(times_ms[1:])
 
 
-def measure(engine: EngineCore, vocab: int) -> dict:
+def measure(engine: EngineCore) -> dict:
     """The engine's greedy output for 8 random prompts, then the verify step's time at each batch."""
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    prompts = {str(i): (p, params) for i, p in enumerate(random_prompts(8, vocab, 16, 200, seed=7))}
-    outputs = list(run_to_completion(engine, prompts).values())
     lane = VerifyLane(engine.verifier.lane.runner)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(8, lane.runner.vocab_size, 16, 200, seed=7)
+    outputs = list(run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)}).values())
     return {"outputs": outputs, "verify_ms": {b: round(verify_step_ms(lane, b), 3) for b in BATCHES}}
 
 
@@ -99,15 +90,12 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    vocab = SHAPES[args.shape]["vocab_size"]
-    rank0 = "cuda:0" if args.device == "cuda" else "cpu"
-    one = measure(EngineCore.colocated(build_target(args.shape, args.dtype, rank0), None, engine_config()), vocab)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()  # the TP = 1 engine is gone: give its memory back to rank 0's shard
     devices = [f"cuda:{r}" if args.device == "cuda" else "cpu" for r in range(args.tp)]
+    one = measure(EngineCore.colocated(build_target(args.shape, args.dtype, devices[0]), None, engine_config()))
+    torch.cuda.empty_cache()  # the TP = 1 engine is gone: give its memory back to rank 0's shard (CPU: no-op)
     with worker_processes(args.tp, partial(load_on_worker, args.shape, args.dtype, args.device), devices) as tp:
-        target = build_target(args.shape, args.dtype, rank0)
-        sharded = measure(EngineCore.colocated(target, None, engine_config(), tp=tp), vocab)
+        target = build_target(args.shape, args.dtype, devices[0])
+        sharded = measure(EngineCore.colocated(target, None, engine_config(), tp=tp))
     result = {
         "shape": args.shape, "dtype": args.dtype, "device": args.device, "tp": args.tp, "context": CONTEXT,
         "drafts": DRAFTS, "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
