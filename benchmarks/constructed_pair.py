@@ -1,9 +1,6 @@
-"""Shape-faithful draft/target pairs whose acceptance is constructed, then measured by the engine.
-
-Every layer keeps random, non-zero weights, but the next-token map is built, and the draft's map agrees
-with the target's on a chosen share of the vocabulary (docs/constructed_pair.md has the method). The CLI
-builds a pair per agreement, checks its map, and measures acceptance through the engine's ordinary
-verification, greedy and at temperature 1:
+"""Shape-faithful draft/target pairs whose acceptance is constructed (docs/constructed_pair.md has the
+method), then measured by the engine. The CLI builds a pair per agreement, checks its map, and measures
+acceptance through the engine's ordinary verification, greedy and at temperature 1:
 
     python benchmarks/constructed_pair.py --shape small --agreement 0.5 0.8 --out DIR
     python benchmarks/constructed_pair.py --shape tinyllama-7b --agreement 0.5 0.8 --out DIR   (GPU)

@@ -51,8 +51,7 @@ def test_prefill_path_splits_the_wait_before_decoding():
     prefill["events"]["handover"] = [{"start_s": 3.0, "end_s": 3.25, "sent_s": 0.0, "received_s": 0.25, "batch_s": 2.0},
                                      {"start_s": 3.0, "end_s": 3.25, "sent_s": 1.0, "received_s": 1.5, "batch_s": 2.0}]
     path = lane_activity([decode, prefill], 0.0, 4.0)["prefill_path"]
-    assert path["to_batch_ms"]["p50"] == 1500.0
-    assert path["transit_ms"]["p50"] == 375.0 and path["queue_ms"]["p50"] == 1125.0
+    assert path["transit_ms"]["p50"] == 375.0 and path["queue_ms"]["p50"] == 1125.0  # sent → received → batch
     assert path["requests"] == 2 and path["forwards"] == 1 and path["rows_per_forward"] == 4
     assert path["wait_ms"]["p50"] == 3125.0 and path["pickup_ms"]["p50"] == 375.0 and path["admit_ms"]["p50"] == 250.0
     assert path["forward_ms"]["p50"] == 1000.0 and path["handover_ms"]["p50"] == 250.0

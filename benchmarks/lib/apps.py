@@ -15,9 +15,9 @@ import yaml
 from ray import serve
 
 from benchmarks.lib.timelines import lane_activity, timelines
-from benchmarks.lib.cluster import (REPO, STARTED_S, benchmark_app_args, deploy, device_memory_note, log,
-                                    replica_log_tail)
-from benchmarks.lib.loads import Load, estimate_s, in_flight_steps, point_line, request_spec_counters
+from benchmarks.lib.cluster import REPO, STARTED_S, deploy, device_memory_note, log, replica_log_tail
+from benchmarks.lib.loads import Load, estimate_s, in_flight_steps, request_spec_counters
+from benchmarks.lib.results import point_line
 from loadtest.report import Point
 from loadtest.runner import run_load
 from loadtest.spec_stats import SpecDecodeCounters
@@ -47,16 +47,27 @@ def engine_args(max_model_len: int, max_num_seqs: int, draft_len: int = 3,
             "max_draft_len": max(draft_len, 8), "gpu_memory_utilization": gpu_memory_utilization}
 
 
-def app_args(mode: str, target: Path, draft: Path, *, dtype: str, engine: dict, lane_num_cpus: float,
-             one_gpu: bool, controller: bool = False) -> dict:
-    """configs/<mode>.yaml's args on this pair and engine; `one_gpu`: the lanes share one GPU (GPU_SHARES);
-    `controller`: the draft-length controller decides L from the first step."""
-    config = benchmark_app_args(mode, target, draft, dtype=dtype, engine=engine, lane_num_cpus=lane_num_cpus,
-                                max_ongoing=MAX_ONGOING, gpu_shares=GPU_SHARES[mode] if one_gpu else None)
+def app_args(mode: str, target: Path | None, draft: Path | None, *, dtype: str, engine: dict,
+             lane_num_cpus: float, one_gpu: bool, controller: bool = False) -> dict:
+    """configs/<mode>.yaml's args with a benchmark's models (paths absolute: replicas may run elsewhere;
+    None: the config's own), engine sizes and CPUs; every lane and the ingress admit MAX_ONGOING requests.
+    `one_gpu`: the lanes share one GPU (GPU_SHARES); `controller`: the draft-length controller decides L
+    from the first step."""
+    config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())["applications"][0]["args"]
+    for role, override in (("target", target), ("draft", draft)):
+        config[role]["path"] = str(Path(override or REPO / config[role]["path"]).resolve())
+        config[role]["dtype"] = dtype
+    config["engine"] = {**config["engine"], **engine}
+    config["max_queued_requests"] = MAX_ONGOING
+    for lane in ("ingress", "prefill_lane", "decode_lane", "verify_lane"):
+        config[lane] = {**config.get(lane, {}), "max_ongoing_requests": MAX_ONGOING}
+        if lane != "ingress":
+            config[lane]["num_cpus"] = lane_num_cpus
+    for lane, share in (GPU_SHARES[mode] if one_gpu else {}).items():
+        config[lane]["num_gpus"] = share
     if controller and mode != "nospec":
         draft_len = engine["num_speculative_tokens"]
-        config["controller"] = {"enabled": True, "initial_draft_len": draft_len,
-                                "max_draft_len": max(draft_len, 8)}
+        config["controller"] = {"enabled": True, "initial_draft_len": draft_len, "max_draft_len": max(draft_len, 8)}
     return config
 
 
@@ -171,10 +182,9 @@ def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: 
         lanes = lanes_of(start_s, end_s)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    for key, label in (("prefill_path", "before decoding"), ("per_verify_ms", "per verify forward, ms"),
-                       ("engine_steps", "engine lane's steps"), ("decode_steps", "decode lane's steps")):
+    for key in ("prefill_path", "per_verify_ms", "engine_steps", "decode_steps"):
         if value := lanes.get(key):
-            log(f"  {label}: {json.dumps(value)}")
+            log(f"  {key}: {json.dumps(value)}")
     return lanes
 
 

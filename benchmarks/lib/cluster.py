@@ -1,5 +1,5 @@
-"""A served benchmark's cluster: Ray with Serve's proxy, apps deployed from configs/<mode>.yaml and
-removed, what their replicas logged and left on the GPU, and where and how a run was measured."""
+"""A served benchmark's cluster: Ray with Serve's proxy, apps deployed and removed, what their replicas
+logged and left on the GPU, and where and how a run was measured."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import ray
 import torch
-import yaml
 from ray import serve
 from ray.serve.schema import ApplicationStatus
 
@@ -30,25 +29,6 @@ def log(message: str) -> None:
 
 class DeployFailed(RuntimeError):
     """An app did not reach RUNNING; the message says why (Serve's own status message)."""
-
-
-def benchmark_app_args(mode: str, target: Path | None, draft: Path | None, *, dtype: str, engine: dict,
-                       lane_num_cpus: float, max_ongoing: int, gpu_shares: dict[str, float] | None) -> dict:
-    """configs/<mode>.yaml's args with a benchmark's models (paths absolute: replicas may run elsewhere),
-    engine sizes and placement: every lane and the ingress admit `max_ongoing` requests; `gpu_shares`."""
-    config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())["applications"][0]["args"]
-    for role, override in (("target", target), ("draft", draft)):
-        config[role]["path"] = str(Path(override or REPO / config[role]["path"]).resolve())
-        config[role]["dtype"] = dtype
-    config["engine"] = {**config["engine"], **engine}
-    config["max_queued_requests"] = max_ongoing
-    for lane in ("ingress", "prefill_lane", "decode_lane", "verify_lane"):
-        config[lane] = {**config.get(lane, {}), "max_ongoing_requests": max_ongoing}
-        if lane != "ingress":
-            config[lane]["num_cpus"] = lane_num_cpus
-    for lane, share in (gpu_shares or {}).items():
-        config[lane]["num_gpus"] = share
-    return config
 
 
 def start_cluster(env_vars: dict[str, str] | None = None) -> int:

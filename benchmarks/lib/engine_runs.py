@@ -1,4 +1,4 @@
-"""Workloads of random token-id prompts (no tokenizer in the way), as the planner ramp and stream latency send them."""
+"""Workloads of random token-id prompts (no tokenizer in the way), as stream_latency.py sends them."""
 
 from __future__ import annotations
 

@@ -54,8 +54,6 @@ def warmup_requests(tokenizer: Any, count: int, seed: int, prompts: LogNormal, l
     tokens long, so that an app meets long prompts first in its warm-up."""
     # Outputs of 4-64 tokens end at different times, so the batch passes every bucket going down.
     burst = synthetic(tokenizer, count, seed, prompts, LogNormal(24, 0.6, 4, 64))
-    if not long_prompts:
-        return burst
     return mix_long_prompts(burst, long_prompts / len(burst), long_prompt_len, tokenizer, seed + 1)
 
 
@@ -110,20 +108,3 @@ def decode_stall_ms(point: Point, quantile: float = 99) -> float | None:
     gaps = [max(r.itl_ms) for r in point.result.records
             if r.kind == "normal" and r.status == "completed" and r.itl_ms]
     return float(np.percentile(gaps, quantile)) if gaps else None
-
-
-def point_line(point: Point) -> str:
-    s = point.summary
-    spec = s.spec_decode
-    per_pos = spec.acceptance_rate_per_pos if spec else None
-    accept = (f", acceptance {spec.acceptance_rate:.3f}" + (f" (pos 1: {per_pos[0]:.3f})" if per_pos else "")
-              if spec and spec.acceptance_rate is not None else "")
-    return (f"{point.result.arrivals.label}: {s.completed}/{s.submitted} completed, {s.failed} failed, "
-            f"{s.timed_out} timed out; {s.output_token_throughput_tps:.0f} tok/s, in flight mean "
-            f"{s.mean_in_flight:.1f} max {s.max_in_flight}; TTFT p50 {_ms(s, 'ttft_ms', 'p50')}, TPOT p50 "
-            f"{_ms(s, 'tpot_ms', 'p50')} p95 {_ms(s, 'tpot_ms', 'p95')}{accept}; {s.wall_s:.1f} s")
-
-
-def _ms(summary: Summary, metric: str, stat: str) -> str:
-    value = getattr(summary.latency_ms[metric], stat)
-    return "n/a" if value is None else f"{value:.1f} ms"

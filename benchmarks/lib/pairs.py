@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from benchmarks.constructed_pair import build_constructed_pair, map_check, probe_prompts, shape_configs
 from benchmarks.lib.cluster import free_device_memory, log
@@ -96,10 +96,3 @@ def check_stored_head(model_dir: Path) -> dict:
     check["ok"] = check["tie_word_embeddings"] is False and check["lm_head_stored"] and check["embeddings_stored"]
     return check
 
-
-def parameter_count(config: dict) -> int:
-    """Parameters of a model built from `config`, counted on the meta device (no memory)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            **{**config, "tie_word_embeddings": False}))
-    return sum(p.numel() for p in model.parameters())

@@ -17,17 +17,14 @@ def cpu_s(pid: int) -> float | None:
 
 def serve_processes(app: str) -> dict[str, int]:
     """The process ids of `app`'s replicas and of Serve's proxies on this machine, by role
-    (`Ingress`, `DecodeLane`, ..., `proxy`); several replicas of one deployment get `#1`, `#2`."""
+    (`Ingress`, `DecodeLane`, ..., `proxy`); a deployment's second replica `#2`, and so on."""
     found: dict[str, int] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         read = read_process(pid)
         name = _role(read[2], app) if read is not None else None
         if name is not None:
-            base, n = name, 1
-            while name in found:
-                n += 1
-                name = f"{base}#{n}"
-            found[name] = int(pid)
+            same = sum(key.split("#")[0] == name for key in found)
+            found[f"{name}#{same + 1}" if same else name] = int(pid)
     return found
 
 
@@ -44,8 +41,6 @@ class CpuMeter:
 
     def __init__(self, pids: dict[str, int]):
         self.pids = pids
-        self._start: dict[str, float | None] = {}
-        self._start_s = 0.0
 
     def start(self) -> "CpuMeter":
         self._start = {name: cpu_s(pid) for name, pid in self.pids.items()}

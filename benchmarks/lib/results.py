@@ -11,8 +11,6 @@ from pathlib import Path
 from benchmarks.lib.loads import Load, decode_stall_ms
 from benchmarks.lib.pairs import PAIR_DIR
 from loadtest.report import Point, _pyplot
-from loadtest.spec_stats import SpecDecodeSummary
-from loadtest.summary import LatencyStats, Summary
 
 TTFT_SLO_MS = 1000.0  # goodput: p99 TTFT within 1 s ...
 TPOT_SLOS_MS = (15.0, 20.0, 30.0)  # ... and p99 TPOT within each of these
@@ -44,6 +42,13 @@ def row(point: Point, **labels: str) -> dict:
             "errors": sorted({r.error for r in point.result.records if r.error})[:3]}
 
 
+def point_line(point: Point) -> str:
+    """row(point) and the requests in flight on one line, for the log."""
+    s = point.summary
+    cells = {**row(point), "in_flight mean": round(s.mean_in_flight, 1), "wall_s": round(s.wall_s, 1)}
+    return ", ".join(f"{name} {value}" for name, value in cells.items() if value not in (None, []))
+
+
 def _round(value, digits: int = 1):
     return None if value is None else round(value, digits)
 
@@ -55,18 +60,6 @@ def rounded(value):
     if isinstance(value, dict):
         return {k: rounded(v) for k, v in value.items()}
     return value
-
-
-def summary_from_dict(document_summary: dict) -> Summary:
-    """A Summary back from its JSON (to_dict) form."""
-    def stats(by_metric: dict) -> dict[str, LatencyStats]:
-        return {metric: LatencyStats(**values) for metric, values in by_metric.items()}
-
-    spec = document_summary["spec_decode"]
-    return Summary(**{**document_summary, "latency_ms": stats(document_summary["latency_ms"]),
-                      "latency_ms_by_kind": {kind: stats(v) for kind, v in
-                                             document_summary["latency_ms_by_kind"].items()},
-                      "spec_decode": SpecDecodeSummary(**spec) if spec else None})
 
 
 def rows_table(rows: list[dict], labels: int = 2) -> str:
@@ -95,17 +88,16 @@ def verdict(value: float | None, goal: tuple[str, float]) -> str:
     return "met" if (value >= bound if op == ">=" else value <= bound) else "MISSED"
 
 
-def within_slos(summary: dict, tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) -> bool:
-    """Every submitted request completed, p99 TPOT within `tpot_ms` and p99 TTFT within `ttft_ms`."""
-    lat = summary["latency_ms"]
-    return (summary["completed"] == summary["submitted"] > 0
-            and (lat["tpot_ms"]["p99"] or math.inf) <= tpot_ms and (lat["ttft_ms"]["p99"] or math.inf) <= ttft_ms)
-
-
 def goodput(points: list[dict], tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) -> dict | None:
     """Of `points` ({"summary": Summary.to_dict(), ...}, one per offered rate), the one with the most
-    completed requests/s within the bounds (within_slos); None when no rate met them."""
-    meeting = [p for p in points if within_slos(p["summary"], tpot_ms, ttft_ms)]
+    completed requests/s where every submitted request completed, p99 TPOT within `tpot_ms` and p99 TTFT
+    within `ttft_ms`; None when no rate met them."""
+    def met(summary: dict) -> bool:
+        lat = summary["latency_ms"]
+        return (summary["completed"] == summary["submitted"] > 0
+                and (lat["tpot_ms"]["p99"] or math.inf) <= tpot_ms and (lat["ttft_ms"]["p99"] or math.inf) <= ttft_ms)
+
+    meeting = [p for p in points if met(p["summary"])]
     return max(meeting, key=lambda p: p["summary"]["request_throughput_rps"], default=None)
 
 

@@ -182,18 +182,16 @@ def prefill_path(by_lane: dict[str, list[dict]], start_s: float, end_s: float) -
         "rows_per_forward": round(statistics.mean(e["rows"] for e in forwards), 2) if forwards else None,
         "forward_ms": ms_quantiles(e["end_s"] - e["start_s"] for e in forwards),
         "handover_ms": ms_quantiles(e["end_s"] - e["start_s"] for e in handovers),
-        "to_batch_ms": ms_quantiles(e["batch_s"] - e["sent_s"] for e in handovers if e.get("sent_s") is not None),
         "transit_ms": ms_quantiles(e["received_s"] - e["sent_s"] for e in handovers if e.get("received_s") is not None),
         "queue_ms": ms_quantiles(e["batch_s"] - e["received_s"] for e in handovers if e.get("received_s") is not None),
         "forward_busy_share": round(total_s(busy) / max(end_s - start_s, 1e-9), 3),
     }
 
 
-def timelines(app: str, mode: str, start_s: float, deployments: tuple[str, ...] | None = None) -> list[dict]:
-    """Every lane replica's timeline() since `start_s`, one dict per replica with its events as rows, fetched
-    page by page (`deployments`: these instead of the mode's lanes, e.g. the Ingress)."""
+def timelines(app: str, mode: str, start_s: float) -> list[dict]:
+    """Every lane replica's timeline() since `start_s`, fetched page by page: a dict per replica, events as rows."""
     merged: dict[str, dict] = {}
-    for deployment in deployments or LANE_DEPLOYMENTS[mode]:
+    for deployment in LANE_DEPLOYMENTS[mode]:
         handle = serve.get_deployment_handle(deployment, app_name=app)
         offset, more = 0, True
         while more:
