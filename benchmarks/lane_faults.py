@@ -6,10 +6,8 @@
         --out /tmp/lane_faults --budget-s 600                                     (CPU dry run)
 
 Writes OUT/lane_faults.json (every kill's summary and streams) and OUT/lane_faults.md (a row per kill and its
-goals; `skipped` where --budget-s left no room), rewritten after every kill.
+goals, then the kills skipped where --budget-s left no room), rewritten after every kill.
 """
-
-from __future__ import annotations
 
 import argparse
 import os
@@ -52,8 +50,9 @@ SIZES = {
 
 
 def sized_args(parser: argparse.ArgumentParser, sizes: dict[str, dict], argv: list[str]) -> argparse.Namespace:
-    """`argv` parsed with the flags of the constructed pair and a flag per key of `sizes` (default: the
+    """`argv` parsed with --device, the constructed pair's flags and a flag per key of `sizes` (default: the
     --device's value); `args.sizes` holds the values in effect."""
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
     parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
     parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR, help="where the pair is saved (a finished save "
@@ -114,19 +113,15 @@ def kill_row(mode: str, result: KillResult, survivors_replaced: list[str] | None
            "app_mib_ratio": ratio(s["device_mib_after"], s["device_mib_before"]),
            "device_used_ratio": ratio(s["device_used_mib_after"], s["device_used_mib_before"]),
            "errors": sorted({r.error for r in result.in_flight + result.after if r.error})[:3]}
+    memory = [r for r in (row["app_mib_ratio"], row["device_used_ratio"]) if r is not None]  # none on the CPU
     row["goals"] = {
         "streams_end": s["in_flight_timed_out"] == 0 and (row["in_flight_failed_last_end_s"] or 0.0) <= FAIL_WITHIN_S,
         "served_again": result.recovered_s is not None and result.replaced_s is not None,
         "survivors_intact": None if survivors_replaced is None else not survivors_replaced,
         "greedy_equal": result.greedy_equal,
-        "memory": _memory_goal(row["app_mib_ratio"], row["device_used_ratio"]),
+        "memory": all(abs(r - 1) <= MEMORY_WITHIN for r in memory) if memory else None,
     }
     return row
-
-
-def _memory_goal(*ratios: float | None) -> bool | None:
-    measured = [r for r in ratios if r is not None]
-    return all(abs(r - 1) <= MEMORY_WITHIN for r in measured) if measured else None
 
 
 def run_kill(mode: str, lane: str, url: str, model: str, streams, greedy_prompts, sizes: dict) -> dict:
@@ -191,15 +186,8 @@ def run_mode(mode: str, lanes: list[str], args: argparse.Namespace, pair, tokeni
         serve.delete(mode)
 
 
-TABLE = ["mode", "lane", "pid", "in flight c/f/t", "late c/f/t", "last failed end s", "last end s", "recovered_s",
-         "replaced_s", "others replaced", "greedy_equal", "app GPU MiB before -> after", "GPU used MiB before -> after",
-         "goals met"]
-
-
 def table_row(row: dict) -> dict:
-    if "status" in row:
-        return {"mode": row["mode"], "lane": row["lane"], "pid": row["status"]}
-
+    """A measured kill's line of the Markdown table."""
     def counts(prefix: str) -> str:
         return "/".join(str(row[f"{prefix}_{s}"]) for s in ("completed", "failed", "timed_out"))
 
@@ -224,7 +212,7 @@ def table_row(row: dict) -> dict:
 
 
 def markdown(document: dict) -> str:
-    rows = [table_row(k["row"]) for k in document["kills"]]
+    rows = [k["row"] for k in document["kills"]]
     sizes = document["sizes"]
     lines = [f"# Lane kills under load ({document['device']}, {document['pair']['shape']} pair)", "",
              f"`{document['command']}` at {document['commit']}; {document['machine'].get('gpu') or 'no GPU'}; "
@@ -234,8 +222,8 @@ def markdown(document: dict) -> str:
              "c/f/t: completed / failed / timed out. Times in seconds after the kill. Goals: every failed stream "
              f"ends within {FAIL_WITHIN_S:g} s and none times out; /health 200 and the replacement up; no other "
              f"lane's process replaced; greedy equal; GPU memory within {100 * MEMORY_WITHIN:g} %.", ""]
-    if rows:
-        lines.append(rows_table([{c: r.get(c) for c in TABLE + ["errors"]} for r in rows], labels=2))
+    lines.append(rows_table([table_row(r) for r in rows if "status" not in r], labels=2))
+    lines += [f"- {r['mode']} {r['lane']}: {r['status']}" for r in rows if "status" in r] + [""]
     lines += [f"{mode}: deploy failed: {app['error']}\n" for mode, app in document["apps"].items()
               if app.get("status") == "failed"]
     lines.append(f"Run time {document['duration_s']} s of a {document['budget_s']:g} s budget.")
@@ -253,8 +241,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock allowance of the whole run")
     parser.add_argument("--kills", default=DEFAULT_KILLS, help="mode:Deployment, in order (apps deployed in the "
                         "order their first kill comes)")
-    parser.add_argument("--device", choices=("cuda", "cpu"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
     args = sized_args(parser, SIZES, argv)
     args.kill_list = [tuple(k.split(":")) for k in args.kills.split(",")]
     unknown = [k for k in args.kill_list if len(k) != 2 or k[0] not in LANES or k[1] not in LANES[k[0]]]

@@ -10,8 +10,6 @@ The soak writes status.json, records.jsonl (a line per request as it ends), memo
 finished or not, and --copy-to copies those and the raw files (records gzipped) to a folder.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import gzip
@@ -163,31 +161,25 @@ def wait_for_end(directory: Path, wait_s: float) -> dict:
 def collect(directory: Path, copy_to: Path | None = None, wait_s: float = 0.0) -> None:
     """soak.md / soak.json / soak.png from what the soak wrote so far."""
     status = wait_for_end(directory, wait_s)
+    running = alive(status.get("pid"))
+    if status["phase"] not in DONE_PHASES and not running:
+        status["phase"] += " (its process is gone)"
+    # How far it got: all of it once done; while it runs, until now; else (failed, gone) its last flush.
+    elapsed_s = (None if status["phase"] == "done" else time.time() - status["origin_wall_s"]
+                 if status["phase"] == "soak" else status.get("elapsed_s", 0.0))
     records = minutes_of.read_records(directory / "records.jsonl")
     memory_path = directory / "memory.csv"
     memory = pd.read_csv(memory_path) if memory_path.exists() and memory_path.stat().st_size else pd.DataFrame()
-    duration_s, origin = status.get("duration_s", 0.0), status.get("origin_wall_s")
-    if status["phase"] == "done":
-        elapsed_s = None  # the whole duration
-    elif status["phase"] == "soak" and alive(status.get("pid")):
-        elapsed_s = time.time() - origin
-    else:  # failed, or gone: as far as its last flush
-        elapsed_s = status.get("elapsed_s", 0.0)
-    if status["phase"] not in DONE_PHASES and not alive(status.get("pid")):
-        status["phase"] += " (its process is gone)"
-    rows = minutes_of.minutes(records, memory, duration_s, elapsed_s) if origin else []
+    duration_s, capacity = status.get("duration_s", 0.0), status.get("capacity") or {}
+    rows = minutes_of.minutes(records, memory, duration_s, elapsed_s) if status.get("origin_wall_s") else []
     checks = minutes_of.goals(rows) if rows else []
-    capacity = status.get("capacity") or {}
-    gpu = (status.get("machine") or {}).get("gpu") or "no GPU"
     header = (f"# pdv soak ({status.get('device')}): {status['phase']}\n\n`{status.get('command')}` at "
-              f"{status.get('commit')}; {gpu}. Capacity (closed loop of {capacity.get('concurrency')}): "
-              f"{capacity.get('request_throughput_rps')} requests/s, {capacity.get('output_token_throughput_tps')} "
-              f"tok/s; soak at {status.get('rate_rps')} requests/s for {duration_s:g} s"
-              f"{'' if elapsed_s is None else f' ({elapsed_s:.0f} s so far)'}; {len(records)} requests ended. "
-              "Requests count in the minute they ended; memory is each lane's processes summed, the minute's mean "
-              "(loadtest/soak.py).\n")
-    if status.get("error"):
-        header += f"\nFailed: {status['error']}\n"
+              f"{status.get('commit')}; {(status.get('machine') or {}).get('gpu') or 'no GPU'}. Capacity (closed "
+              f"loop of {capacity.get('concurrency')}): {capacity.get('request_throughput_rps')} requests/s, "
+              f"{capacity.get('output_token_throughput_tps')} tok/s; soak at {status.get('rate_rps')} requests/s for "
+              f"{duration_s:g} s{'' if elapsed_s is None else f' ({elapsed_s:.0f} s so far)'}; {len(records)} "
+              "requests ended, each counted in the minute it ended; memory: each lane's processes summed, the "
+              "minute's mean (loadtest/soak.py).\n" + (f"\nFailed: {status['error']}\n" if status.get("error") else ""))
     (directory / "soak.json").write_text(json.dumps({"status": status, "minutes": rows, "goals": checks}, indent=1,
                                                     default=str))
     (directory / "soak.md").write_text(minutes_of.markdown(rows, checks, header) if rows else header)
@@ -209,7 +201,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--collect", type=Path, metavar="DIR", help="tables and plots from DIR, finished or not")
     parser.add_argument("--wait-s", type=float, default=0.0, help="--collect: wait this long for the soak's end")
     parser.add_argument("--copy-to", type=Path, default=None, help="--collect: copy the results here too")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = sized_args(parser, SIZES, argv)
     if (args.dir is None) == (args.collect is None):
         parser.error("give --dir (run a soak) or --collect DIR")

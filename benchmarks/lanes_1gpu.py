@@ -11,8 +11,6 @@ deleted; the mixed part's rates are shares of the first mode's capacity. Writes 
 point), .md (a row per mode and load, the goals against unified) and .png (stall and TPOT) under --out.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import sys
@@ -25,13 +23,14 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
+from benchmarks.lane_faults import sized_args  # noqa: E402
 from benchmarks.lib.apps import GPU_SHARES, PRESETS, app_args, engine_args, lane_reader, run_app  # noqa: E402
 from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines, serve_env,  # noqa: E402
                                     start_model_cluster, wait_for_device_memory)
 from benchmarks.lib.goals import goal_rows  # noqa: E402
 from benchmarks.lib.mps import control_log_tail, mps_daemon, server_pids  # noqa: E402
 from benchmarks.lib.loads import MIXED, Load, exactly, mixed_requests, warmup_requests  # noqa: E402
-from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
+from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.lib.results import plot_bars, point_document, row, rows_table, write_document  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.workload import load_tokenizer, synthetic  # noqa: E402
@@ -49,9 +48,12 @@ VARIANTS = {"pd512": ("pd", {"engine": {"idle_prefill_tokens": 512}}),
             "pdv512_split": ("pdv", {"engine": {"idle_prefill_tokens": 512}, "local_prefill_max_tokens": 512}),
             "pdv_host": ("pdv", {"shared_drafts": False})}
 MPS_DIR = Path("/tmp/vpd-mps")  # short: the daemon's pipes are Unix sockets (108-byte paths)
-SIZES = {  # by device: mixed traffic's lengths (MIXED), the max-len prompt, in flight, requests, mixed requests
-    "cuda": dict(MIXED["cuda"], max_len_prompt=7000, in_flight=64, requests=256, mixed=240),
-    "cpu": dict(MIXED["cpu"], max_len_prompt=200, in_flight=4, requests=12, mixed=16),
+# By device; every key is also a flag (prompt and output lengths are MIXED's). ingress_replicas: in every mode.
+SIZES = {
+    "cuda": dict(max_len_prompt=7000, in_flight=64, uniform_requests=256, mixed_requests=240, max_model_len=8192,
+                 max_num_seqs=160, ingress_replicas=2),
+    "cpu": dict(max_len_prompt=200, in_flight=4, uniform_requests=12, mixed_requests=16, max_model_len=256,
+                max_num_seqs=8, ingress_replicas=1),
 }
 
 
@@ -59,18 +61,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("uniform", "mixed"), required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--shape", choices=("small", "tinyllama-7b"), default=None)
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {MODES} and {tuple(VARIANTS)}")
-    parser.add_argument("--agreement", type=float, default=0.8)
-    parser.add_argument("--max-model-len", type=int, default=None, help="default 8192 (cuda), 256 (cpu)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="default 160 (cuda), 8 (cpu)")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.8],
                         help="mixed: Poisson rates as shares of the first mode's capacity")
     parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--mps", action="store_true", help="run the lanes as clients of NVIDIA MPS")
-    parser.add_argument("--ingress-replicas", type=int, default=None,
-                        help="OpenAI ingress replicas of every mode: default 2 (cuda), 1 (cpu)")
     parser.add_argument("--serve-throughput-optimized", action="store_true",
                         help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's high-throughput settings)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -78,31 +73,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stream-every-step", action="store_true",
                         help="every mode streams each engine step's tokens (stream_interval_ms 0, no bound on "
                              "messages a second), so that the p99 stall is the decode's, not a stream interval's")
-    args = parser.parse_args(argv)
-    cuda = args.device == "cuda"
-    args.shape = args.shape or ("tinyllama-7b" if cuda else "small")
-    args.max_model_len = args.max_model_len or (8192 if cuda else 256)
-    args.max_num_seqs = args.max_num_seqs or (160 if cuda else 8)
-    args.ingress_replicas = args.ingress_replicas or (2 if cuda else 1)
+    args = sized_args(parser, SIZES, argv)  # and --device, the pair's --shape, --agreement, --pair-dir, --seed
     args.modes = args.modes.split(",")
     return args
 
 
 def requests_of(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, list]:
-    size = SIZES[args.device]
+    size, prompt, output = args.sizes, exactly(MIXED[args.device]["prompt"]), MIXED[args.device]["output"]
     tokenizer = load_tokenizer(tokenizer_dir)
     # Seeds 0, 100, 200, ...: a repeat's prompts share no prefix with an earlier one's (the prefix cache is on).
-    uniform = [synthetic(tokenizer, size["requests"], 100 * k, exactly(size["prompt"]), exactly(size["output"]))
+    uniform = [synthetic(tokenizer, size["uniform_requests"], 100 * k, prompt, exactly(output))
                for k in range(args.repeats)]
     return {"uniform": uniform,
-            "max_len": synthetic(tokenizer, 3, 3, exactly(size["max_len_prompt"]), exactly(size["output"] // 2)),
-            "warmup": warmup_requests(tokenizer, args.max_num_seqs, 7, exactly(size["prompt"]), 2, size["long"]),
-            "mixed": mixed_requests(tokenizer, size["mixed"], 1, args.device)}
+            "max_len": synthetic(tokenizer, 3, 3, exactly(size["max_len_prompt"]), exactly(output // 2)),
+            "warmup": warmup_requests(tokenizer, size["max_num_seqs"], 7, prompt, 2, MIXED[args.device]["long"]),
+            "mixed": mixed_requests(tokenizer, size["mixed_requests"], 1, args.device)}
 
 
 def loads_of(args: argparse.Namespace, requests: dict, capacity_rps: float | None) -> list[Load]:
     """The warm-up, then the part's measured loads."""
-    size = SIZES[args.device]
+    size = args.sizes
     loads = [Load("warmup", requests["warmup"], OpenLoop(float("inf")), measured=False)]
     if args.part == "uniform":
         name = f"uniform c{size['in_flight']}"
@@ -118,14 +108,14 @@ def loads_of(args: argparse.Namespace, requests: dict, capacity_rps: float | Non
         Load(f"mixed {share:.0%}", requests["mixed"], rate_of=closed, factor=share) for share in args.rates]
 
 
-def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tuple[str, dict]:
+def mode_config(mode: str, args: argparse.Namespace, pair) -> tuple[str, dict]:
     """(the configs/ mode it runs, its app args): a variant's lanes and engine set as VARIANTS says."""
     base, overrides = VARIANTS.get(mode, (mode, {}))
-    config = app_args(base, pair.target, pair.draft, dtype=preset["dtype"],
-                      engine=engine_args(args.max_model_len, args.max_num_seqs),
-                      lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
+    engine = engine_args(args.sizes["max_model_len"], args.sizes["max_num_seqs"])
+    config = app_args(base, pair.target, pair.draft, dtype=args.dtype, engine=engine,
+                      lane_num_cpus=PRESETS[args.device]["lane_num_cpus"], one_gpu=args.device == "cuda")
     # The ingress is stateless: two replicas keep one busy event loop from bounding the fastest mode.
-    config["ingress"]["num_replicas"] = args.ingress_replicas
+    config["ingress"]["num_replicas"] = args.sizes["ingress_replicas"]
     if args.stream_every_step:
         config.update(stream_interval_ms=0, max_stream_messages_per_s=None)
     for key, value in overrides.items():
@@ -133,10 +123,10 @@ def mode_config(mode: str, args: argparse.Namespace, pair, preset: dict) -> tupl
     return base, config
 
 
-def markdown(rows: list[dict], measured: list[dict], context: dict) -> str:
-    """Every point's row, then the goals read from the `measured` ones."""
+def markdown(rows: list[dict], context: dict) -> str:
+    """Every point's row, then the goals (goal_rows reads the measured loads only)."""
     where = context["machine"].get("gpu") or context["machine"].get("cpu_model")
-    goals = goal_rows(measured, lambda mode: VARIANTS.get(mode, (mode, {}))[0])
+    goals = goal_rows(rows, lambda mode: VARIANTS.get(mode, (mode, {}))[0])
     return "\n".join([f"# lanes_1gpu {context['part']}", "", f"`{context['command']}` on {where}, commit "
                       f"{context['commit']}; pair {context['pair']}; capacity {context.get('capacity_rps')} "
                       "requests/s", "", rows_table(rows), "## Goals against unified in this call", "",
@@ -160,46 +150,43 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
     """Every mode of `args.modes` in turn on one cluster; the documents rewritten after each."""
     deadline_s = time.monotonic() + args.budget_s
     preset = PRESETS[args.device]
-    pair = save_pair(args.shape, args.agreement, PAIR_DIR, dtype=preset["dtype"], device=args.device,
+    pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device, seed=args.seed,
                      reload_check="structure" if args.device == "cuda" else "full")
     requests = requests_of(args, pair.target)
     context = {"part": args.part, "command": "python benchmarks/lanes_1gpu.py " + " ".join(argv),
-               "machine": machine(), "commit": git_commit(),
-               "engine": engine_args(args.max_model_len, args.max_num_seqs), "lane_shares": GPU_SHARES,
-               "variants": VARIANTS, "pair": {"shape": args.shape, "agreement": args.agreement},
+               "machine": machine(), "commit": git_commit(), "sizes": args.sizes, "lane_shares": GPU_SHARES,
+               "engine": engine_args(args.sizes["max_model_len"], args.sizes["max_num_seqs"]), "variants": VARIANTS,
+               "pair": {"shape": args.shape, "agreement": args.agreement},
                "serve_throughput_optimized": args.serve_throughput_optimized}
     port = start_model_cluster({**mps_env, **serve_env(args.serve_throughput_optimized)})
     if args.mps:
         context["mps"] = {"pipe_directory": mps_env["CUDA_MPS_PIPE_DIRECTORY"], "server_pids": server_pids(mps_env)}
         log(f"MPS: {context['mps']}")
     free_bytes = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 0
-    rows, measured, docs, capacity_rps = [], [], [], None
+    rows, docs, capacity_rps = [], [], None
     name_of = f"lanes_1gpu_{args.part}"
     try:
         for i, mode in enumerate(args.modes):
             share_s = (deadline_s - time.monotonic()) / (len(args.modes) - i)
             name = f"{mode}-{args.part}"
-            base, config = mode_config(mode, args, pair, preset)
+            base, config = mode_config(mode, args, pair)
             # Behind several ingress replicas the server's totals are one replica's: acceptance from the
             # responses' own counters (`request_counters`).
             run = run_app(name, config, port, loads_of(args, requests, capacity_rps), time.monotonic() + share_s,
                           deploy_timeout_s=preset["deploy_timeout_s"], request_timeout_s=preset["request_timeout_s"],
-                          seed=0, lanes_of=lane_reader(name, base) if base in ("unified", "pd", "pdv") else None,
-                          request_counters=True)
+                          seed=args.seed, request_counters=True,
+                          lanes_of=lane_reader(name, base) if base in ("unified", "pd", "pdv") else None)
             docs.append({"mode": mode, "status": run.status, "error": run.error, "deploy_s": run.deploy_s,
                          "skipped": run.skipped, "lanes": run.lanes,
                          "points": [point_document(load, point) for load, point in run.points]})
-            for load, point in run.points:
-                rows.append(row(point, mode=mode, load=load.name))
-                if load.measured:  # not the warm-up
-                    measured.append(rows[-1])
+            rows += [row(point, mode=mode, load=load.name) for load, point in run.points]
             closed = next((p for load, p in run.points if load.name.startswith("mixed c")), None)
             if args.part == "mixed" and capacity_rps is None and closed is not None:
                 capacity_rps = closed.summary.request_throughput_rps
                 context["capacity_rps"] = round(capacity_rps, 3)
                 log(f"capacity on mixed traffic ({mode}): {capacity_rps:.2f} requests/s")
             write_document(args.out, name_of, {"context": context, "rows": rows, "apps": docs},
-                           markdown(rows, measured, context))
+                           markdown(rows, context))
             if args.device == "cuda":
                 wait_for_device_memory(free_bytes)
     finally:
@@ -207,6 +194,7 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
         (args.out / f"{name_of}_memory.txt").write_text(memory)
         serve.shutdown()
         ray.shutdown()
+    measured = [r for r in rows if r["load"] != "warmup"]
     plot_bars(measured, args.out / f"{name_of}.png", ("stall_ms p99", "tpot_ms p99"), x="mode", series="load")
 
 

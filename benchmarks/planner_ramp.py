@@ -3,14 +3,11 @@
     python -m benchmarks.planner_ramp --out benchmarks/results/planner_ramp_cpu
     python -m benchmarks.planner_ramp --ceiling 1,2,4 --out benchmarks/results/planner_ramp_cpu   # ceiling.json
 
-Mode unified on the shipped pair, held-out prompts, the L controller on, one arm at a time: `planner` (`slo:`
-with the targets), `serve-default` (Serve's default policy, 1 to --max-replicas) and `fixed`
-(--fixed-replicas). Every arm gets the same seeded Poisson ramp: 1x, up to --peak-factor x, held, down, 1x.
-Per arm: goodput, replica-seconds, the share of 10 s windows with TTFT and TPOT p95 within the targets (all,
-and settled: --settle-s past the ramp's turns), the replicas and L every second, and the cores other
-processes used meanwhile. Writes <out>/results.json, README.md and ramp.png. --ceiling measures instead what
-the machine serves with that many fixed replicas, each kept full (twice --max-num-seqs in flight a replica for
---ceiling-s): where --max-replicas should stop. Results: docs/planner.md.
+The arms `planner` (`slo:`), `serve-default` and `fixed` in turn, each on the same seeded Poisson ramp (1x up
+to --peak-factor x and back). Writes <out>/results.json, README.md (per arm: goodput, replica-seconds, the 10 s
+windows within the targets, other processes' cores) and ramp.png (replicas, L and the p95s against time);
+--ceiling instead: what each count of fixed replicas, kept full, serves. Method: docs/controller.md (Replica
+planner); results: docs/planner.md.
 """
 
 import argparse
@@ -128,17 +125,14 @@ def app_configs(args: argparse.Namespace) -> dict[str, dict]:
             "fixed": {**base, "decode_lane": {**lane, "num_replicas": args.fixed_replicas}}}
 
 
-def lane_replicas(app: str) -> int:
-    """Every DecodeLane replica Serve holds for the app (starting, running, stopping): what the lane pays for."""
-    deployment = serve.status().applications[app].deployments.get("DecodeLane")
-    return sum(deployment.replica_states.values()) if deployment is not None else 0
-
-
-async def sample(app: str, url: str, trace: list[dict], origin_s: float, every_s: float = 1.0) -> None:
-    """Every `every_s`: the lane's replicas and the L controller's default L, until cancelled."""
+async def sample(app: str, url: str, trace: list[dict], every_s: float = 1.0) -> None:
+    """Every `every_s` from its start: the lane's replicas (every one Serve holds, starting and stopping too:
+    what the lane pays for) and the L controller's default L, until cancelled."""
+    origin_s = time.perf_counter()
     async with httpx.AsyncClient(timeout=10) as http:
         while True:
-            replicas = await asyncio.to_thread(lane_replicas, app)
+            lane = (await asyncio.to_thread(serve.status)).applications[app].deployments.get("DecodeLane")
+            replicas = sum(lane.replica_states.values()) if lane is not None else 0
             try:
                 state = (await http.get(f"{url}/v1/controller")).json()
             except (httpx.HTTPError, ValueError):
@@ -148,22 +142,15 @@ async def sample(app: str, url: str, trace: list[dict], origin_s: float, every_s
             await asyncio.sleep(every_s)
 
 
-async def warm_up(url: str, workload, args) -> None:
-    """A few requests first, so that no arm pays for cold caches."""
+async def measure(url: str, workload, arrivals, duration_s: float, args, sampler=None) -> tuple[RunResult, dict]:
+    """A few requests first (no arm pays for cold caches), then `arrivals` for `duration_s` with `sampler`
+    beside them; and the machine's other load meanwhile."""
     await run_load(url, workload[:4], RampLoop(((0.0, 1.0),)), timeout_s=args.request_timeout_s, progress=False)
-
-
-async def run_arm(name: str, url: str, workload, args) -> tuple[RunResult, list[dict], dict]:
-    """The ramp against the app at `url`, with the sampler beside it."""
-    await warm_up(url, workload, args)
-    trace: list[dict] = []
     cpu_before, load_before = cpu_sample(), os.getloadavg()
-    result = await beside(run_load(url, workload, ramp(args), duration_s=duration_s(args),
-                                   options=RequestOptions(temperature=0.0), timeout_s=args.request_timeout_s,
-                                   seed=args.seed, progress=False), sample(name, url, trace, time.perf_counter()))
-    load = {"foreign_cores": round(foreign_cores(cpu_before, cpu_sample()), 2),
-            "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
-    return result, trace, load
+    result = await beside(run_load(url, workload, arrivals, duration_s=duration_s, seed=args.seed, progress=False,
+                                   options=RequestOptions(temperature=0.0), timeout_s=args.request_timeout_s), sampler)
+    return result, {"foreign_cores": round(foreign_cores(cpu_before, cpu_sample()), 2),
+                    "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
 
 
 def windows(result: RunResult, args) -> list[dict]:
@@ -181,12 +168,6 @@ def windows(result: RunResult, args) -> list[dict]:
     return out
 
 
-def settled(window: dict, args) -> bool:
-    """Not within `settle_s` of the ramp starting to rise, nor of it reaching its peak."""
-    rise, top = args.hold_s, args.hold_s + args.ramp_s
-    return not any(t <= window["start_s"] < t + args.settle_s for t in (rise, top))
-
-
 def share_within(wins: list[dict]) -> float | None:
     return round(sum(w["within"] for w in wins) / len(wins), 3) if wins else None
 
@@ -195,6 +176,8 @@ def arm_row(result: RunResult, trace: list[dict], load: dict, args) -> dict:
     s = result.summary({"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms})
     assert s.submitted == s.completed + s.failed + s.timed_out == len(result.records)
     wins = windows(result, args)
+    turns = (args.hold_s, args.hold_s + args.ramp_s)  # settled: not within settle_s of the rise or the peak
+    settled = [w for w in wins if not any(t <= w["start_s"] < t + args.settle_s for t in turns)]
     lengths = [p["draft_len"] for p in trace if p["draft_len"] is not None]
     return {
         "submitted": s.submitted, "completed": s.completed, "failed": s.failed, "timed_out": s.timed_out,
@@ -204,7 +187,7 @@ def arm_row(result: RunResult, trace: list[dict], load: dict, args) -> dict:
         "replica_seconds": round(sum(b["replicas"] * (b["t_s"] - a["t_s"]) for a, b in zip(trace, trace[1:])), 1),
         "max_replicas": max(p["replicas"] for p in trace), "final_replicas": trace[-1]["replicas"],
         "windows_within": share_within(wins),
-        "settled_windows_within": share_within([w for w in wins if settled(w, args)]),
+        "settled_windows_within": share_within(settled),
         "mean_draft_len": round(statistics.mean(lengths), 2) if lengths else None,
         **load, "windows": wins, "trace": trace, "summary": s.to_dict(),
     }
@@ -246,14 +229,12 @@ def markdown(report: dict) -> str:
     lines = [
         "# Replica planner vs Serve's default policy vs fixed replicas: one load ramp on the CPU",
         "", f"Command: `{report['command']}` at commit {report['commit']}. Machine: {report['machine']}.", "",
-        f"Mode unified, the shipped pair, max_num_seqs {a['max_num_seqs']} per replica, {a['prompt_tokens']}-token "
-        f"prompts, {a['output_tokens']} output tokens, greedy, the L controller on. Ramp (Poisson): "
-        f"{a['base_rps']:g} req/s for {a['hold_s']:g} s, up to {a['peak_factor']:g}x over {a['ramp_s']:g} s, held "
-        f"{a['peak_s']:g} s, down over {a['ramp_s']:g} s, {a['tail_s']:g} s at 1x. Targets: TTFT p95 <= "
-        f"{a['ttft_ms']:g} ms, TPOT p95 <= {a['tpot_ms']:g} ms. Goodput: completed requests meeting both, per second. "
-        f"Windows: {a['window_s']:g} s of request starts, within when both p95s are and no request failed; settled: "
-        f"starting {a['settle_s']:g} s or more after the ramp starts to rise and after it peaks. load_average_1m at "
-        "the arm's start and end; foreign_cores: cores used by processes outside the benchmark during the arm.", "",
+        f"Mode unified, the shipped pair, max_num_seqs {a['max_num_seqs']} a replica, {a['prompt_tokens']}-token "
+        f"prompts, {a['output_tokens']} output tokens, greedy, the L controller on. Poisson ramp: {a['base_rps']:g} "
+        f"req/s for {a['hold_s']:g} s, up to {a['peak_factor']:g}x over {a['ramp_s']:g} s, held {a['peak_s']:g} s, "
+        f"down over {a['ramp_s']:g} s, {a['tail_s']:g} s at 1x. Targets: TTFT p95 {a['ttft_ms']:g} ms, TPOT p95 "
+        f"{a['tpot_ms']:g} ms; goodput, windows of {a['window_s']:g} s ({a['settle_s']:g} s to settle), "
+        "load_average_1m (start, end) and foreign_cores as docs/controller.md defines them.", "",
         rows_table(rows, labels=1), "![replicas, L and latency against time](ramp.png)", ""]
     if report.get("errors"):
         lines += ["## Arms not measured", ""] + [f"- {name}: {why}" for name, why in report["errors"].items()] + [""]
@@ -272,9 +253,11 @@ def run_arms(args: argparse.Namespace, url: str, workload, report: dict) -> None
     """Each arm in turn: deployed, its ramp run, deleted; the report rewritten after each."""
     for name, config in report["app_configs"].items():
         try:
+            trace: list[dict] = []
             deploy(name, config, DEPLOY_TIMEOUT_S)
             try:
-                result, trace, load = asyncio.run(run_arm(name, f"{url}/{name}", workload, args))
+                result, load = asyncio.run(measure(f"{url}/{name}", workload, ramp(args), duration_s(args), args,
+                                                   sample(name, f"{url}/{name}", trace)))
             finally:
                 serve.delete(name)  # waits until its replicas have stopped
             report["arms"][name] = r = arm_row(result, trace, load, args)
@@ -287,29 +270,21 @@ def run_arms(args: argparse.Namespace, url: str, workload, report: dict) -> None
         write_report(report, args.out)  # after every arm: a run cut short keeps what it measured
 
 
-async def full_load(url: str, replicas: int, workload, args) -> dict:
-    await warm_up(url, workload, args)
-    in_flight, cpu_before = 2 * replicas * args.max_num_seqs, cpu_sample()
-    result = await run_load(url, workload, ClosedLoop(in_flight), duration_s=args.ceiling_s,
-                            options=RequestOptions(temperature=0.0), timeout_s=args.request_timeout_s, progress=False)
-    s = result.summary({})
-    return {"replicas": replicas, "in_flight": in_flight, "completed": s.completed, "failed": s.failed + s.timed_out,
-            "request_rps": round(s.request_throughput_rps, 3), "output_tps": round(s.output_token_throughput_tps, 1),
-            "ttft_ms_p95": s.latency_ms["ttft_ms"].p95, "tpot_ms_p95": s.latency_ms["tpot_ms"].p95,
-            "foreign_cores": round(foreign_cores(cpu_before, cpu_sample()), 2),
-            "load_average_1m": round(os.getloadavg()[0], 2)}
-
-
 def ceiling(args: argparse.Namespace, url: str, workload, command: str) -> None:
-    """What the machine serves with each count of fixed replicas, kept full: out/ceiling.json."""
+    """What the machine serves with each count of fixed replicas, each kept full: out/ceiling.json."""
     rows = []
     for replicas in (int(n) for n in args.ceiling.split(",")):
-        args.fixed_replicas, name = replicas, f"ceiling{replicas}"
+        args.fixed_replicas, name, in_flight = replicas, f"ceiling{replicas}", 2 * replicas * args.max_num_seqs
         deploy(name, app_configs(args)["fixed"], DEPLOY_TIMEOUT_S)
         try:
-            rows.append(asyncio.run(full_load(f"{url}/{name}", replicas, workload, args)))
+            result, load = asyncio.run(measure(f"{url}/{name}", workload, ClosedLoop(in_flight), args.ceiling_s, args))
         finally:
             serve.delete(name)
+        s = result.summary({})
+        rows.append({"replicas": replicas, "in_flight": in_flight, "completed": s.completed,
+                     "failed": s.failed + s.timed_out, "request_rps": round(s.request_throughput_rps, 3),
+                     "output_tps": round(s.output_token_throughput_tps, 1), "ttft_ms_p95": s.latency_ms["ttft_ms"].p95,
+                     "tpot_ms_p95": s.latency_ms["tpot_ms"].p95, **load})
         print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ceiling.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
@@ -330,11 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.ceiling:
             return ceiling(args, url, workload, report["command"])
-        run_arms(args, url, workload, report)
+        run_arms(args, url, workload, report)  # the report written after each arm
     finally:
         serve.shutdown()
         ray.shutdown()
-    write_report(report, args.out)
     print(markdown(report))
 
 

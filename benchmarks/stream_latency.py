@@ -11,8 +11,6 @@ ITL, TPOT, TTFT, the decode stall, the decode replica's steps and stream message
 each process on the stream's path (`cpu_<role>`). Writes stream_latency_<device>.json and .md under --out.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import json
@@ -21,35 +19,30 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import ray
 from ray import serve
 from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lib.apps import app_args, engine_args  # noqa: E402
+from benchmarks.lib.apps import PRESETS, app_args, engine_args  # noqa: E402
 from benchmarks.lib.cluster import (deploy, free_device_memory, git_commit, log, machine, serve_env,  # noqa: E402
                                     start_cluster)
 from benchmarks.lib.engine_runs import random_work  # noqa: E402
-from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
+from benchmarks.lib.loads import decode_stall_ms  # noqa: E402
+from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.lib.proc_cpu import CpuMeter, serve_processes  # noqa: E402
-from benchmarks.lib.results import rows_table, write_document  # noqa: E402
-from deployments.config import AppConfig  # noqa: E402
+from benchmarks.lib.results import rounded, rows_table, script_parser, write_document  # noqa: E402
+from deployments.config import DEFAULT_TARGET, AppConfig  # noqa: E402
 from lanes.engine.step_profile import StepProfile  # noqa: E402
 from loadtest.arrivals import ClosedLoop  # noqa: E402
 from loadtest.client import RequestOptions  # noqa: E402
+from loadtest.report import Point  # noqa: E402
 from loadtest.runner import run_load  # noqa: E402
 
 DEFAULT_SETTINGS = "old:50:400,every_step:0:0"
 OPTIONS = RequestOptions(endpoint="completions", temperature=0.0, ignore_eos=True)
 COUNTERS = ("num_steps", "step_ms_total", "num_messages", "channel_messages", "num_coalesced")
-
-
-def app_config(mode: str, target: Path | None, draft: Path | None, args: argparse.Namespace) -> dict:
-    engine = engine_args(args.prompt_len + args.output_len + 64, args.max_num_seqs, args.draft_len)
-    return app_args(mode, target, draft, dtype=args.dtype, engine=engine, lane_num_cpus=args.lane_num_cpus,
-                    one_gpu=args.device == "cuda")
 
 
 def parse_settings(text: str) -> list[tuple[str, float, float | None, dict]]:
@@ -73,51 +66,39 @@ def apply_overrides(config: dict, overrides: dict) -> None:
         node[last] = value
 
 
-def _r(value, digits: int = 2):
-    return None if value is None else round(value, digits)
-
-
-def _per(numerator: float, denominator: float, digits: int = 2) -> float | None:
-    return round(numerator / denominator, digits) if denominator else None
+def _per(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
 
 
 def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -> dict:
     """One closed loop against app `name`, and what its decode replica (the app's one) counted meanwhile."""
     handle = serve.get_deployment_handle("DecodeLane", app_name=name)
     before = handle.stats.remote().result()
-    meter = CpuMeter(point_processes(name, before)).start()
+    # The processes a stream crosses: the engine (in a process of its own, when it is), the decode replica,
+    # the ingress replicas, Serve's proxies and this client.
+    pids = {**serve_processes(name), "client": os.getpid()}
+    if before.get("pid") not in (None, before.get("replica_pid")):
+        pids["engine"] = before["pid"]
+    meter = CpuMeter(pids).start()
     result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work.workload(), ClosedLoop(concurrency),
                                   options=OPTIONS, timeout_s=timeout_s, progress=False))
     cores = meter.stop()
     after = handle.stats.remote().result()
     steps, step_ms, messages, channel_messages, coalesced = (after.get(k, 0) - before.get(k, 0) for k in COUNTERS)
     profile = StepProfile(**after["step_profile"]).since(StepProfile(**before["step_profile"])).summary()
-    gaps = [max(r.itl_ms) for r in result.records if r.status == "completed" and r.itl_ms]
     s = result.summary()
-    lat = s.latency_ms
-    step_ms_mean = _per(step_ms, steps)
-    return {"concurrency": concurrency, "submitted": s.submitted, "completed": s.completed, "failed": s.failed,
-            "timed_out": s.timed_out, "output_tok_s": _r(s.output_token_throughput_tps, 1),
-            "itl_p50_ms": _r(lat["itl_ms"].p50), "itl_p99_ms": _r(lat["itl_ms"].p99),
-            "tpot_p50_ms": _r(lat["tpot_ms"].p50), "tpot_p99_ms": _r(lat["tpot_ms"].p99),
-            "stall_p99_ms": _r(float(np.percentile(gaps, 99)) if gaps else None),
-            "ttft_p50_ms": _r(lat["ttft_ms"].p50), "step_ms_mean": step_ms_mean,
-            "decode_step_ms": _r(profile.get("decode_only_step_ms")),
-            "itl_p50_over_step": _per(lat["itl_ms"].p50, step_ms / steps, 3) if steps and lat["itl_ms"].p50 else None,
-            "messages_per_step": _per(messages, steps),
-            # With `stream_channel: step` the messages above stay in the replica; these are what Serve carries.
-            "channel_messages_per_step": _per(channel_messages, steps),
-            "coalesced_share": _per(coalesced, messages + coalesced, 3),
-            **{f"cpu_{role}": used for role, used in sorted(cores.items())}}
-
-
-def point_processes(app: str, decode_stats: dict) -> dict[str, int]:
-    """The processes a stream crosses: the engine (its own process, when it has one), the decode
-    replica, the ingress replicas, Serve's proxies and this client."""
-    pids = serve_processes(app)
-    if decode_stats.get("pid") not in (None, decode_stats.get("replica_pid")):
-        pids["engine"] = decode_stats["pid"]
-    return {**pids, "client": os.getpid()}
+    itl, tpot = s.latency_ms["itl_ms"], s.latency_ms["tpot_ms"]
+    return rounded({
+        "concurrency": concurrency, "submitted": s.submitted, "completed": s.completed, "failed": s.failed,
+        "timed_out": s.timed_out, "output_tok_s": s.output_token_throughput_tps, "itl_p50_ms": itl.p50,
+        "itl_p99_ms": itl.p99, "tpot_p50_ms": tpot.p50, "tpot_p99_ms": tpot.p99,
+        "stall_p99_ms": decode_stall_ms(Point(name, result, s)), "ttft_p50_ms": s.latency_ms["ttft_ms"].p50,
+        "step_ms_mean": _per(step_ms, steps), "decode_step_ms": profile.get("decode_only_step_ms"),
+        "itl_p50_over_step": _per(itl.p50, _per(step_ms, steps)), "messages_per_step": _per(messages, steps),
+        # With `stream_channel: step` the messages above stay in the replica; these are what Serve carries.
+        "channel_messages_per_step": _per(channel_messages, steps),
+        "coalesced_share": _per(coalesced, messages + coalesced),
+        **{f"cpu_{role}": used for role, used in sorted(cores.items())}})
 
 
 def write(doc: dict, out: Path, device: str) -> None:
@@ -129,11 +110,10 @@ def write(doc: dict, out: Path, device: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser = script_parser(__doc__, budget_s=None)  # --device, --out, --budget-s (no deploy after it), --pair-dir
+    parser.set_defaults(device="cpu")
     parser.add_argument("--shape", default="tinyllama-7b", help="cuda: the constructed pair's shape")
     parser.add_argument("--agreement", type=float, default=0.8, help="cuda: the constructed pair's agreement")
-    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR)
     parser.add_argument("--modes", default="nospec,spec")
     parser.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS))
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
@@ -144,21 +124,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=None, help="default 128 on cuda, 32 on cpu")
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
-    parser.add_argument("--budget-s", type=float, default=None, help="start no deployment after this long")
     parser.add_argument("--serve-throughput-optimized", action="store_true",
                         help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC between replicas, user "
                         "code on the replica's event loop")
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    cuda = args.device == "cuda"
     for key, gpu, cpu in (("concurrency", [1, 64, 256], [1, 8]), ("requests", [16, 256, 512], [4, 16]),
                           ("prompt_len", 128, 32), ("output_len", 128, 32)):
         if getattr(args, key) is None:
-            setattr(args, key, gpu if cuda else cpu)
+            setattr(args, key, gpu if args.device == "cuda" else cpu)
     assert len(args.requests) == len(args.concurrency), "one --requests count per --concurrency"
-    args.dtype = "bfloat16" if cuda else "float32"
+    args.dtype, args.lane_num_cpus = PRESETS[args.device]["dtype"], PRESETS[args.device]["lane_num_cpus"]
     args.max_num_seqs = max(max(args.concurrency), 8)  # one deployment serves every concurrency
-    args.lane_num_cpus = 1.0 if cuda else 0.25
     args.modes = args.modes.split(",")
     return args
 
@@ -185,12 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started_s = time.monotonic()
-    target = draft = None
+    target = draft = None  # the shipped pair on the CPU
     if args.device == "cuda":
         pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device)
         target, draft = pair.target, pair.draft
-    probe = AppConfig.model_validate(app_config("nospec", target, draft, args))
-    vocab = AutoConfig.from_pretrained(probe.target.path).get_text_config().vocab_size
+    engine = engine_args(args.prompt_len + args.output_len + 64, args.max_num_seqs, args.draft_len)
+    vocab = AutoConfig.from_pretrained(target or DEFAULT_TARGET).get_text_config().vocab_size
     top = max(args.concurrency)
     warmup = random_work(vocab, args.prompt_len, min(16, args.output_len), top, 2 * top, seed=1)
     doc = {"command": "python benchmarks/stream_latency.py " + " ".join(argv), "commit": git_commit(),
@@ -202,12 +178,13 @@ def main(argv: list[str] | None = None) -> None:
                           **serve_env(args.serve_throughput_optimized)})
     try:
         for mode in args.modes:
-            for name, interval_ms, rate, engine in args.settings:
+            for name, interval_ms, rate, overrides in args.settings:
                 label = f"{mode}-{name}"
-                config = app_config(mode, target, draft, args)
+                config = app_args(mode, target, draft, dtype=args.dtype, engine=engine,
+                                  lane_num_cpus=args.lane_num_cpus, one_gpu=args.device == "cuda")
                 config.update(stream_interval_ms=interval_ms, max_stream_messages_per_s=rate)
-                apply_overrides(config, engine)
-                labels = {"mode": mode, "setting": name, "interval_ms": interval_ms, "max_msgs_s": rate, **engine}
+                apply_overrides(config, overrides)
+                labels = {"mode": mode, "setting": name, "interval_ms": interval_ms, "max_msgs_s": rate, **overrides}
                 log(f"{label}: deploying (stream_interval_ms {interval_ms:g}, max_stream_messages_per_s {rate})")
                 try:
                     if args.budget_s is not None and time.monotonic() - started_s > args.budget_s:
