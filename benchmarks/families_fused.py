@@ -3,11 +3,9 @@
     python3 benchmarks/families_fused.py --out OUT [--budget-s 240]                      (one GPU)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/families_fused.py --device cpu --out /tmp/ff   (dry run)
 
-Steps: one decode forward at context 512, batch 1 and 64, of a released checkpoint's shape (SHAPES, random
-bf16 weights) on the fused path, on the HF fallback and in HF eager, against gpu_check.py's bandwidth floor.
-Greedy: the engine against HF's `generate` at the test size of tests/test_model_families.py (float32), past
-the sliding window. On cpu the steps use the test sizes (the path runs; the numbers mean nothing). Writes
-families.json and families.md under --out after each family; the method and goal: docs/gpu_runs.md.
+Steps: a decode forward of each released checkpoint's shape (SHAPES, random bf16 weights), fused, on the HF
+fallback and in HF eager, against gpu_check.py's floor; greedy: the engine against HF's `generate` at the test
+size (float32; on cpu the steps too). Writes families.json and .md after each family; method: docs/gpu_runs.md.
 """
 
 from __future__ import annotations
@@ -50,12 +48,10 @@ def step_rows(name: str, config: dict, args: argparse.Namespace, bandwidth_gbs: 
     """Decode forward times of one family at each batch: fused, HF fallback, HF eager (cuda), the floor."""
     import torch
 
-    from benchmarks.gpu_check import decode_forward_ms, floor_ms, hf_eager_ms
+    from benchmarks.gpu_check import decode_forward_ms, floor_ms, hf_eager_ms, random_model
     from lanes.engine.core import EngineConfig, build_runner
-    from lanes.model.loader import build_random_model
 
-    with torch.device(args.device):
-        model = build_random_model(config, dtype=args.dtype, device=args.device).model
+    model = random_model(config, args.dtype, args.device).model
     parameters = sum(p.numel() for p in model.parameters())
     rows = {b: {"family": name, "batch": b, "parameters_b": round(parameters / 1e9, 2)} for b in BATCHES}
     for path, fused in (("fused", None), ("hf_fallback", False)):

@@ -1,13 +1,10 @@
 """GPU checks in one device call: the engine's greedy output on CUDA against HF's, then per-step timings
-against HF eager and the memory-bandwidth floor.
+against HF eager and the memory-bandwidth floor (needs a CUDA device).
 
     python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile]
 
-`--floor` adds the steps against their floor alone: the draft step at L = 1..4 (greedy and sampled)
-beside the 7B verify step at the same L, and the 7B decode and verify steps at contexts 512, 4,096
-and 32,768. `--profile` adds torch.profiler's GPU time by kernel kind for a 7B verify (batch 64, 4 drafts)
-and a TinyLlama draft (batch 1, L = 4). Writes gpu_check.json (and profile_steps.json with --profile);
-needs a CUDA device. The tables and their reading: docs/performance.md.
+`--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
+kernel kind. Writes gpu_check.json (and profile_steps.json); the tables and their reading: docs/performance.md.
 """
 
 import os
@@ -17,6 +14,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -30,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lanes.engine.core import EngineConfig, EngineCore, build_runner  # noqa: E402
-from lanes.model.loader import build_random_model  # noqa: E402
+from lanes.model.loader import LoadedModel, build_random_model  # noqa: E402
 from lanes.sample.params import SamplingParams  # noqa: E402
 from lanes.spec.verify import VerifyBatch, VerifyLane  # noqa: E402
 
@@ -42,10 +40,17 @@ CONTEXT = 512
 Step = Callable[[], None]  # one timed or profiled step, its inputs reset inside
 
 
-def random_bf16(shape: dict):
-    """A model of `shape` with random bf16 weights, built on the GPU (seconds, not minutes on the host)."""
-    with torch.device("cuda"):
-        return build_random_model(shape, dtype="bfloat16", device="cuda").model
+def random_model(shape: dict, dtype: str = "bfloat16", device: str = "cuda") -> LoadedModel:
+    """A model of `shape` with random weights from seed 0 (the same on every rank), built on `device`
+    (on a GPU: seconds, not minutes on the host)."""
+    with torch.device(device):
+        return build_random_model(shape, dtype=dtype, device=device, seed=0)
+
+
+@functools.cache
+def shaped_models() -> dict:
+    """The TinyLlama-shaped draft and the Llama-2-7B-shaped target (random bf16), built once a run."""
+    return {"draft": random_model(TINYLLAMA).model, "target": random_model(LLAMA2_7B).model}
 
 
 def step_config(max_model_len: int, max_num_seqs: int) -> EngineConfig:
@@ -54,18 +59,13 @@ def step_config(max_model_len: int, max_num_seqs: int) -> EngineConfig:
 
 
 def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy, bytes read + written per second (the floor's denominator)."""
+    """Device-to-device copy of 2 GiB, bytes read + written per second (the floor's denominator);
+    the median copy timed by CUDA events."""
+    from triton.testing import do_bench
+
     src = torch.randn(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 2 / statistics.median(times[2:]) / 1e9
+    return 2 * src.numel() * 2 / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
 
 
 def sync() -> None:
@@ -213,8 +213,8 @@ def floor_ms(model, batch: int, context: int, bandwidth_gbs: float) -> float:
 
 def step_table(bandwidth: float) -> list[dict]:
     rows = []
-    for name, shape, q in (("verify Llama-2-7B, 4 drafts", LLAMA2_7B, 5), ("draft TinyLlama, 1 token", TINYLLAMA, 1)):
-        model = random_bf16(shape)
+    for name, role, q in (("verify Llama-2-7B, 4 drafts", "target", 5), ("draft TinyLlama, 1 token", "draft", 1)):
+        model = shaped_models()[role]
         runner = build_runner(model, step_config(CONTEXT + 8, 64))
         lane = VerifyLane(runner)
         for batch in (1, 8, 32, 64):
@@ -227,7 +227,7 @@ def step_table(bandwidth: float) -> list[dict]:
             if q == 1:  # the whole draft step at L = 4 (four forwards and sampling)
                 rows[-1]["draft_step_L4_ms"] = round(timed_ms(runner.pool, *draft_step(runner, batch, 4)), 2)
             print(rows[-1], flush=True)
-        del model, runner, lane
+        del runner, lane
         torch.cuda.empty_cache()
     return rows
 
@@ -236,7 +236,7 @@ def floor_table(bandwidth: float) -> dict:
     """Each step over its floor: the draft at L = 1..4 (greedy and sampled) beside the 7B verify at L, at
     batch 1 and 64; the 7B decode (1 token) and verify (4 drafts) at batch 1 over long contexts."""
     out = {"draft_vs_verify": [], "contexts": []}
-    models = {"draft": random_bf16(TINYLLAMA), "target": random_bf16(LLAMA2_7B)}
+    models = shaped_models()
     short = step_config(CONTEXT + 16, 64)
     draft, target = build_runner(models["draft"], short), VerifyLane(build_runner(models["target"], short))
     for batch in (1, 64):
@@ -278,10 +278,6 @@ KINDS = (("attention (pool kernel)", ("_split_kernel", "_merge_kernel")),
          ("elementwise / norm / rotary", ("elementwise", "reduce", "vectorized")), ("copies", ("Memcpy", "copy")))
 
 
-def classify(name: str) -> str:
-    return next((kind for kind, keys in KINDS if any(k in name for k in keys)), "other")
-
-
 def profile_fn(fn, steps: int = 5) -> dict:
     """GPU busy time (the sum of kernel times), span (first kernel start to last end) and kernels, per step."""
     for _ in range(3):
@@ -298,7 +294,7 @@ def profile_fn(fn, steps: int = 5) -> dict:
         if device_us <= 0:
             continue
         kernels += evt.count
-        kind = classify(evt.key)
+        kind = next((kind for kind, keys in KINDS if any(k in evt.key for k in keys)), "other")
         by_kind[kind] = by_kind.get(kind, 0.0) + device_us / steps / 1e3
     ranges = [e.time_range for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     span_ms = (max(r.end for r in ranges) - min(r.start for r in ranges)) / steps / 1e3 if ranges else None
@@ -322,17 +318,13 @@ def bandwidth_shares(step_profile: dict, model, batch: int, forwards: int) -> di
 def profile_steps() -> dict:
     """The 7B verify at batch 64 with 4 greedy drafts, and the TinyLlama draft at batch 1, L = 4, profiled."""
     config = step_config(CONTEXT + 8, 64)
-    result = {"device": torch.cuda.get_device_name()}
-    target = random_bf16(LLAMA2_7B)
-    step, _ = verify_step(VerifyLane(build_runner(target, config)), 64, 4, draft_probs=False)
-    result["verify_7b_b64_l4"] = bandwidth_shares(profile_fn(step), target, 64, 1)
-    print("verify", result["verify_7b_b64_l4"], flush=True)
-    del target, step
-    torch.cuda.empty_cache()
-    draft = random_bf16(TINYLLAMA)
-    step, _ = draft_step(build_runner(draft, config), 1, 4)
-    result["draft_tinyllama_b1_l4"] = bandwidth_shares(profile_fn(step), draft, 1, 4)
-    print("draft", result["draft_tinyllama_b1_l4"], flush=True)
+    target, draft = shaped_models()["target"], shaped_models()["draft"]
+    verify, _ = verify_step(VerifyLane(build_runner(target, config)), 64, 4, draft_probs=False)
+    drafting, _ = draft_step(build_runner(draft, config), 1, 4)
+    result = {"device": torch.cuda.get_device_name(),
+              "verify_7b_b64_l4": bandwidth_shares(profile_fn(verify), target, 64, 1),
+              "draft_tinyllama_b1_l4": bandwidth_shares(profile_fn(drafting), draft, 1, 4)}
+    print(result, flush=True)
     return result
 
 
@@ -347,7 +339,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     result["engine_greedy"] = engine_greedy_check()
-    print(result, flush=True)
+    print(result, flush=True)  # then each row as it is timed; the whole: gpu_check.json
     if not args.skip_steps:
         result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
         result["steps"] = step_table(result["copy_bandwidth_gbs"])
@@ -355,7 +347,6 @@ def main() -> None:
         result.setdefault("copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))
         result["floor"] = floor_table(result["copy_bandwidth_gbs"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
     if args.profile:
         torch.cuda.empty_cache()
         (out / "profile_steps.json").write_text(json.dumps(profile_steps(), indent=2))

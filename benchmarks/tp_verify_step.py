@@ -11,9 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0")  # tests/conftest.py (imported) s
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -21,17 +19,15 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_check import LLAMA2_7B, fill_pool  # noqa: E402
+from benchmarks.gpu_check import CONTEXT, LLAMA2_7B, random_model, timed_ms, verify_step  # noqa: E402
 from lanes.engine.core import EngineConfig, EngineCore  # noqa: E402
-from lanes.model.loader import LoadedModel, build_random_model  # noqa: E402
 from lanes.parallel.worker import worker_processes  # noqa: E402
 from lanes.sample.params import SamplingParams  # noqa: E402
-from lanes.spec.verify import VerifyBatch, VerifyLane  # noqa: E402
+from lanes.spec.verify import VerifyLane  # noqa: E402
 from tests.conftest import ARCH_CONFIGS  # noqa: E402
 from tests.engine_helpers import random_prompts, run_to_completion  # noqa: E402
 
 SHAPES = {"llama2-7b": LLAMA2_7B, "tiny": ARCH_CONFIGS["llama"]}
-CONTEXT = 512
 DRAFTS = 4
 BATCHES = (1, 8, 32, 64)
 
@@ -41,45 +37,21 @@ def engine_config() -> EngineConfig:
                         prefill_chunk_tokens=256, idle_prefill_tokens=1024)
 
 
-def build_target(shape: str, dtype: str, device: str) -> LoadedModel:
-    """The same random weights on every rank: built from one seed, on the rank's own device."""
-    with torch.device(device):
-        return build_random_model(SHAPES[shape], dtype=dtype, device=device, seed=0)
-
-
 def load_on_worker(shape: str, dtype: str, device_type: str):
     """A worker's loader (lanes.parallel.worker.Loader): its device is cuda:<rank> on GPUs."""
     device = f"cuda:{torch.distributed.get_rank()}" if device_type == "cuda" else "cpu"
-    return engine_config(), [build_target(shape, dtype, device).model], (True,)
-
-
-def verify_step_ms(lane: VerifyLane, batch: int, repeats: int = 10) -> float:
-    """Median of `repeats` verify steps (after one warm-up) of DRAFTS random drafts over `batch` rows of random KV."""
-    device, vocab = lane.runner.device, lane.runner.vocab_size
-    slots = fill_pool(lane.runner, batch, CONTEXT - 1)
-    drafts = torch.randint(0, vocab, (batch, DRAFTS), device=device)
-    vb = VerifyBatch(slots, [CONTEXT] * batch, [1] * batch, drafts, None, [DRAFTS] * batch,
-                     [SamplingParams(max_tokens=16, temperature=0.0)] * batch, list(range(batch)))
-    times_ms = []
-    for _ in range(repeats + 1):
-        lane.pool.lengths[slots] = CONTEXT - 1  # the step appended the drafts: back to the same context
-        start_s = time.perf_counter()
-        lane.verify(vb)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times_ms.append((time.perf_counter() - start_s) * 1e3)
-    for s in slots:
-        lane.pool.free(s)
-    return statistics.median(times_ms[1:])
+    return engine_config(), [random_model(SHAPES[shape], dtype, device).model], (True,)
 
 
 def measure(engine: EngineCore) -> dict:
-    """The engine's greedy output for 8 random prompts, then the verify step's time at each batch."""
+    """The engine's greedy output for 8 random prompts, then the verify step's time at each batch
+    (greedy drafts, the median of 10 after one warm-up)."""
     lane = VerifyLane(engine.verifier.lane.runner)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(8, lane.runner.vocab_size, 16, 200, seed=7)
     outputs = list(run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)}).values())
-    return {"outputs": outputs, "verify_ms": {b: round(verify_step_ms(lane, b), 3) for b in BATCHES}}
+    verify_ms = {b: timed_ms(lane.pool, *verify_step(lane, b, DRAFTS, draft_probs=False)) for b in BATCHES}
+    return {"outputs": outputs, "verify_ms": {b: round(ms, 3) for b, ms in verify_ms.items()}}
 
 
 def main() -> None:
@@ -91,10 +63,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     devices = [f"cuda:{r}" if args.device == "cuda" else "cpu" for r in range(args.tp)]
-    one = measure(EngineCore.colocated(build_target(args.shape, args.dtype, devices[0]), None, engine_config()))
+    one = measure(EngineCore.colocated(random_model(SHAPES[args.shape], args.dtype, devices[0]), None, engine_config()))
     torch.cuda.empty_cache()  # the TP = 1 engine is gone: give its memory back to rank 0's shard (CPU: no-op)
     with worker_processes(args.tp, partial(load_on_worker, args.shape, args.dtype, args.device), devices) as tp:
-        target = build_target(args.shape, args.dtype, devices[0])
+        target = random_model(SHAPES[args.shape], args.dtype, devices[0])
         sharded = measure(EngineCore.colocated(target, None, engine_config(), tp=tp))
     result = {
         "shape": args.shape, "dtype": args.dtype, "device": args.device, "tp": args.tp, "context": CONTEXT,
