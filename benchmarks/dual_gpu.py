@@ -5,40 +5,34 @@ replica runs (checked against what the file means), a warm-up, a Poisson rate sw
 the lanes' overlap, all within --budget-s. Method and results: docs/dual_gpu.md.
 
     python3 benchmarks/dual_gpu.py --out DIR                       # two-GPU host, under 9 minutes
-    python3 benchmarks/dual_gpu.py --out DIR --placements d,b,c,f --workloads uniform,mixed \
-        --rates 4,8,16,32 --sat-ttft-ms 1000 --budget-s 520     # goodput, one device call
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dual_gpu.py --shape small --device cpu \
         --budget-s 1300 --out DIR                                  # CPU dry run: every step, no GPUs
 
 Writes DIR/dual_gpu.json (everything, every request) and dual_gpu.md (the tables; goodput at p99 TPOT
-15/20/30 ms), rewritten after every point.
+15/20/30 ms), rewritten after every point. The goodput command (mixed traffic): docs/dual_gpu.md.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+from typing import Callable
 
-os.environ.setdefault("TRITON_INTERPRET", "0")  # replicas inherit it: kernels compile for the GPU
-
-import argparse  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from itertools import groupby  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import ray  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from ray import serve  # noqa: E402
+import ray
+import torch
+import yaml
+from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.lib.timelines import prefill_path_table, timelines  # noqa: E402
 from benchmarks.lib.apps import PRESETS, AppRun, deploy_app, lane_reader, last_point, run_loads  # noqa: E402
-from benchmarks.lib.cluster import (REPO, git_commit, gpu_inventory, log, machine, shm_gib,  # noqa: E402
+from benchmarks.lib.cluster import (REPO, STARTED_S, git_commit, gpu_inventory, log, machine, shm_gib,  # noqa: E402
                                     start_model_cluster, topology, wait_for_device_memory)
 from benchmarks.lib.loads import MIXED, Load, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
@@ -278,6 +272,7 @@ def goodput_table(document: dict) -> list[dict]:
 
 
 def write_results(out: Path, document: dict) -> None:
+    document["duration_s"] = round(time.monotonic() - STARTED_S, 1)
     document["goodput"] = goodput_table(document)
     write_document(out, NAME, document, markdown(document))
 
@@ -381,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                  "draft": str(pair.draft), "save_s": round(pair.save_s, 1), "check": pair.check},
         "workload": {k: getattr(args, k) for k in ("rates", "window_s", "sat_ttft_ms", "seed", "workloads") + LENGTHS}
         | {"mixed": MIXED[args.device]},
-        "placements": [], "duration_s": 0.0}
+        "placements": []}
     port = start_model_cluster({"TOKENIZERS_PARALLELISM": "false"})
     free_bytes = [torch.cuda.mem_get_info(g["index"])[0] for g in inventory]
     log(f"Ray and Serve up (port {port}); GPUs {[g['name'] for g in inventory] or 'none'}")
@@ -402,12 +397,10 @@ def main(argv: list[str] | None = None) -> None:
             for gpu, free in zip(inventory, free_bytes):  # the deleted replicas' memory is back
                 with torch.cuda.device(gpu["index"]):
                     wait_for_device_memory(free, timeout_s=30)
-            document["duration_s"] = round(args.budget_s - (deadline_s - time.monotonic()), 1)
             write_results(args.out, document)
     finally:
         serve.shutdown()
         ray.shutdown()
-    document["duration_s"] = round(args.budget_s - (deadline_s - time.monotonic()), 1)
     write_results(args.out, document)
     print((args.out / f"{NAME}.md").read_text(), flush=True)
 

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -58,27 +59,16 @@ PRESETS = {
 
 # ---- workloads from token ids, and the apps ------------------------------------------------------
 
-def id_request(ids: list[int], output_len: int, kind: str = "normal") -> WorkloadRequest:
-    """The pair's word-level tokenizer reads token i as the word "t<i>": a prompt of n words is n tokens."""
-    return WorkloadRequest(" ".join(f"t{i}" for i in ids), len(ids), output_len, kind)
-
-
-def random_ids(rng: np.random.Generator, vocab_size: int, n: int) -> list[int]:
-    return rng.integers(FIRST_PROMPT_ID, vocab_size, n).tolist()
-
-
-def random_requests(vocab_size: int, count: int, prompt_len: int, output_len: int, seed: int) -> list[WorkloadRequest]:
-    rng = np.random.default_rng(seed)
-    return [id_request(random_ids(rng, vocab_size, prompt_len), output_len) for _ in range(count)]
-
-
 def shared_prefix_requests(vocab_size: int, count: int, prefix_len: int, suffix_len: int, output_len: int,
                            seed: int) -> list[WorkloadRequest]:
-    """One system prompt of `prefix_len` tokens, each request's own `suffix_len` tokens after it."""
+    """One system prompt of `prefix_len` random tokens (0: none, the controller part's prompts), each request's
+    own `suffix_len` after it. The pair's word-level tokenizer reads token i as the word "t<i>": a prompt of n
+    words is n tokens."""
     rng = np.random.default_rng(seed)
-    prefix = random_ids(rng, vocab_size, prefix_len)
-    return [id_request(prefix + random_ids(rng, vocab_size, suffix_len), output_len, "shared_prefix")
-            for _ in range(count)]
+    prefix = rng.integers(FIRST_PROMPT_ID, vocab_size, prefix_len).tolist()
+    prompts = [prefix + rng.integers(FIRST_PROMPT_ID, vocab_size, suffix_len).tolist() for _ in range(count)]
+    kind = "shared_prefix" if prefix_len else "normal"
+    return [WorkloadRequest(" ".join(f"t{i}" for i in ids), len(ids), output_len, kind) for ids in prompts]
 
 
 def saved_pair(args: argparse.Namespace) -> tuple[SavedPair, int]:
@@ -111,7 +101,6 @@ class Report:
                     "commit": git_commit(), "machine": machine(), "load_average_before": load_average(),
                     "goals": {k: list(v) for k, v in GOALS[part].items()}, "apps": {}, "rows": [],
                     "checks": [], "notes": []}
-        self.runs: dict[str, AppRun] = {}  # by app, from its first point on
 
     def serve(self, name: str, config: dict, port: int, loads: list[Load], deadline_s: float,
               sampler: Callable[[str, Load], Awaitable[None]] | None = None) -> AppRun:
@@ -126,7 +115,6 @@ class Report:
 
     def add(self, run: AppRun) -> None:
         load, point = run.points[-1]
-        self.runs[run.name] = run
         s = point.summary
         self.doc["rows"].append({**row(point, app=run.name, load=load.name), "measured": load.measured,
                                  "in_flight mean": round(s.mean_in_flight, 1), "in_flight max": s.max_in_flight,
@@ -171,10 +159,11 @@ TRACED = ("verify_queue_depth", "requests_per_verify_batch", "decode_step_p95_ms
 
 
 def controller_sampler(trace: list[dict], app: str):
-    """An async sampler of the app's /v1/controller every 0.5 s into `trace` (times since the part started)."""
+    """An async sampler of the app's /v1/controller every 0.5 s into `trace` (times since the part started),
+    each tagged with the point (load) it ran beside; "load" is the controller's own reading."""
     import httpx
 
-    async def sample(url: str, _load: Load) -> None:
+    async def sample(url: str, load: Load) -> None:
         async with httpx.AsyncClient(timeout=10) as http:
             while True:
                 try:
@@ -186,7 +175,7 @@ def controller_sampler(trace: list[dict], app: str):
                 # decision's own account (a miss is diagnosed from these).
                 keys = ("default_draft_len", "draft_len_cap", "load", "fleet_accept_rate", "step_cost",
                         "draft_cost_ratio", "reason")
-                trace.append({"app": app, "t_s": round(time.monotonic() - STARTED_S, 2),
+                trace.append({"app": app, "point": load.name, "t_s": round(time.monotonic() - STARTED_S, 2),
                               **{k: state.get(k) for k in keys}, **{k: signals.get(k) for k in TRACED}})
                 await asyncio.sleep(0.5)
     return sample
@@ -222,24 +211,16 @@ def controller_checks(report: Report, modes: list[str], loads: list[str]) -> lis
     return checks
 
 
-def windows(run: AppRun) -> list[tuple[str, float, float]]:
-    """Each point's load, first submit and last end (seconds on the log's clock, as the trace's)."""
-    return [(load.name, steps[0][0], steps[-1][0]) for load, _ in run.points if (steps := run.in_flight.get(load.name))]
-
-
-def trace_by_point(report: Report, trace: list[dict]) -> list[dict]:
+def trace_by_point(trace: list[dict]) -> list[dict]:
     """What the controller saw and set during each point: mean L and the mean of each signal."""
     rows = []
-    for app, run in report.runs.items():
-        for load, start_s, end_s in windows(run):
-            samples = [s for s in trace if s["app"] == app and start_s <= s["t_s"] <= end_s]
-            if not samples:
-                continue
-            means = {"app": app, "load": load, "samples": len(samples)}
-            for key in ("default_draft_len", "draft_len_cap", *TRACED):
-                values = [s[key] for s in samples if isinstance(s.get(key), (int, float))]
-                means[f"{key} mean"] = round(float(np.mean(values)), 2) if values else None
-            rows.append(means)
+    for (app, load), group in groupby(trace, key=lambda sample: (sample["app"], sample["point"])):
+        samples = list(group)  # a load's samples are consecutive: one sampler runs at a time
+        means = {"app": app, "load": load, "samples": len(samples)}
+        for key in ("default_draft_len", "draft_len_cap", *TRACED):
+            values = [s[key] for s in samples if isinstance(s.get(key), (int, float))]
+            means[f"{key} mean"] = round(float(np.mean(values)), 2) if values else None
+        rows.append(means)
     return rows
 
 
@@ -250,7 +231,7 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
     # Measured requests first, then the warm-up's, then the settling loads' (taken from the end: the
     # measured prompts stay out of the prefix cache).
     count = args.requests_per_slot * max(concurrencies) + args.max_num_seqs + settle_requests(args, max(concurrencies))
-    requests = random_requests(vocab_size, count, args.prompt_len, args.output_len, SEED)
+    requests = shared_prefix_requests(vocab_size, count, 0, args.prompt_len, args.output_len, SEED)
     modes = args.modes.split(",")
     configs = {mode: app_config(mode, pair, args) for mode in modes}
     controller = next((config["controller"] for mode, config in configs.items() if mode != "nospec"), None)
@@ -277,7 +258,7 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
         report.doc["checks"] = controller_checks(report, [m for m in modes if m != "nospec"],
                                                  [f"c{c}" for c in concurrencies] + ["poisson"])
         report.doc["table:What the controller saw and set, per point (means over 0.5 s samples)"] = \
-            trace_by_point(report, trace)
+            trace_by_point(trace)
         report.write()
 
 
@@ -340,9 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
                                 help=f"default {value} on cuda, {PRESETS['cpu'][key]} on cpu")
     args = parser.parse_args(argv)
-    for key, value in PRESETS[args.device].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    vars(args).update({key: value for key, value in PRESETS[args.device].items() if getattr(args, key, None) is None})
     args.modes = args.modes or DEFAULT_MODES[args.part]
     args.max_num_seqs = args.max_num_seqs or max(8, *(int(c) for c in args.concurrencies.split(",")))
     args.max_model_len = args.max_model_len or args.prompt_len + args.output_len + 64

@@ -3,11 +3,9 @@
     python -m benchmarks.planner_ramp --out benchmarks/results/planner_ramp_cpu
     python -m benchmarks.planner_ramp --ceiling 1,2,4 --out benchmarks/results/planner_ramp_cpu   # ceiling.json
 
-The arms `planner` (`slo:`), `serve-default` and `fixed` in turn, each on the same seeded Poisson ramp (1x up
-to --peak-factor x and back). Writes <out>/results.json, README.md (per arm: goodput, replica-seconds, the 10 s
-windows within the targets, other processes' cores) and ramp.png (replicas, L and the p95s against time);
---ceiling instead: what each count of fixed replicas, kept full, serves. Method: docs/controller.md (Replica
-planner); results: docs/planner.md.
+The arms `planner` (`slo:`), `serve-default` and `fixed` in turn on one seeded Poisson ramp; writes <out>/results.json,
+README.md (a row per arm) and ramp.png (replicas, L and the p95s against time); --ceiling instead: what each count
+of fixed replicas, kept full, serves. Method: docs/controller.md (Replica planner); results: docs/planner.md.
 """
 
 import argparse
@@ -29,7 +27,7 @@ from ray import serve
 from benchmarks.lib.apps import beside
 from benchmarks.lib.cluster import deploy, git_commit, machine, start_cluster
 from benchmarks.lib.proc_cpu import cpu_s
-from benchmarks.lib.results import pyplot, rounded, rows_table
+from benchmarks.lib.results import pyplot, rounded, rows_table, write_document
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
 from loadtest.arrivals import ClosedLoop, RampLoop
 from loadtest.client import RequestOptions
@@ -271,7 +269,7 @@ def run_arms(args: argparse.Namespace, url: str, workload, report: dict) -> None
 
 
 def ceiling(args: argparse.Namespace, url: str, workload, command: str) -> None:
-    """What the machine serves with each count of fixed replicas, each kept full: out/ceiling.json."""
+    """What the machine serves with each count of fixed replicas, each kept full: out/ceiling.json and .md."""
     rows = []
     for replicas in (int(n) for n in args.ceiling.split(",")):
         args.fixed_replicas, name, in_flight = replicas, f"ceiling{replicas}", 2 * replicas * args.max_num_seqs
@@ -286,8 +284,7 @@ def ceiling(args: argparse.Namespace, url: str, workload, command: str) -> None:
                      "output_tps": round(s.output_token_throughput_tps, 1), "ttft_ms_p95": s.latency_ms["ttft_ms"].p95,
                      "tpot_ms_p95": s.latency_ms["tpot_ms"].p95, **load})
         print(rows[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ceiling.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    write_document(args.out, "ceiling", {"command": command, "rows": rows}, rows_table(rows, labels=1))
 
 
 def main(argv: list[str] | None = None) -> None:
