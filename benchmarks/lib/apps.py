@@ -142,7 +142,7 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
         run.points.append((load, point))
         log(f"{run.name} {load.name}: {point_line(point)}{device_memory_note()}")
         if lanes_of is not None and load.measured:
-            run.lanes[load.name] = read_lanes(lanes_of, start_s, time.time())
+            run.lanes[load.name] = lanes_of(start_s, time.time())
         on_point(run)
 
 
@@ -172,20 +172,19 @@ async def beside(load: Awaitable, sampler: Awaitable[None] | None):
 
 
 def lane_reader(name: str, mode: str) -> Callable[[float, float], dict]:
-    """`lanes_of` for run_loads: each lane's busy share and the prefill path's waits over a window."""
-    return lambda start_s, end_s: lane_activity(timelines(name, mode, start_s), start_s, end_s + 0.01)
+    """`lanes_of` for run_loads: each lane's busy share and the prefill path's waits over a window, logged;
+    a failure to read them is recorded instead of ending the run (a diagnostic)."""
+    def read(start_s: float, end_s: float) -> dict:
+        try:
+            lanes = lane_activity(timelines(name, mode, start_s), start_s, end_s + 0.01)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        for key in ("prefill_path", "per_verify_ms", "engine_steps", "decode_steps"):
+            if value := lanes.get(key):
+                log(f"  {key}: {json.dumps(value)}")
+        return lanes
 
-
-def read_lanes(lanes_of: Callable[[float, float], dict], start_s: float, end_s: float) -> dict:
-    """lanes_of's reading, logged; its failure recorded instead of ending the run (a diagnostic)."""
-    try:
-        lanes = lanes_of(start_s, end_s)
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    for key in ("prefill_path", "per_verify_ms", "engine_steps", "decode_steps"):
-        if value := lanes.get(key):
-            log(f"  {key}: {json.dumps(value)}")
-    return lanes
+    return read
 
 
 def last_point(run: AppRun, load: Load) -> Point | None:
