@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import ray
 from ray import serve
 from transformers import AutoConfig
@@ -28,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.lib.apps import PRESETS, app_args, engine_args  # noqa: E402
 from benchmarks.lib.cluster import (deploy, free_device_memory, git_commit, log, machine, serve_env,  # noqa: E402
                                     start_cluster)
-from benchmarks.lib.engine_runs import random_work  # noqa: E402
 from benchmarks.lib.loads import decode_stall_ms  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.lib.proc_cpu import CpuMeter, serve_processes  # noqa: E402
@@ -39,6 +39,7 @@ from loadtest.arrivals import ClosedLoop  # noqa: E402
 from loadtest.client import RequestOptions  # noqa: E402
 from loadtest.report import Point  # noqa: E402
 from loadtest.runner import run_load  # noqa: E402
+from loadtest.workload import WorkloadRequest  # noqa: E402
 
 DEFAULT_SETTINGS = "old:50:400,every_step:0:0"
 OPTIONS = RequestOptions(endpoint="completions", temperature=0.0, ignore_eos=True)
@@ -70,7 +71,13 @@ def _per(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -> dict:
+def random_requests(vocab_size: int, prompt_len: int, output_len: int, count: int, seed: int) -> list[WorkloadRequest]:
+    """Prompts of random token ids, sent as ids: no tokenizer in the way."""
+    prompts = np.random.default_rng(seed).integers(1, vocab_size, (count, prompt_len)).tolist()
+    return [WorkloadRequest(p, prompt_len, output_len) for p in prompts]  # type: ignore[arg-type]
+
+
+def load_point(name: str, port: int, work: list[WorkloadRequest], concurrency: int, timeout_s: float) -> dict:
     """One closed loop against app `name`, and what its decode replica (the app's one) counted meanwhile."""
     handle = serve.get_deployment_handle("DecodeLane", app_name=name)
     before = handle.stats.remote().result()
@@ -80,7 +87,7 @@ def load_point(name: str, port: int, work, concurrency: int, timeout_s: float) -
     if before.get("pid") not in (None, before.get("replica_pid")):
         pids["engine"] = before["pid"]
     meter = CpuMeter(pids).start()
-    result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work.workload(), ClosedLoop(concurrency),
+    result = asyncio.run(run_load(f"http://127.0.0.1:{port}/{name}", work, ClosedLoop(concurrency),
                                   options=OPTIONS, timeout_s=timeout_s, progress=False))
     cores = meter.stop()
     after = handle.stats.remote().result()
@@ -144,11 +151,11 @@ def run_setting(doc: dict, label: str, labels: dict, config: dict, port: int, vo
     first), delete it."""
     deploy(label, config, timeout_s=600)
     try:
-        asyncio.run(run_load(f"http://127.0.0.1:{port}/{label}", warmup.workload(), ClosedLoop(max(args.concurrency)),
+        asyncio.run(run_load(f"http://127.0.0.1:{port}/{label}", warmup, ClosedLoop(max(args.concurrency)),
                              options=OPTIONS, timeout_s=args.request_timeout_s, progress=False))
         for i, (concurrency, count) in enumerate(zip(args.concurrency, args.requests)):
             # Prompts of their own per point: none reads another's prefix cache.
-            work = random_work(vocab, args.prompt_len, args.output_len, concurrency, count, seed=10 + i)
+            work = random_requests(vocab, args.prompt_len, args.output_len, count, seed=10 + i)
             doc["rows"].append({**labels, **load_point(label, port, work, concurrency, args.request_timeout_s)})
             log(json.dumps(doc["rows"][-1]))
             write(doc, args.out, args.device)
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = engine_args(args.prompt_len + args.output_len + 64, args.max_num_seqs, args.draft_len)
     vocab = AutoConfig.from_pretrained(target or DEFAULT_TARGET).get_text_config().vocab_size
     top = max(args.concurrency)
-    warmup = random_work(vocab, args.prompt_len, min(16, args.output_len), top, 2 * top, seed=1)
+    warmup = random_requests(vocab, args.prompt_len, min(16, args.output_len), 2 * top, seed=1)
     doc = {"command": "python benchmarks/stream_latency.py " + " ".join(argv), "commit": git_commit(),
            "machine": machine(), "work": f"closed loops of {args.concurrency} in flight ({args.requests} requests), "
            f"prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
