@@ -10,7 +10,6 @@ goals, then the kills skipped where --budget-s left no room), rewritten after ev
 """
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -23,15 +22,12 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lib.apps import PRESETS, AppRun, app_args, deploy_app, engine_args, run_loads  # noqa: E402
-from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_tail, start_cluster,  # noqa: E402
-                                    wait_for_device_memory)
-from benchmarks.lib.loads import Load, exactly, warmup_requests  # noqa: E402
-from benchmarks.lib.pairs import PAIR_DIR, save_pair  # noqa: E402
+from benchmarks.lib.apps import deploy_warm, pair_and_cluster, sized_args  # noqa: E402
+from benchmarks.lib.cluster import git_commit, log, machine, replica_log_tail, wait_for_device_memory  # noqa: E402
+from benchmarks.lib.loads import exactly  # noqa: E402
 from benchmarks.lib.results import rows_table, write_document  # noqa: E402
-from loadtest.arrivals import OpenLoop  # noqa: E402
 from loadtest.faults import KillResult, kill_and_recover, lane_processes, wait_healthy  # noqa: E402
-from loadtest.workload import LogNormal, load_tokenizer, synthetic  # noqa: E402
+from loadtest.workload import synthetic  # noqa: E402
 
 NAME = "lane_faults"
 LANES = {"pdv": ["PrefillLane", "VerifyLane", "DecodeLane"], "pd": ["PrefillLane", "DecodeLane"]}
@@ -47,53 +43,6 @@ SIZES = {
     "cpu": dict(streams=8, late=2, prompt_len=16, output_len=128, greedy_prompts=4, greedy_tokens=8,
                 max_model_len=512, max_num_seqs=16, kill_s=100.0, deploy_s=120.0, recover_timeout_s=150.0),
 }
-
-
-def sized_args(parser: argparse.ArgumentParser, sizes: dict[str, dict], argv: list[str]) -> argparse.Namespace:
-    """`argv` parsed with --device, the constructed pair's flags and a flag per key of `sizes` (default: the
-    --device's value); `args.sizes` holds the values in effect."""
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
-    parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
-    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR, help="where the pair is saved (a finished save "
-                        "there is reused)")
-    parser.add_argument("--seed", type=int, default=0)
-    for key, value in sizes["cuda"].items():
-        parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
-                            help=f"default {value} on cuda, {sizes['cpu'][key]} on cpu")
-    args = parser.parse_args(argv)
-    args.sizes = {key: sizes[args.device][key] if getattr(args, key) is None else getattr(args, key)
-                  for key in sizes["cuda"]}
-    args.dtype = PRESETS[args.device]["dtype"]
-    return args
-
-
-def pair_and_cluster(args: argparse.Namespace) -> tuple:
-    """(pair, its tokenizer, Serve's port): the constructed pair saved (benchmarks/lib/pairs.py), Ray up."""
-    pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device, seed=args.seed)
-    # Serve's own replica retries (not start_model_cluster's one): a replacement that fails to start, say
-    # while the killed process's memory is not yet back, is retried as in a user's deployment.
-    port = start_cluster({"TOKENIZERS_PARALLELISM": "false",
-                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")})
-    return pair, load_tokenizer(pair.target), port
-
-
-def deploy_warm(mode: str, args: argparse.Namespace, pair, tokenizer, port: int, deadline_s: float,
-                prompt_len: int, long_prompts: int = 0, long_prompt_len: int = 0) -> tuple[AppRun, dict]:
-    """(run, config): `mode` as configs/<mode>.yaml on the pair, its lanes on one GPU on cuda, warmed up by a
-    burst of max_num_seqs requests of about `prompt_len` tokens (CUDA graphs are captured per batch bucket
-    on first use); run.status is "failed" if it did not deploy."""
-    sizes, preset = args.sizes, PRESETS[args.device]
-    config = app_args(mode, pair.target, pair.draft, dtype=args.dtype,
-                      engine=engine_args(sizes["max_model_len"], sizes["max_num_seqs"]),
-                      lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
-    run = AppRun(mode)
-    if deploy_app(run, config, preset["deploy_timeout_s"]):
-        prompts = LogNormal(prompt_len, 0.6, 4, 3 * prompt_len)
-        burst = warmup_requests(tokenizer, sizes["max_num_seqs"], args.seed + 7, prompts, long_prompts, long_prompt_len)
-        run_loads(run, port, [Load("warmup", burst, OpenLoop(float("inf")), measured=False)], deadline_s,
-                  request_timeout_s=preset["request_timeout_s"], seed=args.seed)
-    return run, config
 
 
 def ratio(after: float | None, before: float | None) -> float | None:

@@ -28,8 +28,7 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lane_faults import deploy_warm, pair_and_cluster, sized_args  # noqa: E402
-from benchmarks.lib.apps import last_point, run_loads  # noqa: E402
+from benchmarks.lib.apps import deploy_warm, last_point, pair_and_cluster, run_loads, sized_args  # noqa: E402
 from benchmarks.lib.cluster import git_commit, log, machine  # noqa: E402
 from benchmarks.lib.loads import MIXED, Load, mixed_requests  # noqa: E402
 from benchmarks.lib.results import rounded  # noqa: E402

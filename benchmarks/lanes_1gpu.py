@@ -23,8 +23,8 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lane_faults import sized_args  # noqa: E402
-from benchmarks.lib.apps import GPU_SHARES, PRESETS, app_args, engine_args, lane_reader, run_app  # noqa: E402
+from benchmarks.lib.apps import (GPU_SHARES, PRESETS, app_args, engine_args, lane_reader, run_app,  # noqa: E402
+                                 sized_args)
 from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_lines, serve_env,  # noqa: E402
                                     start_model_cluster, wait_for_device_memory)
 from benchmarks.lib.goals import goal_rows  # noqa: E402

@@ -1,10 +1,13 @@
 """One app's run: its config, deploy, a list of loads through Serve's proxy, delete. Failures are
-recorded, never raised, so the next app still runs; the run keeps to a deadline."""
+recorded, never raised, so the next app still runs; the run keeps to a deadline. Also the steps the one-GPU
+lane scripts share: their flags by device, the pair and the cluster, a deploy with its warm-up."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -15,12 +18,15 @@ import yaml
 from ray import serve
 
 from benchmarks.lib.timelines import lane_activity, timelines
-from benchmarks.lib.cluster import REPO, STARTED_S, deploy, device_memory_note, log, replica_log_tail
-from benchmarks.lib.loads import Load, estimate_s, in_flight_steps, request_spec_counters
+from benchmarks.lib.cluster import REPO, STARTED_S, deploy, device_memory_note, log, replica_log_tail, start_cluster
+from benchmarks.lib.loads import Load, estimate_s, in_flight_steps, request_spec_counters, warmup_requests
+from benchmarks.lib.pairs import PAIR_DIR, save_pair
 from benchmarks.lib.results import point_line
+from loadtest.arrivals import OpenLoop
 from loadtest.report import Point
 from loadtest.runner import run_load
 from loadtest.spec_stats import SpecDecodeCounters
+from loadtest.workload import LogNormal, load_tokenizer
 
 # The served benchmarks' defaults by device: dtype, the uniform workload's log-normal lengths, the lanes' CPUs,
 # timeouts. GPU: one H200 (139 GiB).
@@ -190,3 +196,52 @@ def lane_reader(name: str, mode: str) -> Callable[[float, float], dict]:
 def last_point(run: AppRun, load: Load) -> Point | None:
     """`load`'s point, if it was the last one run (None: it was skipped or failed)."""
     return run.points[-1][1] if run.points and run.points[-1][0] is load else None
+
+
+# ---- steps the one-GPU lane scripts share (lane_faults, lane_soak, lanes_1gpu) --------------------------
+
+def sized_args(parser: argparse.ArgumentParser, sizes: dict[str, dict], argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed with --device, the constructed pair's flags and a flag per key of `sizes` (default: the
+    --device's value); `args.sizes` holds the values in effect."""
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
+    parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
+    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR, help="where the pair is saved (a finished save "
+                        "there is reused)")
+    parser.add_argument("--seed", type=int, default=0)
+    for key, value in sizes["cuda"].items():
+        parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
+                            help=f"default {value} on cuda, {sizes['cpu'][key]} on cpu")
+    args = parser.parse_args(argv)
+    args.sizes = {key: sizes[args.device][key] if getattr(args, key) is None else getattr(args, key)
+                  for key in sizes["cuda"]}
+    args.dtype = PRESETS[args.device]["dtype"]
+    return args
+
+
+def pair_and_cluster(args: argparse.Namespace) -> tuple:
+    """(pair, its tokenizer, Serve's port): the constructed pair saved (benchmarks/lib/pairs.py), Ray up."""
+    pair = save_pair(args.shape, args.agreement, args.pair_dir, dtype=args.dtype, device=args.device, seed=args.seed)
+    # Serve's own replica retries (not start_model_cluster's one): a replacement that fails to start, say
+    # while the killed process's memory is not yet back, is retried as in a user's deployment.
+    port = start_cluster({"TOKENIZERS_PARALLELISM": "false",
+                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")})
+    return pair, load_tokenizer(pair.target), port
+
+
+def deploy_warm(mode: str, args: argparse.Namespace, pair, tokenizer, port: int, deadline_s: float,
+                prompt_len: int, long_prompts: int = 0, long_prompt_len: int = 0) -> tuple[AppRun, dict]:
+    """(run, config): `mode` as configs/<mode>.yaml on the pair, its lanes on one GPU on cuda, warmed up by a
+    burst of max_num_seqs requests of about `prompt_len` tokens (CUDA graphs are captured per batch bucket
+    on first use); run.status is "failed" if it did not deploy."""
+    sizes, preset = args.sizes, PRESETS[args.device]
+    config = app_args(mode, pair.target, pair.draft, dtype=args.dtype,
+                      engine=engine_args(sizes["max_model_len"], sizes["max_num_seqs"]),
+                      lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
+    run = AppRun(mode)
+    if deploy_app(run, config, preset["deploy_timeout_s"]):
+        prompts = LogNormal(prompt_len, 0.6, 4, 3 * prompt_len)
+        burst = warmup_requests(tokenizer, sizes["max_num_seqs"], args.seed + 7, prompts, long_prompts, long_prompt_len)
+        run_loads(run, port, [Load("warmup", burst, OpenLoop(float("inf")), measured=False)], deadline_s,
+                  request_timeout_s=preset["request_timeout_s"], seed=args.seed)
+    return run, config
