@@ -23,7 +23,6 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,12 +53,9 @@ def shaped_models() -> dict:
     return {"draft": random_model(TINYLLAMA).model, "target": random_model(LLAMA2_7B).model}
 
 
-GEMV = {"on": False}  # --gemv: every engine built here runs its few-row linears through lanes/model/gemv.py
-
-
 def step_config(max_model_len: int, max_num_seqs: int) -> EngineConfig:
     return EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk_tokens=64,
-                        idle_prefill_tokens=64, gemv_kernel=GEMV["on"])
+                        idle_prefill_tokens=64)
 
 
 def copy_bandwidth_gbs() -> float:
@@ -106,8 +102,7 @@ def engine_greedy_check() -> dict:
     result = {"prompts": len(prompts)}
     for name, chunk, idle in (("chunked", 32, 64), ("whole_prompts", 256, 1024)):
         # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
-        config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle,
-                              gemv_kernel=GEMV["on"])
+        config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle)
         engine = EngineCore.colocated(target, draft, config)
         assert engine.draft.graphs is not None and engine.draft.attention_kernel
         outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -274,38 +269,6 @@ def floor_table(bandwidth: float) -> dict:
     return out
 
 
-def gemv_sweep(bandwidth: float) -> list[dict]:
-    """Each linear of both models at 1, 5 and 16 rows: cuBLAS (F.linear) against lanes/model/gemv.py with its
-    own tiles and with alternatives, each replayed as a CUDA graph (as the engine's forwards are)."""
-    from triton.testing import do_bench_cudagraph
-
-    from lanes.model.gemv import gemv, padded_rows, tiles
-
-    rows_out = []
-    for role, model in shaped_models().items():
-        layer, head = model.model.layers[0], model.lm_head.weight
-        shapes = {"qkv": (layer.self_attn.q_proj.out_features + 2 * layer.self_attn.k_proj.out_features,
-                          head.shape[1]), "o": tuple(layer.self_attn.o_proj.weight.shape),
-                  "gate_up": (2 * layer.mlp.gate_proj.out_features, head.shape[1]),
-                  "down": tuple(layer.mlp.down_proj.weight.shape), "lm_head": tuple(head.shape)}
-        for name, (n, k) in shapes.items():
-            weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-            for rows in (1, 5, 16):
-                x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-                gbs = lambda fn: round(n * k * 2 / do_bench_cudagraph(fn, rep=50) / 1e6, 1)  # noqa: E731
-                ours = tiles(n, k, padded_rows(rows))
-                row = {"model": role, "linear": name, "n": n, "k": k, "rows": rows, "tiles": ours,
-                       "cublas_gbs": gbs(lambda: F.linear(x, weight)), "gemv_gbs": gbs(lambda: gemv(x, weight))}
-                alternatives = {(bn, bk, w) for bn in (8, 16, 32, 64) for bk in (64, 128, 256, 512) for w in (2, 4, 8)
-                                if (rows > 4 and bn >= 16) or (rows <= 4 and padded_rows(rows) * bn * bk <= 16384)}
-                timed = {t: gbs(lambda t=t: gemv(x, weight, tile=t)) for t in sorted(alternatives - {ours})}
-                row["best_tile"], row["best_gbs"] = max(timed.items(), key=lambda kv: kv[1]) if timed else (None, None)
-                row["gemv_share_of_copy"] = round(row["gemv_gbs"] / bandwidth, 3)
-                print(row, flush=True)
-                rows_out.append(row)
-    return rows_out
-
-
 # ---- where a step's GPU time goes ---------------------------------------------------------------
 
 KINDS = (("attention (pool kernel)", ("_split_kernel", "_merge_kernel")),
@@ -371,13 +334,10 @@ def main() -> None:
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--floor", action="store_true", help="the steps against their floor alone (see above)")
     parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind: profile_steps.json")
-    parser.add_argument("--gemv", action="store_true", help="engines run few-row linears through lanes/model/gemv.py")
-    parser.add_argument("--gemv-sweep", action="store_true", help="each linear: cuBLAS against gemv's tiles")
     args = parser.parse_args()
-    GEMV["on"] = args.gemv
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gemv_kernel": args.gemv}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     result["engine_greedy"] = engine_greedy_check()
     print(result, flush=True)  # then each row as it is timed; the whole: gpu_check.json
     if not args.skip_steps:
@@ -386,9 +346,6 @@ def main() -> None:
     if args.floor:
         result.setdefault("copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))
         result["floor"] = floor_table(result["copy_bandwidth_gbs"])
-    if args.gemv_sweep:
-        result.setdefault("copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))
-        result["gemv_sweep"] = gemv_sweep(result["copy_bandwidth_gbs"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     if args.profile:
         torch.cuda.empty_cache()

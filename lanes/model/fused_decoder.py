@@ -144,12 +144,9 @@ def _first_half(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 class FusedDecoder:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool, row_linear=F.linear,
-                 linear=F.linear):
-        """`linear`: how the layers' linears are applied, F.linear itself or lanes/model/gemv.py's
-        `small_linear` (few rows through a weight-streaming kernel); `row_linear`: how o_proj and
-        down_proj are, `linear` or, over the shards of a tensor-parallel model, F.linear followed by
-        the all-reduce (lanes/parallel/tensor_parallel.py)."""
+    def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool, row_linear=F.linear):
+        """`row_linear`: how o_proj and down_proj are applied, F.linear itself or, over the shards of a
+        tensor-parallel model, F.linear followed by the all-reduce (lanes/parallel/tensor_parallel.py)."""
         decoder = model.get_decoder()
         text = model.config.get_text_config()
         gemma = text.model_type in GEMMA_TYPES
@@ -162,7 +159,6 @@ class FusedDecoder:
         self.layer_step = self._sandwich_layer if gemma else self._pre_norm_layer
         self.pool = pool
         self.use_triton = use_triton
-        self.linear = linear
         self.row_linear = row_linear
         tables = self._rope_tables(decoder, pool.shape.capacity_tokens)
         for layer in self.layers:
@@ -200,7 +196,7 @@ class FusedDecoder:
         attn = self._attention(layer, normed.view(*shape, -1), meta)
         normed, residual = add_rms_norm(self.row_linear(attn, layer.o_w, layer.o_b), residual, *layer.post_norm,
                                         self.use_triton)
-        gate_up = self.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
+        gate_up = F.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
         return self.row_linear(self.act_and_mul(gate_up, self.use_triton), layer.down_w, layer.down_b), residual
 
     def _sandwich_layer(self, layer: _Layer, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -211,13 +207,13 @@ class FusedDecoder:
         attn = self._attention(layer, normed.view(*shape, -1), meta)
         attn, _ = self.add_norm(self.row_linear(attn, layer.o_w, layer.o_b), None, *layer.post_norm, self.use_triton)
         normed, residual = self.add_norm(attn, residual, *layer.pre_mlp_norm, self.use_triton)
-        gate_up = self.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
+        gate_up = F.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
         mlp = self.row_linear(self.act_and_mul(gate_up, self.use_triton), layer.down_w, layer.down_b)
         return self.add_norm(mlp, None, *layer.post_mlp_norm, self.use_triton)[0], residual
 
     def _attention(self, layer: _Layer, normed: torch.Tensor, meta: PoolAttentionMeta) -> torch.Tensor:
         batch, q_len, _ = normed.shape
-        qkv = self.linear(normed, layer.qkv_w, layer.qkv_b)  # [B, Q, (Hq + 2 Hkv) * D]
+        qkv = F.linear(normed, layer.qkv_w, layer.qkv_b)  # [B, Q, (Hq + 2 Hkv) * D]
         if layer.qk_norm is not None:
             qkv = self._norm_heads(qkv, layer)
         k_pool, v_pool = self.pool.layer(layer.layer_idx)  # [blocks, Hkv, block_size, D]

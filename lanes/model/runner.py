@@ -6,14 +6,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lanes.device.batching import to_device
 from lanes.kv.pool import KVPool
 from lanes.model.attention import POOL_ATTENTION, PoolAttentionMeta
 from lanes.model.cuda_graphs import GraphedForward, GraphedPrefill
 from lanes.model.fused_decoder import FusedDecoder, supports
-from lanes.model.gemv import small_linear
 from lanes.model.pool_cache import PoolCache
 from lanes.parallel.tensor_parallel import TPGroup, row_parallel_linear
 
@@ -43,7 +41,7 @@ class Rows:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None,
                  cuda_graphs: bool | None = None, fused_layers: bool | None = None, tp: TPGroup | None = None,
-                 share_forward: Callable | None = None, gemv_kernel: bool | None = None):
+                 share_forward: Callable | None = None):
         """`tp`: the group over which `model` (already a shard, lanes/parallel/tensor_parallel.py) and `pool` (this
         rank's KV heads) are split; `share_forward(rows, input_ids, keep, prefill, table_rows)`, on rank
         0 of it, sends each forward's inputs to the workers before running it (lanes/parallel/step.py)."""
@@ -71,11 +69,9 @@ class ModelRunner:
         use_fused = supports(model) if fused_layers is None else fused_layers
         if tp is not None and not use_fused:
             raise ValueError("tensor parallelism runs the fused Llama-family layers only (engine.fused_layers)")
-        # Few-row linears (decode, verify and drafts at small batch) through the weight-streaming kernel.
-        self.linear = small_linear if (self.device.type == "cuda" if gemv_kernel is None else gemv_kernel) else F.linear
-        row_linear = row_parallel_linear(tp) if tp is not None else self.linear
+        row_linear = row_parallel_linear(tp) if tp is not None else torch.nn.functional.linear
         self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel,
-                                  row_linear, self.linear) if use_fused else None
+                                  row_linear) if use_fused else None
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
         # Whole-prompt prefill through our fused layers replays graphs too (HF's modules build masks
@@ -169,8 +165,7 @@ class ModelRunner:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of hidden states [..., H], soft-capped as HF's forward does (in the model's dtype)."""
-        head = self.lm_head
-        logits = self.linear(hidden, head.weight, head.bias) if isinstance(head, torch.nn.Linear) else head(hidden)
+        logits = self.lm_head(hidden)
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits.float()
