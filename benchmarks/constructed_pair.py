@@ -53,8 +53,6 @@ def shape_configs(shape: str) -> tuple[dict, dict]:
     raise ValueError(f"unknown shape {shape!r}: small or tinyllama-7b")
 
 
-# ---- construction ---------------------------------------------------------------------------
-
 def successor_maps(vocab_size: int, agreement: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """σ (target) and σ_d (draft), [V] each, both permutations; σ_d == σ on round(agreement * V) tokens.
     A pure function of its arguments, so callers recompute the maps a pair was built with."""
@@ -91,10 +89,8 @@ def build_constructed_pair(
     return target, draft
 
 
-def build_constructed_model(
-    config: dict, successor: torch.Tensor, seed: int, dtype: str | torch.dtype, device: str, sharpness: float,
-    residual_scale: float, name: str,
-) -> LoadedModel:
+def build_constructed_model(config: dict, successor: torch.Tensor, seed: int, dtype: str | torch.dtype, device: str,
+                            sharpness: float, residual_scale: float, name: str) -> LoadedModel:
     """One model whose greedy next token after x is successor[x], whatever the context."""
     # Untied: the head's rows are the successors' predecessors' embeddings, not the embeddings.
     config = {**config, "tie_word_embeddings": False}
@@ -135,8 +131,6 @@ def reinit_layers(model: torch.nn.Module, residual_scale: float, gen: torch.Gene
             module.bias.zero_()
     assert num_residual == 2 * len(model.get_decoder().layers), "expected o_proj and down_proj in every layer"
 
-
-# ---- what the pair does, read from plain forwards ----------------------------------------------
 
 def probe_prompts(vocab_size: int, batch: int, seed: int, length: int = PROBE_LEN) -> torch.Tensor:
     """Uniformly random token rows for probing forwards. [batch, length]"""
@@ -192,8 +186,6 @@ def map_check(target: LoadedModel, draft: LoadedModel, agreement: float, seed: i
             "predicted_per_token_acceptance": predicted_acceptance(target, draft, probes)}
 
 
-# ---- acceptance through the engine ------------------------------------------------------------
-
 @dataclass
 class TrialCountingStats(SpecDecodeStats):
     """The engine's counters, plus the drafted tokens verification judged: a draft of n tokens with k
@@ -207,10 +199,8 @@ class TrialCountingStats(SpecDecodeStats):
         self.num_judged_tokens += min(num_accepted + 1, num_draft)
 
 
-def run_engine(
-    target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], draft_len: int, temperature: float,
-    max_tokens: int, seed: int,
-) -> tuple[dict[str, list[int]], TrialCountingStats]:
+def run_engine(target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], draft_len: int, temperature: float,
+               max_tokens: int, seed: int) -> tuple[dict[str, list[int]], TrialCountingStats]:
     """Every prompt through one co-located engine, all at once; returns the outputs and counters."""
     config = EngineConfig(max_model_len=max(map(len, prompts)) + max_tokens, max_num_seqs=len(prompts),
                           num_speculative_tokens=draft_len, max_draft_len=draft_len, prefill_chunk_tokens=64,
@@ -240,8 +230,6 @@ def measure_acceptance(target: LoadedModel, draft: LoadedModel, num_prompts: int
         result[mode] = acceptance_counters(stats)
     return result
 
-
-# ---- CLI ------------------------------------------------------------------------------------
 
 def evaluate(args: argparse.Namespace, agreement: float) -> dict:
     """Build one pair, check its map, and measure its acceptance through the engine."""

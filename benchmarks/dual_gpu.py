@@ -12,8 +12,6 @@ Writes DIR/dual_gpu.json (everything, every request) and dual_gpu.md (the tables
 15/20/30 ms), rewritten after every point. The goodput command (mixed traffic): docs/dual_gpu.md.
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import sys
@@ -23,7 +21,6 @@ from itertools import groupby
 from pathlib import Path
 from typing import Callable
 
-import ray
 import torch
 import yaml
 from ray import serve
@@ -32,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.lib.timelines import prefill_path_table, timelines  # noqa: E402
 from benchmarks.lib.apps import PRESETS, AppRun, deploy_app, lane_reader, last_point, run_loads  # noqa: E402
-from benchmarks.lib.cluster import (REPO, STARTED_S, git_commit, gpu_inventory, log, machine, shm_gib,  # noqa: E402
-                                    start_model_cluster, topology, wait_for_device_memory)
+from benchmarks.lib.cluster import (REPO, STARTED_S, git_commit, gpu_inventory, log, machine, serving,  # noqa: E402
+                                    shm_gib, start_model_cluster, topology, wait_for_device_memory)
 from benchmarks.lib.loads import MIXED, Load, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.lib.results import (TPOT_SLOS_MS, TTFT_SLO_MS, goodput, request_rows, row,  # noqa: E402
@@ -74,8 +71,6 @@ PLACEMENTS = {p.key: p for p in (
 )}
 
 
-# ---- where replicas run ------------------------------------------------------------------------
-
 def observed_gpus(reports: list[dict], inventory: list[dict]) -> dict:
     """Which GPU each replica got, grouped the way PlacementSpec.gpus states intent."""
     index = {g["uuid"]: g["index"] for g in inventory}
@@ -92,12 +87,8 @@ def observed_gpus(reports: list[dict], inventory: list[dict]) -> dict:
 
 def as_intended(spec: PlacementSpec, observed: dict) -> bool | None:
     """True when the replicas share GPUs exactly as the config means; None without GPUs."""
-    if not observed["gpu_groups"]:
-        return None
-    return [tuple(g) for g in observed["gpu_groups"]] == sorted(spec.gpus)
+    return [tuple(g) for g in observed["gpu_groups"]] == sorted(spec.gpus) if observed["gpu_groups"] else None
 
-
-# ---- configs ---------------------------------------------------------------------------------
 
 def placement_args(spec: PlacementSpec, target: str, draft: str, device: str) -> dict:
     """The `args:` of the placement's config with this run's pair; on the CPU, the same graph (modes,
@@ -139,8 +130,6 @@ def fit_lengths(args: argparse.Namespace, configs: dict[str, dict]) -> None:
         args.max_prompt_len = longest
 
 
-# ---- workloads ---------------------------------------------------------------------------------
-
 def sweep_requests(args: argparse.Namespace, tokenizer, workload: str, rate: float) -> list[WorkloadRequest]:
     """About `window_s` seconds of requests at `rate`, the same for every placement (seeded by the
     rate). uniform: log-normal lengths (PRESETS); mixed: MIXED's traffic."""
@@ -154,8 +143,6 @@ def sweep_requests(args: argparse.Namespace, tokenizer, workload: str, rate: flo
 def prompt_lengths(args: argparse.Namespace) -> LogNormal:
     return LogNormal(args.prompt_len_median, 0.6, args.min_prompt_len, args.max_prompt_len)
 
-
-# ---- one placement ----------------------------------------------------------------------------
 
 def run_placement(spec: PlacementSpec, app_args: dict, args: argparse.Namespace, tokenizer, port: int,
                   deadline_s: float, inventory: list[dict], result: dict, save: Callable[[], None]) -> None:
@@ -250,8 +237,6 @@ def sweep_points(run: AppRun, sat_ttft_ms: float) -> list[dict]:
     return sorted(points, key=lambda p: (workloads.index(p["workload"]), p["rate_rps"]))
 
 
-# ---- results ----------------------------------------------------------------------------------
-
 def goodput_table(document: dict) -> list[dict]:
     """Per placement and workload: goodput at each p99 TPOT bound (results.goodput), the p99 decode
     stall at that rate, and every request the sweep submitted."""
@@ -326,26 +311,20 @@ def sweep_row(point: dict) -> dict:
     """A point's row (counts, throughput, latencies, stall, acceptance) and the lanes' overlap."""
     lanes = point.get("lanes", {})
     engines = " / ".join(map(str, lanes.get("engine_busy_share", [])))
-    return {**point["row"], "saturated": point["saturated"],
-            "in flight": round(point["summary"]["mean_in_flight"], 1),
+    return {**point["row"], "saturated": point["saturated"], "in flight": round(point["summary"]["mean_in_flight"], 1),
             "busy": lanes.get("verify_busy_share", engines or None), "drafting": lanes.get("drafting_busy_share"),
             "verify while drafting": lanes.get("verify_with_drafting_share")}
 
 
-# ---- main -------------------------------------------------------------------------------------
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = script_parser(__doc__, budget_s=500.0)
+    parser = script_parser(__doc__, budget_s=500.0, pair=True)  # and --shape, --agreement, --seed
     parser.add_argument("--placements", default="a,b,d,c,a2", help="in run order (the budget may skip the last); "
                         f"of {','.join(PLACEMENTS)}")
     parser.add_argument("--workloads", default="uniform", help="swept in this order, each an equal share of a "
                         "placement's time: uniform (log-normal lengths), mixed (lib/loads.py's MIXED)")
-    parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
-    parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
     parser.add_argument("--rates", default=None, help="requests/s, swept in order until one saturates "
                         "(default 4,8,16,32,64,128 on cuda, 1,2 on cpu)")
     parser.add_argument("--sat-ttft-ms", type=float, default=3000.0, help="p95 TTFT that marks a rate saturated")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     preset = PRESETS[args.device]
     vars(args).update({key: preset[key] for key in LENGTHS + ("dtype", "request_timeout_s")})
@@ -377,10 +356,9 @@ def main(argv: list[str] | None = None) -> None:
         "workload": {k: getattr(args, k) for k in ("rates", "window_s", "sat_ttft_ms", "seed", "workloads") + LENGTHS}
         | {"mixed": MIXED[args.device]},
         "placements": []}
-    port = start_model_cluster({"TOKENIZERS_PARALLELISM": "false"})
-    free_bytes = [torch.cuda.mem_get_info(g["index"])[0] for g in inventory]
-    log(f"Ray and Serve up (port {port}); GPUs {[g['name'] for g in inventory] or 'none'}")
-    try:
+    with serving(start_model_cluster({"TOKENIZERS_PARALLELISM": "false"})) as port:
+        free_bytes = [torch.cuda.mem_get_info(g["index"])[0] for g in inventory]
+        log(f"Ray and Serve up (port {port}); GPUs {[g['name'] for g in inventory] or 'none'}")
         for n, key in enumerate(args.placements):
             spec, placements_left = PLACEMENTS[key], len(args.placements) - n
             left_s = deadline_s - time.monotonic() - RESERVE_S
@@ -398,9 +376,6 @@ def main(argv: list[str] | None = None) -> None:
                 with torch.cuda.device(gpu["index"]):
                     wait_for_device_memory(free, timeout_s=30)
             write_results(args.out, document)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     write_results(args.out, document)
     print((args.out / f"{NAME}.md").read_text(), flush=True)
 

@@ -8,10 +8,7 @@ fallback and in HF eager, against gpu_check.py's floor; greedy: the engine again
 size (float32; on cpu the steps too). Writes families.json and .md after each family; method: docs/gpu_runs.md.
 """
 
-from __future__ import annotations
-
 import argparse
-import gc
 import json
 import os
 import sys
@@ -20,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lib.cluster import STARTED_S, git_commit, log, machine  # noqa: E402
+from benchmarks.lib.cluster import STARTED_S, free_device_memory, git_commit, log, machine  # noqa: E402
 from benchmarks.lib.results import rows_table, script_parser, write_document  # noqa: E402
 
 CONTEXT = 512
@@ -46,8 +43,6 @@ TEST_CONFIGS = {"qwen3": "qwen3", "gemma2": "gemma2", "mistral": "mistral_window
 
 def step_rows(name: str, config: dict, args: argparse.Namespace, bandwidth_gbs: float | None) -> list[dict]:
     """Decode forward times of one family at each batch: fused, HF fallback, HF eager (cuda), the floor."""
-    import torch
-
     from benchmarks.gpu_check import decode_forward_ms, floor_ms, hf_eager_ms, random_model
     from lanes.engine.core import EngineConfig, build_runner
 
@@ -61,9 +56,7 @@ def step_rows(name: str, config: dict, args: argparse.Namespace, bandwidth_gbs: 
             rows[b][f"{path}_path"] = "fused" if runner.fused is not None else "hf modules"
             rows[b][f"{path}_ms"] = round(decode_forward_ms(runner, b, CONTEXT), 2)
         del runner
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory()
     for b, row in rows.items():
         if args.device == "cuda":
             row["hf_eager_ms"] = round(hf_eager_ms(model, b, 1), 2)
@@ -72,7 +65,7 @@ def step_rows(name: str, config: dict, args: argparse.Namespace, bandwidth_gbs: 
             row["fused_over_floor"] = round(row["fused_ms"] / row["floor_ms"], 2)
         row["fallback_over_fused"] = round(row["hf_fallback_ms"] / row["fused_ms"], 2)
     del model
-    gc.collect()
+    free_device_memory()
     return list(rows.values())
 
 

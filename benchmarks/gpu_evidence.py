@@ -9,8 +9,6 @@ Apps on the constructed pair at agreement 0.8, through Serve's proxy; <part>.jso
 under --out after every point, within --budget-s. Workloads, goals and the device calls: docs/gpu_runs.md.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import json
@@ -21,14 +19,12 @@ from itertools import groupby
 from pathlib import Path
 
 import numpy as np
-import ray
-from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
-from benchmarks.lib.apps import AppRun, app_args, engine_args, run_app  # noqa: E402
-from benchmarks.lib.cluster import (STARTED_S, git_commit, load_average, log, machine,  # noqa: E402
+from benchmarks.lib.apps import AppRun, app_args, engine_args, run_app, sized_args  # noqa: E402
+from benchmarks.lib.cluster import (STARTED_S, git_commit, load_average, log, machine, serving,  # noqa: E402
                                     start_model_cluster)
 from benchmarks.lib.loads import Load  # noqa: E402
 from benchmarks.lib.pairs import SavedPair, save_pair  # noqa: E402
@@ -44,20 +40,20 @@ GOALS = {  # by part and check: (comparison, value)
     "controller": {"every point": (">=", 0.97), "1 and 16 in flight": (">=", 1.3)},
     "prefix": {"ttft_p50 off / on": (">=", 3.0)},
 }
-# Sizes by device; cpu: the small pair on a 2-core machine, enough to walk every path.
+# The controller's signals each sample keeps (controller_sampler), averaged per point (trace_by_point).
+TRACED = ("verify_queue_depth", "requests_per_verify_batch", "decode_step_p95_ms", "arrival_rate_rps")
+# Sizes by device, every key also a flag; cpu: the small pair on a 2-core machine, enough to walk every path.
 PRESETS = {
-    "cuda": dict(shape="tinyllama-7b", dtype="bfloat16", prompt_len=128, output_len=128, concurrencies="1,16,64,128,256",
+    "cuda": dict(shape="tinyllama-7b", prompt_len=128, output_len=128, concurrencies="1,16,64,128,256",
                  requests_per_slot=2, min_measured_requests=64, settle_requests_per_slot=4, single_requests=4,
                  lane_num_cpus=1.0, prefix_tokens=2000, suffix_tokens=32, prefix_output_len=16, prefix_concurrency=4,
                  prefix_requests=32, request_timeout_s=180.0, deploy_timeout_s=300.0),
-    "cpu": dict(shape="small", dtype="float32", prompt_len=32, output_len=16, concurrencies="1,4,8",
+    "cpu": dict(shape="small", prompt_len=32, output_len=16, concurrencies="1,4,8",
                 requests_per_slot=1, min_measured_requests=0, settle_requests_per_slot=1, single_requests=2,
                 lane_num_cpus=0.25, prefix_tokens=200, suffix_tokens=8, prefix_output_len=4, prefix_concurrency=2,
                 prefix_requests=4, request_timeout_s=300.0, deploy_timeout_s=600.0),
 }
 
-
-# ---- workloads from token ids, and the apps ------------------------------------------------------
 
 def shared_prefix_requests(vocab_size: int, count: int, prefix_len: int, suffix_len: int, output_len: int,
                            seed: int) -> list[WorkloadRequest]:
@@ -88,8 +84,6 @@ def app_config(mode: str, pair: SavedPair, args: argparse.Namespace, *, engine: 
         config["controller"].update(json.loads(args.controller))
     return config
 
-
-# ---- the document --------------------------------------------------------------------------------
 
 class Report:
     """One part's document: its apps, a row per point (benchmarks/lib/results.py's row, every submitted request
@@ -151,11 +145,6 @@ def row_of(report: Report, app: str, load: str) -> dict:
 
 def check(goal: tuple[str, float], value: float | None, **labels) -> dict:
     return {**labels, "goal": f"{goal[0]} {goal[1]}", "verdict": verdict(value, goal)}
-
-
-# ---- the controller ------------------------------------------------------------------------------
-
-TRACED = ("verify_queue_depth", "requests_per_verify_batch", "decode_step_p95_ms", "arrival_rate_rps")
 
 
 def controller_sampler(trace: list[dict], app: str):
@@ -241,8 +230,7 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
         f"controller {json.dumps(controller)}.",
         f"poisson: {args.rate_factor} x nospec's completed requests/s at {top}, the same arrival times for every "
         "mode. Each closed loop is measured after an unmeasured one at the same C (controller_loads)."]
-    trace: list[dict] = []
-    report.doc["controller_trace"] = trace
+    trace = report.doc["controller_trace"] = []  # the sampler's, filled as the apps run
     for index, mode in enumerate(modes):
         share_s = (deadline_s - time.monotonic()) / (len(modes) - index)
         # nospec runs first and fixes the rate; the others get its rate and arrival times (none: skipped, as
@@ -261,8 +249,6 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
             trace_by_point(trace)
         report.write()
 
-
-# ---- the prefix cache ----------------------------------------------------------------------------
 
 def prefix_checks(report: Report, modes: list[str]) -> list[dict]:
     checks = []
@@ -299,8 +285,6 @@ def part_prefix(args: argparse.Namespace, report: Report, port: int, deadline_s:
         report.write()
 
 
-# ---- main ----------------------------------------------------------------------------------------
-
 SERVED_PARTS = {"controller": part_controller, "prefix": part_prefix}
 DEFAULT_MODES = {"controller": "nospec,spec,unified", "prefix": "unified,pdv"}
 
@@ -316,12 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-load-s", type=float, default=15.0, help="a load starts only with this much left")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the most in flight, at least 8")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output + 64")
-    for key, value in PRESETS["cuda"].items():
-        if key != "dtype":
-            parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
-                                help=f"default {value} on cuda, {PRESETS['cpu'][key]} on cpu")
-    args = parser.parse_args(argv)
-    vars(args).update({key: value for key, value in PRESETS[args.device].items() if getattr(args, key, None) is None})
+    args = sized_args(parser, PRESETS, argv)  # and the dtype: lib/apps.py's PRESETS
     args.modes = args.modes or DEFAULT_MODES[args.part]
     args.max_num_seqs = args.max_num_seqs or max(8, *(int(c) for c in args.concurrencies.split(",")))
     args.max_model_len = args.max_model_len or args.prompt_len + args.output_len + 64
@@ -331,17 +310,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     deadline_s = time.monotonic() + args.budget_s - 20  # the shutdown and the last write
     report = Report(args.part, args, argv)
-    port = start_model_cluster()
-    log(f"Ray and Serve up (port {port}); part {args.part}, budget {args.budget_s:.0f} s")
-    try:
-        SERVED_PARTS[args.part](args, report, port, deadline_s)
-    finally:
-        report.write()
-        serve.shutdown()
-        ray.shutdown()
+    with serving(start_model_cluster()) as port:
+        log(f"Ray and Serve up (port {port}); part {args.part}, budget {args.budget_s:.0f} s")
+        try:
+            SERVED_PARTS[args.part](args, report, port, deadline_s)
+        finally:
+            report.write()
     log(f"done: {args.out / args.part}.json / .md; checks {json.dumps(report.doc['checks'])}")
 
 

@@ -16,16 +16,16 @@ import traceback
 from pathlib import Path
 
 import httpx
-import ray
 import torch
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
 from benchmarks.lib.apps import deploy_warm, pair_and_cluster, sized_args  # noqa: E402
-from benchmarks.lib.cluster import git_commit, log, machine, replica_log_tail, wait_for_device_memory  # noqa: E402
+from benchmarks.lib.cluster import (git_commit, log, machine, replica_log_tail, serving,  # noqa: E402
+                                    wait_for_device_memory)
 from benchmarks.lib.loads import exactly  # noqa: E402
-from benchmarks.lib.results import rows_table, write_document  # noqa: E402
+from benchmarks.lib.results import rows_table, script_parser, write_document  # noqa: E402
 from loadtest.faults import KillResult, kill_and_recover, lane_processes, wait_healthy  # noqa: E402
 from loadtest.workload import synthetic  # noqa: E402
 
@@ -161,8 +161,7 @@ def table_row(row: dict) -> dict:
 
 
 def markdown(document: dict) -> str:
-    rows = [k["row"] for k in document["kills"]]
-    sizes = document["sizes"]
+    rows, sizes = [k["row"] for k in document["kills"]], document["sizes"]
     lines = [f"# Lane kills under load ({document['device']}, {document['pair']['shape']} pair)", "",
              f"`{document['command']}` at {document['commit']}; {document['machine'].get('gpu') or 'no GPU'}; "
              f"{sizes['streams']} streams of {sizes['output_len']} tokens in flight at each kill, {sizes['late']} "
@@ -185,9 +184,7 @@ def write_results(out: Path, document: dict) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="results directory")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock allowance of the whole run")
+    parser = script_parser(__doc__, budget_s=540.0, pair=True)
     parser.add_argument("--kills", default=DEFAULT_KILLS, help="mode:Deployment, in order (apps deployed in the "
                         "order their first kill comes)")
     args = sized_args(parser, SIZES, argv)
@@ -210,19 +207,15 @@ def main(argv: list[str] | None = None) -> None:
                          "target": str(pair.target), "draft": str(pair.draft), "check": pair.check},
                 "apps": {}, "kills": [], "started_monotonic_s": time.monotonic(), "duration_s": 0.0}
     free_bytes = torch.cuda.mem_get_info()[0] if args.device == "cuda" else None
-    try:
+    with serving(port):
         for mode in dict.fromkeys(mode for mode, _ in args.kill_list):
             lanes = [lane for m, lane in args.kill_list if m == mode]
             if deadline_s - time.monotonic() < args.sizes["deploy_s"] + args.sizes["kill_s"]:
                 document["kills"] += [skipped(mode, lane, "no time left to deploy the app") for lane in lanes]
                 continue
             run_mode(mode, lanes, args, pair, tokenizer, port, deadline_s, document)
-            if free_bytes is not None:  # the deleted app's memory is back before the next one sizes its pools
-                wait_for_device_memory(free_bytes, timeout_s=60)
+            wait_for_device_memory(free_bytes, timeout_s=60)  # the deleted app's, before the next sizes its pools
             write_results(args.out, document)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     write_results(args.out, document)
     print((args.out / f"{NAME}.md").read_text(), flush=True)
 

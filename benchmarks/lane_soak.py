@@ -12,6 +12,7 @@ finished or not, and --copy-to copies those and the raw files (records gzipped) 
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.lib.apps import deploy_warm, last_point, pair_and_cluster, run_loads, sized_args  # noqa: E402
 from benchmarks.lib.cluster import git_commit, log, machine  # noqa: E402
 from benchmarks.lib.loads import MIXED, Load, mixed_requests  # noqa: E402
-from benchmarks.lib.results import rounded  # noqa: E402
+from benchmarks.lib.results import rounded, script_parser  # noqa: E402
 from loadtest import soak as minutes_of  # noqa: E402
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.memory import MemorySamples, sample_memory, write_memory  # noqa: E402
@@ -65,11 +66,10 @@ def write_status(directory: Path, status: dict, **changes) -> None:
 
 
 def alive(pid: int | None) -> bool:
-    try:
+    with contextlib.suppress(TypeError, OSError):
         os.kill(pid, 0)
-    except (TypeError, OSError):
-        return False
-    return True
+        return True
+    return False
 
 
 def soak(args: argparse.Namespace) -> None:
@@ -124,10 +124,8 @@ async def soak_load(url: str, pool, rate_rps: float, seed: int, directory: Path,
         while not stop.is_set():
             samples.frame().to_csv(directory / "memory.csv", index=False)
             write_status(directory, status, elapsed_s=round(time.time() - origin_wall_s, 1))
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # FLUSH_S passed
                 await asyncio.wait_for(stop.wait(), FLUSH_S)
-            except asyncio.TimeoutError:
-                pass
 
     flusher = asyncio.create_task(flush())
     with (directory / "records.jsonl").open("a") as records:
@@ -147,19 +145,13 @@ async def soak_load(url: str, pool, rate_rps: float, seed: int, directory: Path,
     status["memory_growth"] = write_memory(directory, samples, warmup_s=minutes_of.FIRST_MINUTE * 60.0)
 
 
-def wait_for_end(directory: Path, wait_s: float) -> dict:
-    """The status once the soak has ended (or its process is gone), or after `wait_s`."""
-    deadline_s = time.monotonic() + wait_s
-    while True:
-        status = read_status(directory)
-        if status["phase"] in DONE_PHASES or not alive(status.get("pid")) or time.monotonic() >= deadline_s:
-            return status
-        time.sleep(5)
-
-
 def collect(directory: Path, copy_to: Path | None = None, wait_s: float = 0.0) -> None:
-    """soak.md / soak.json / soak.png from what the soak wrote so far."""
-    status = wait_for_end(directory, wait_s)
+    """soak.md / soak.json / soak.png from what the soak wrote so far, once it has ended (or its process is
+    gone) or after `wait_s`."""
+    deadline_s, status = time.monotonic() + wait_s, read_status(directory)
+    while status["phase"] not in DONE_PHASES and alive(status.get("pid")) and time.monotonic() < deadline_s:
+        time.sleep(5)
+        status = read_status(directory)
     running = alive(status.get("pid"))
     if status["phase"] not in DONE_PHASES and not running:
         status["phase"] += " (its process is gone)"
@@ -194,7 +186,7 @@ def collect(directory: Path, copy_to: Path | None = None, wait_s: float = 0.0) -
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, budget_s=None, out=False, pair=True)
     parser.add_argument("--dir", type=Path, help="where the soak writes as it goes (not $OUT: emptied every call)")
     parser.add_argument("--detach", action="store_true", help="run under setsid, output to DIR/soak.log; return")
     parser.add_argument("--collect", type=Path, metavar="DIR", help="tables and plots from DIR, finished or not")

@@ -31,7 +31,8 @@ from benchmarks.lib.goals import goal_rows  # noqa: E402
 from benchmarks.lib.mps import control_log_tail, mps_daemon, server_pids  # noqa: E402
 from benchmarks.lib.loads import MIXED, Load, exactly, mixed_requests, warmup_requests  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
-from benchmarks.lib.results import plot_bars, point_document, row, rows_table, write_document  # noqa: E402
+from benchmarks.lib.results import (plot_bars, point_document, row, rows_table, script_parser,  # noqa: E402
+                                    write_document)
 from loadtest.arrivals import ClosedLoop, OpenLoop  # noqa: E402
 from loadtest.workload import load_tokenizer, synthetic  # noqa: E402
 
@@ -58,13 +59,11 @@ SIZES = {
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, budget_s=560.0, pair=True)  # and --device, --out, the pair's flags
     parser.add_argument("--part", choices=("uniform", "mixed"), required=True)
-    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {MODES} and {tuple(VARIANTS)}")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.8],
                         help="mixed: Poisson rates as shares of the first mode's capacity")
-    parser.add_argument("--budget-s", type=float, default=560.0)
     parser.add_argument("--mps", action="store_true", help="run the lanes as clients of NVIDIA MPS")
     parser.add_argument("--serve-throughput-optimized", action="store_true",
                         help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's high-throughput settings)")
@@ -73,7 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stream-every-step", action="store_true",
                         help="every mode streams each engine step's tokens (stream_interval_ms 0, no bound on "
                              "messages a second), so that the p99 stall is the decode's, not a stream interval's")
-    args = sized_args(parser, SIZES, argv)  # and --device, the pair's --shape, --agreement, --pair-dir, --seed
+    args = sized_args(parser, SIZES, argv)
     args.modes = args.modes.split(",")
     return args
 
@@ -170,8 +169,7 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
             share_s = (deadline_s - time.monotonic()) / (len(args.modes) - i)
             name = f"{mode}-{args.part}"
             base, config = mode_config(mode, args, pair)
-            # Behind several ingress replicas the server's totals are one replica's: acceptance from the
-            # responses' own counters (`request_counters`).
+            # request_counters: behind several ingress replicas the server's totals are one replica's.
             run = run_app(name, config, port, loads_of(args, requests, capacity_rps), time.monotonic() + share_s,
                           deploy_timeout_s=preset["deploy_timeout_s"], request_timeout_s=preset["request_timeout_s"],
                           seed=args.seed, request_counters=True,
@@ -185,10 +183,8 @@ def measure(args: argparse.Namespace, argv: list[str], mps_env: dict[str, str]) 
                 capacity_rps = closed.summary.request_throughput_rps
                 context["capacity_rps"] = round(capacity_rps, 3)
                 log(f"capacity on mixed traffic ({mode}): {capacity_rps:.2f} requests/s")
-            write_document(args.out, name_of, {"context": context, "rows": rows, "apps": docs},
-                           markdown(rows, context))
-            if args.device == "cuda":
-                wait_for_device_memory(free_bytes)
+            write_document(args.out, name_of, {"context": context, "rows": rows, "apps": docs}, markdown(rows, context))
+            wait_for_device_memory(free_bytes)
     finally:
         memory = replica_log_lines(("budget", "CUDA graphs of", "Error", "error", "failed", "recomput", "MPS:"))
         (args.out / f"{name_of}_memory.txt").write_text(memory)

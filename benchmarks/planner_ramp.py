@@ -21,11 +21,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psutil
-import ray
 from ray import serve
 
 from benchmarks.lib.apps import beside
-from benchmarks.lib.cluster import deploy, git_commit, machine, start_cluster
+from benchmarks.lib.cluster import deploy, git_commit, machine, serving, start_cluster
 from benchmarks.lib.proc_cpu import cpu_s
 from benchmarks.lib.results import pyplot, rounded, rows_table, write_document
 from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
@@ -184,8 +183,7 @@ def arm_row(result: RunResult, trace: list[dict], load: dict, args) -> dict:
         "ttft_ms_p95": s.latency_ms["ttft_ms"].p95, "tpot_ms_p95": s.latency_ms["tpot_ms"].p95,
         "replica_seconds": round(sum(b["replicas"] * (b["t_s"] - a["t_s"]) for a, b in zip(trace, trace[1:])), 1),
         "max_replicas": max(p["replicas"] for p in trace), "final_replicas": trace[-1]["replicas"],
-        "windows_within": share_within(wins),
-        "settled_windows_within": share_within(settled),
+        "windows_within": share_within(wins), "settled_windows_within": share_within(settled),
         "mean_draft_len": round(statistics.mean(lengths), 2) if lengths else None,
         **load, "windows": wins, "trace": trace, "summary": s.to_dict(),
     }
@@ -298,14 +296,11 @@ def main(argv: list[str] | None = None) -> None:
         "app_configs": {name: every[name] for name in args.arms.split(",")}, "arms": {}, "errors": {},
     }
     workload = heldout_workload(args)
-    url = f"http://127.0.0.1:{start_cluster()}"
-    try:
+    with serving(start_cluster()) as port:
+        url = f"http://127.0.0.1:{port}"
         if args.ceiling:
             return ceiling(args, url, workload, report["command"])
         run_arms(args, url, workload, report)  # the report written after each arm
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     print(markdown(report))
 
 

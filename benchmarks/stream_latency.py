@@ -20,15 +20,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import ray
 from ray import serve
 from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is no installed package
 
-from benchmarks.lib.apps import PRESETS, app_args, engine_args  # noqa: E402
+from benchmarks.lib.apps import PRESETS, app_args, engine_args, sized_args  # noqa: E402
 from benchmarks.lib.cluster import (deploy, free_device_memory, git_commit, log, machine, serve_env,  # noqa: E402
-                                    start_cluster)
+                                    serving, start_cluster)
 from benchmarks.lib.loads import decode_stall_ms  # noqa: E402
 from benchmarks.lib.pairs import save_pair  # noqa: E402
 from benchmarks.lib.proc_cpu import CpuMeter, serve_processes  # noqa: E402
@@ -44,6 +43,9 @@ from loadtest.workload import WorkloadRequest  # noqa: E402
 DEFAULT_SETTINGS = "old:50:400,every_step:0:0"
 OPTIONS = RequestOptions(endpoint="completions", temperature=0.0, ignore_eos=True)
 COUNTERS = ("num_steps", "step_ms_total", "num_messages", "channel_messages", "num_coalesced")
+# By device; every key is also a flag (--requests: a count per --concurrency).
+SIZES = {"cuda": dict(concurrency=[1, 64, 256], requests=[16, 256, 512], prompt_len=128, output_len=128),
+         "cpu": dict(concurrency=[1, 8], requests=[4, 16], prompt_len=32, output_len=32)}
 
 
 def parse_settings(text: str) -> list[tuple[str, float, float | None, dict]]:
@@ -123,24 +125,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--agreement", type=float, default=0.8, help="cuda: the constructed pair's agreement")
     parser.add_argument("--modes", default="nospec,spec")
     parser.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS))
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    parser.add_argument("--concurrency", type=ints, default=None, help="default 1,64,256 on cuda, 1,8 on cpu")
-    parser.add_argument("--requests", type=ints, default=None, help="per concurrency; default 16,256,512 on cuda, "
-                        "4,16 on cpu")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 on cuda, 32 on cpu")
-    parser.add_argument("--output-len", type=int, default=None, help="default 128 on cuda, 32 on cpu")
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--serve-throughput-optimized", action="store_true",
                         help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC between replicas, user "
                         "code on the replica's event loop")
-    args = parser.parse_args(argv)
-    for key, gpu, cpu in (("concurrency", [1, 64, 256], [1, 8]), ("requests", [16, 256, 512], [4, 16]),
-                          ("prompt_len", 128, 32), ("output_len", 128, 32)):
-        if getattr(args, key) is None:
-            setattr(args, key, gpu if args.device == "cuda" else cpu)
+    args = sized_args(parser, SIZES, argv)  # and the dtype: PRESETS'
     assert len(args.requests) == len(args.concurrency), "one --requests count per --concurrency"
-    args.dtype, args.lane_num_cpus = PRESETS[args.device]["dtype"], PRESETS[args.device]["lane_num_cpus"]
+    args.lane_num_cpus = PRESETS[args.device]["lane_num_cpus"]
     args.max_num_seqs = max(max(args.concurrency), 8)  # one deployment serves every concurrency
     args.modes = args.modes.split(",")
     return args
@@ -174,16 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         target, draft = pair.target, pair.draft
     engine = engine_args(args.prompt_len + args.output_len + 64, args.max_num_seqs, args.draft_len)
     vocab = AutoConfig.from_pretrained(target or DEFAULT_TARGET).get_text_config().vocab_size
-    top = max(args.concurrency)
-    warmup = random_requests(vocab, args.prompt_len, min(16, args.output_len), 2 * top, seed=1)
+    warmup = random_requests(vocab, args.prompt_len, min(16, args.output_len), 2 * max(args.concurrency), seed=1)
     doc = {"command": "python benchmarks/stream_latency.py " + " ".join(argv), "commit": git_commit(),
            "machine": machine(), "work": f"closed loops of {args.concurrency} in flight ({args.requests} requests), "
            f"prompts of {args.prompt_len} random tokens, {args.output_len} output tokens, greedy, ignore_eos, "
            f"L = {args.draft_len}, {args.dtype}, max_num_seqs {args.max_num_seqs}",
            "serve_throughput_optimized": args.serve_throughput_optimized, "rows": [], "errors": {}}
-    port = start_cluster({**({"TRITON_INTERPRET": "0"} if args.device == "cuda" else {}),
-                          **serve_env(args.serve_throughput_optimized)})
-    try:
+    env = {**({"TRITON_INTERPRET": "0"} if args.device == "cuda" else {}), **serve_env(args.serve_throughput_optimized)}
+    with serving(start_cluster(env)) as port:
         for mode in args.modes:
             for name, interval_ms, rate, overrides in args.settings:
                 label = f"{mode}-{name}"
@@ -204,9 +194,6 @@ def main(argv: list[str] | None = None) -> None:
                     doc["errors"][label] = repr(exc)
                     log(f"{label}: failed: {exc!r}")
                 write(doc, args.out, args.device)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     log("done")
 
 

@@ -2,8 +2,6 @@
 recorded, never raised, so the next app still runs; the run keeps to a deadline. Also the steps the one-GPU
 lane scripts share: their flags by device, the pair and the cluster, a deploy with its warm-up."""
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import json
@@ -18,9 +16,9 @@ import yaml
 from ray import serve
 
 from benchmarks.lib.timelines import lane_activity, timelines
-from benchmarks.lib.cluster import REPO, STARTED_S, deploy, device_memory_note, log, replica_log_tail, start_cluster
-from benchmarks.lib.loads import Load, estimate_s, in_flight_steps, request_spec_counters, warmup_requests
-from benchmarks.lib.pairs import PAIR_DIR, save_pair
+from benchmarks.lib.cluster import REPO, deploy, device_memory_note, log, replica_log_tail, start_cluster
+from benchmarks.lib.loads import Load, estimate_s, request_spec_counters, warmup_requests
+from benchmarks.lib.pairs import save_pair
 from benchmarks.lib.results import point_line
 from loadtest.arrivals import OpenLoop
 from loadtest.report import Point
@@ -41,16 +39,14 @@ PRESETS = {
 PDV_1GPU = yaml.safe_load((REPO / "configs" / "pdv-1gpu.yaml").read_text())["applications"][0]["args"]
 GPU_SHARES = {"nospec": {"decode_lane": 1.0}, "spec": {"decode_lane": 1.0},
               "unified": {"decode_lane": 1.0}, "pd": {"prefill_lane": 0.35, "decode_lane": 0.65},
-              "pdv": {lane: PDV_1GPU[lane]["num_gpus"]
-                      for lane in ("prefill_lane", "decode_lane", "verify_lane")}}
+              "pdv": {lane: PDV_1GPU[lane]["num_gpus"] for lane in ("prefill_lane", "decode_lane", "verify_lane")}}
 MAX_ONGOING = 512  # per deployment: above the most requests a run keeps in flight (Serve's default 256 is not)
 
 
-def engine_args(max_model_len: int, max_num_seqs: int, draft_len: int = 3,
-                gpu_memory_utilization: float = 0.9) -> dict:
+def engine_args(max_model_len: int, max_num_seqs: int, draft_len: int = 3) -> dict:
     """The benchmarks' engine: L = `draft_len` (3, the best single-stream L at agreement 0.8)."""
     return {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "num_speculative_tokens": draft_len,
-            "max_draft_len": max(draft_len, 8), "gpu_memory_utilization": gpu_memory_utilization}
+            "max_draft_len": max(draft_len, 8), "gpu_memory_utilization": 0.9}
 
 
 def app_args(mode: str, target: Path | None, draft: Path | None, *, dtype: str, engine: dict,
@@ -88,8 +84,6 @@ class AppRun:
     points: list[tuple[Load, Point]] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # load name -> why
     lanes: dict[str, dict] = field(default_factory=dict)  # load name -> the lanes' timelines read
-    # load name -> requests in flight after every submit and end, [(s on log's clock, count)]
-    in_flight: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     replica_logs: str | None = None  # the replicas' last lines, when the app failed
 
     def failed(self, error: str) -> None:
@@ -133,12 +127,11 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
             log(f"{run.name} {load.name}: skipped ({run.skipped[load.name]})")
             continue
         timeout_s = max(10.0, min(request_timeout_s, left_s + 10))
-        start_s, clock_s = time.time(), time.monotonic() - STARTED_S
+        start_s = time.time()
         url = f"http://127.0.0.1:{port}/{run.name}"
         result = asyncio.run(beside(run_load(url, load.requests, arrivals, options=load.options,
                                              timeout_s=timeout_s, seed=seed, progress=False),
                                     sampler(url, load) if sampler else None))
-        run.in_flight[load.name] = in_flight_steps(result.records, clock_s)
         if request_counters:
             result.spec_before = SpecDecodeCounters(0, 0, 0, [])
             result.spec_after = request_spec_counters(result.records)
@@ -198,24 +191,20 @@ def last_point(run: AppRun, load: Load) -> Point | None:
     return run.points[-1][1] if run.points and run.points[-1][0] is load else None
 
 
-# ---- steps the one-GPU lane scripts share (lane_faults, lane_soak, lanes_1gpu) --------------------------
+# ---- the sizes by device, and steps the one-GPU lane scripts share (lane_faults, lane_soak, lanes_1gpu) -------
 
-def sized_args(parser: argparse.ArgumentParser, sizes: dict[str, dict], argv: list[str]) -> argparse.Namespace:
-    """`argv` parsed with --device, the constructed pair's flags and a flag per key of `sizes` (default: the
-    --device's value); `args.sizes` holds the values in effect."""
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
-    parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
-    parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR, help="where the pair is saved (a finished save "
-                        "there is reused)")
-    parser.add_argument("--seed", type=int, default=0)
+def sized_args(parser: argparse.ArgumentParser, sizes: dict[str, dict], argv: list[str] | None) -> argparse.Namespace:
+    """`argv` parsed by `parser` (results.script_parser's, with --device) plus a flag per key of `sizes`, by default
+    the --device's value (a list: comma-separated ints); the values in effect are set on `args` and gathered in
+    `args.sizes`, and `args.dtype` is the device's (PRESETS)."""
     for key, value in sizes["cuda"].items():
-        parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
+        kind = (lambda text: [int(x) for x in text.split(",")]) if isinstance(value, list) else type(value)
+        parser.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
                             help=f"default {value} on cuda, {sizes['cpu'][key]} on cpu")
     args = parser.parse_args(argv)
     args.sizes = {key: sizes[args.device][key] if getattr(args, key) is None else getattr(args, key)
                   for key in sizes["cuda"]}
-    args.dtype = PRESETS[args.device]["dtype"]
+    vars(args).update(args.sizes, dtype=PRESETS[args.device]["dtype"])
     return args
 
 

@@ -1,14 +1,14 @@
 """A served benchmark's cluster: Ray with Serve's proxy, apps deployed and removed, what their replicas
 logged and left on the GPU, and where and how a run was measured."""
 
-from __future__ import annotations
-
+import contextlib
 import gc
 import os
 import platform
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -43,6 +43,16 @@ def start_cluster(env_vars: dict[str, str] | None = None) -> int:
         port = free.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
+
+
+@contextlib.contextmanager
+def serving(port: int) -> Iterator[int]:
+    """`port` (a started cluster's), with Serve and Ray shut down when the block ends, however it ends."""
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def serve_env(throughput_optimized: bool) -> dict[str, str]:
@@ -82,9 +92,8 @@ def deploy(name: str, app_args: dict, timeout_s: float) -> float:
 
 
 def _status_message(status) -> str:
-    parts = [f"{status.status}: {status.message}"]
-    parts += [f"{dep}: {d.status} {d.message}" for dep, d in status.deployments.items() if d.message]
-    return " | ".join(parts)
+    return " | ".join([f"{status.status}: {status.message}"]
+                      + [f"{dep}: {d.status} {d.message}" for dep, d in status.deployments.items() if d.message])
 
 
 def replica_logs() -> list[Path]:
@@ -128,23 +137,21 @@ def device_memory_note() -> str:
     return f"; GPU memory in use {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB"
 
 
-def wait_for_device_memory(free_bytes: int, timeout_s: float = 60) -> None:
-    """After an app is deleted, wait until its replicas' memory on the current GPU is back."""
+def wait_for_device_memory(free_bytes: int | None, timeout_s: float = 60) -> None:
+    """After an app is deleted, wait until its replicas' memory on the current GPU is back (None, 0: no GPU)."""
     deadline = time.monotonic() + timeout_s
-    while torch.cuda.mem_get_info()[0] < 0.95 * free_bytes and time.monotonic() < deadline:
+    while free_bytes and torch.cuda.mem_get_info()[0] < 0.95 * free_bytes and time.monotonic() < deadline:
         time.sleep(1)
 
 
 def machine() -> dict:
-    cpu_model = next((line.split(":", 1)[1].strip() for line in
-                      Path("/proc/cpuinfo").read_text().splitlines()
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), platform.processor())
     return {"cpu_model": cpu_model, "cpu_cores": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "ray": ray.__version__,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+            "torch": torch.__version__, "ray": ray.__version__, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def gpu_inventory() -> list[dict]:
@@ -157,30 +164,27 @@ def gpu_inventory() -> list[dict]:
 
 def topology() -> str | None:
     """`nvidia-smi topo -m`: how the GPUs are linked (NVLink or PCIe) decides what a KV copy costs."""
-    try:
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() or None
+        return done.stdout.strip() or None
+    return None
 
 
 def shm_gib() -> float | None:
     """Size of /dev/shm, where Ray's object store lives (copied KV passes through it)."""
-    try:
+    with contextlib.suppress(OSError):
         stat = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
+        return round(stat.f_blocks * stat.f_frsize / 2**30, 1)
+    return None
 
 
 def git_commit() -> str:
     """HEAD, "-dirty" with uncommitted changes; "unknown" without git (the GPU machine gets a copy of the tree)."""
-    try:
+    with contextlib.suppress(OSError):
         done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=REPO,
                               capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return done.stdout.strip() or "unknown"
+        return done.stdout.strip() or "unknown"
+    return "unknown"
 
 
 def load_average() -> list[float]:

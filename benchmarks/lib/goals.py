@@ -2,8 +2,6 @@
 between calls mixes two machines' states). Where unified ran more than once in a call, a p99 goal must
 hold against each of its points, so a reference that drifted shows as a split verdict."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from statistics import mean
 

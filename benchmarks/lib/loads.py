@@ -1,8 +1,6 @@
 """What a served benchmark sends and how long it should take: loads, the warm-up burst, mixed traffic,
 and what a load's records say beyond the load tester's summary (decode stall, acceptance, in flight)."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +103,5 @@ def in_flight_steps(records: list[RequestRecord], origin_s: float) -> list[tuple
 
 def decode_stall_ms(point: Point, quantile: float = 99) -> float | None:
     """p`quantile` over completed short requests of each one's longest gap between two stream chunks."""
-    gaps = [max(r.itl_ms) for r in point.result.records
-            if r.kind == "normal" and r.status == "completed" and r.itl_ms]
+    gaps = [max(r.itl_ms) for r in point.result.records if r.kind == "normal" and r.status == "completed" and r.itl_ms]
     return float(np.percentile(gaps, quantile)) if gaps else None

@@ -6,8 +6,6 @@ started (the card's settings stay as found), and told to quit when the run ends.
         start_model_cluster(env)                 # replicas inherit the pipe directory
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import shutil
@@ -65,10 +63,8 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        try:  # quit waits for its clients: Ray's replicas may still be exiting after ray.shutdown()
-            _control("quit", env, timeout_s=60.0)
-        except subprocess.TimeoutExpired:  # the results are written; the daemon then goes with the machine
-            pass
+        with contextlib.suppress(subprocess.TimeoutExpired):  # past it, the daemon goes with the machine
+            _control("quit", env, timeout_s=60.0)  # waits for its clients: Ray's replicas may still be exiting
 
 
 def _start(env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -77,11 +73,9 @@ def _start(env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def _quit_stale(env: dict[str, str]) -> None:
     """Ask a daemon still running on these pipes to quit."""
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired, OSError):
         _control("get_server_list", env, timeout_s=5.0)
         _control("quit", env, timeout_s=60.0)
-    except (subprocess.TimeoutExpired, OSError):
-        pass
 
 
 def control_log_tail(directory: Path, lines: int = 20) -> str:

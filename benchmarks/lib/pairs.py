@@ -1,8 +1,6 @@
 """The constructed model pair on disk (docs/constructed_pair.md): built once, saved as two HF model
 directories with a word-level tokenizer, reused by every later run, checked as the replicas load it."""
 
-from __future__ import annotations
-
 import json
 import time
 from dataclasses import dataclass
@@ -64,8 +62,7 @@ def save_pair(shape: str, agreement: float, pair_dir: Path, *, dtype: str, devic
 
 
 @torch.inference_mode()
-def check_reloaded(target_dir: Path, draft_dir: Path, agreement: float, seed: int, dtype: str,
-                   device: str) -> dict:
+def check_reloaded(target_dir: Path, draft_dir: Path, agreement: float, seed: int, dtype: str, device: str) -> dict:
     """Load both directories as the replicas do and check the map survived: map fidelity, an
     untied LM head, and the greedy agreement on random contexts against the designed share."""
     start = time.perf_counter()
@@ -90,8 +87,7 @@ def check_stored_head(model_dir: Path) -> dict:
     for shard in model_dir.glob("*.safetensors"):
         with safe_open(str(shard), "pt") as tensors:
             stored.update(tensors.keys())
-    check = {"tie_word_embeddings": config.get("tie_word_embeddings"),
-             "lm_head_stored": "lm_head.weight" in stored,
+    check = {"tie_word_embeddings": config.get("tie_word_embeddings"), "lm_head_stored": "lm_head.weight" in stored,
              "embeddings_stored": "model.embed_tokens.weight" in stored}
     check["ok"] = check["tie_word_embeddings"] is False and check["lm_head_stored"] and check["embeddings_stored"]
     return check

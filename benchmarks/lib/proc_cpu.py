@@ -1,8 +1,6 @@
 """The cores each serving process uses over a load point, read from /proc through scripts/proc_cpu.py:
 which hop of a stream is busy (one near 1.0 core is an event loop or a GIL that bounds the point)."""
 
-from __future__ import annotations
-
 import os
 import time
 

@@ -1,8 +1,6 @@
 """A benchmark's results: a row per point (every submitted request counted), Markdown tables, goals,
 goodput under latency bounds, bar plots (matplotlib only if installed), files rewritten after every point."""
 
-from __future__ import annotations
-
 import argparse
 import json
 import math
@@ -22,17 +20,15 @@ def request_rows(point: Point) -> list[dict]:
 
 
 def point_document(load: Load, point: Point) -> dict:
-    return {"mode": point.label, "load": load.name, "measured": load.measured,
-            "arrivals": point.result.arrivals.label, "summary": point.summary.to_dict(),
-            "requests": request_rows(point)}
+    return {"mode": point.label, "load": load.name, "measured": load.measured, "arrivals": point.result.arrivals.label,
+            "summary": point.summary.to_dict(), "requests": request_rows(point)}
 
 
 def row(point: Point, **labels: str) -> dict:
     """One line of a results table: `labels` (e.g. mode and load), then the counts (every submitted request
     completed, failed or timed out), throughput, latencies, the decode stall and acceptance."""
     s = point.summary
-    lat = s.latency_ms
-    spec = s.spec_decode
+    lat, spec = s.latency_ms, s.spec_decode
     return {**labels, "arrivals": point.result.arrivals.label,
             "submitted": s.submitted, "completed": s.completed, "failed": s.failed, "timed_out": s.timed_out,
             "rps": _round(s.request_throughput_rps, 2), "tok_s": round(s.output_token_throughput_tps, 1),
@@ -101,14 +97,20 @@ def goodput(points: list[dict], tpot_ms: float, ttft_ms: float = TTFT_SLO_MS) ->
     return max(meeting, key=lambda p: p["summary"]["request_throughput_rps"], default=None)
 
 
-def script_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
-    """The flags the GPU evidence scripts share: device, output directory, time budget, saved pairs."""
+def script_parser(doc: str, budget_s: float | None, *, out: bool = True, pair: bool = False) -> argparse.ArgumentParser:
+    """The flags the GPU scripts share: device and saved pairs; with `out`, the output directory and the time
+    budget; with `pair`, the constructed pair's shape, agreement and seed."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget-s", type=float, default=budget_s, help="the whole run, deploys included")
     parser.add_argument("--pair-dir", type=Path, default=PAIR_DIR,
                         help="saved constructed pairs (benchmarks/lib/pairs.py save_pair); a finished save is reused")
+    if out:
+        parser.add_argument("--out", type=Path, required=True)
+        parser.add_argument("--budget-s", type=float, default=budget_s, help="the whole run, deploys included")
+    if pair:
+        parser.add_argument("--shape", choices=("tinyllama-7b", "small"), default="tinyllama-7b")
+        parser.add_argument("--agreement", type=float, default=0.8, help="the constructed pair's designed agreement")
+        parser.add_argument("--seed", type=int, default=0)
     return parser
 
 

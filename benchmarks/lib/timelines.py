@@ -1,12 +1,11 @@
 """Lane timelines (deployments/telemetry/timeline.py) fetched from a served app and read: how busy each lane
 was, whether verify overlapped drafting, and where pd / pdv requests waited before decoding."""
 
-from __future__ import annotations
-
 import statistics
 
 from ray import serve
 
+from benchmarks.lib.results import rows_table
 from deployments.telemetry.timeline import REPORT_PAGE_EVENTS, event_rows
 from loadtest.summary import LatencyStats
 
@@ -215,17 +214,15 @@ def prefill_path_table(rows: list[tuple[str, str, dict]]) -> list[str]:
             return "n/a"
         return " / ".join("n/a" if stats[k] is None else f"{stats[k]:g}" for k in ("p50", "p95"))
 
-    lines = ["## Before decoding: the prefill path", "",
-             "| run | load | requests | arrived → submitted p50 / p95 ms | submitted → decoding p50 / p95 ms | "
-             "sent → received p50 / p95 ms | received → batch began p50 / p95 ms | reply → decoding p50 / p95 ms | "
-             "prefill forwards | rows per forward | forward p50 / p95 ms | hand-over p50 / p95 ms | prefill busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for run, load, path in rows:
-        lines.append(f"| {run} | {load} | {path['requests']} | {pair(path['admit_ms'])} | {pair(path['wait_ms'])} | "
-                     f"{pair(path.get('transit_ms'))} | {pair(path.get('queue_ms'))} | {pair(path['pickup_ms'])} | "
-                     f"{path['forwards']} | {path['rows_per_forward']} | {pair(path['forward_ms'])} | "
-                     f"{pair(path['handover_ms'])} | {path['forward_busy_share']} |")
-    return lines + ["", "arrived → submitted: at its decode replica until sent to the prefill lane; submitted → "
-                    "decoding: until in its decode replica's batch; sent → received: transit to the prefill replica; "
-                    "received → batch began: its wait for a forward; hand-over: the forward's end until the reply "
-                    "is ready (KV writes, RPCs); reply → decoding: the decode engine taking it in.", ""]
+    waits = {"arrived → submitted": "admit_ms", "submitted → decoding": "wait_ms", "sent → received": "transit_ms",
+             "received → batch began": "queue_ms", "reply → decoding": "pickup_ms"}
+    table = [{"run": run, "load": load, "requests": path["requests"],
+              **{f"{span} p50 / p95 ms": pair(path.get(key)) for span, key in waits.items()},
+              "prefill forwards": path["forwards"], "rows per forward": str(path["rows_per_forward"]),
+              "forward p50 / p95 ms": pair(path["forward_ms"]), "hand-over p50 / p95 ms": pair(path["handover_ms"]),
+              "prefill busy": path["forward_busy_share"]} for run, load, path in rows]
+    return ["## Before decoding: the prefill path", "", rows_table(table),
+            "arrived → submitted: at its decode replica until sent to the prefill lane; submitted → "
+            "decoding: until in its decode replica's batch; sent → received: transit to the prefill replica; "
+            "received → batch began: its wait for a forward; hand-over: the forward's end until the reply "
+            "is ready (KV writes, RPCs); reply → decoding: the decode engine taking it in.", ""]
