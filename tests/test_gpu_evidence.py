@@ -14,8 +14,6 @@ from benchmarks.gpu_evidence import (app_config, controller_checks, controller_l
                                      shared_prefix_requests)
 from benchmarks.lib.apps import beside
 from benchmarks.lib.results import ratio, verdict
-from benchmarks.lib.loads import in_flight_steps
-from loadtest.records import RequestRecord
 
 
 def test_shared_prefix_requests_share_exactly_the_prefix():
@@ -24,16 +22,6 @@ def test_shared_prefix_requests_share_exactly_the_prefix():
     assert all(len(p) == 24 for p in prompts)
     assert prompts[0][:20] == prompts[1][:20] == prompts[2][:20]
     assert len({tuple(p[20:]) for p in prompts}) == 3
-
-
-def _record(start_s: float, end_s: float) -> RequestRecord:
-    return RequestRecord(0, "normal", 1, 1, "completed", start_s, end_s)
-
-
-def test_in_flight_steps_follow_submits_and_ends():
-    steps = in_flight_steps([_record(0.0, 2.0), _record(1.0, 3.0)], origin_s=10.0)
-    assert [count for _, count in steps] == [1, 2, 1, 0]
-    assert steps[0][0] == 10.0 and steps[-1][0] == 13.0
 
 
 def _report(rows: list[tuple[str, str, float, float | None]]) -> SimpleNamespace:

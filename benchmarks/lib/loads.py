@@ -91,16 +91,6 @@ def request_spec_counters(records: list[RequestRecord]) -> SpecDecodeCounters:
                               sum(r.num_accepted_tokens for r in done), [])
 
 
-def in_flight_steps(records: list[RequestRecord], origin_s: float) -> list[tuple[float, int]]:
-    """Requests in flight after every submit and end, [(s, count)], on a clock where the load began at `origin_s`."""
-    events = sorted([(r.start_s, 1) for r in records] + [(r.end_s, -1) for r in records])
-    count, steps = 0, []
-    for t, delta in events:
-        count += delta
-        steps.append((round(origin_s + t, 3), count))
-    return steps
-
-
 def decode_stall_ms(point: Point, quantile: float = 99) -> float | None:
     """p`quantile` over completed short requests of each one's longest gap between two stream chunks."""
     gaps = [max(r.itl_ms) for r in point.result.records if r.kind == "normal" and r.status == "completed" and r.itl_ms]
