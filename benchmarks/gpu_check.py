@@ -154,12 +154,16 @@ def verify_step(lane: VerifyLane, batch: int, drafts: int, context: int = CONTEX
     return step, slots
 
 
-def decode_forward_ms(runner, batch: int, context: int = CONTEXT) -> float:
-    """One decode forward (1 new token a row) over `batch` rows of `context` tokens of random KV."""
+def decode_step(runner, batch: int, context: int = CONTEXT) -> tuple[Step, list[int]]:
+    """One decode forward (1 new token a row) over `batch` rows of `context` tokens of random KV, and its slots."""
     slots = fill_pool(runner, batch, context)
     runner.pool.reserve(slots, [context + 1] * batch)  # the new token's block
     ids = torch.randint(0, runner.vocab_size, (batch, 1), device=runner.pool.kv.device)
-    return timed_ms(runner.pool, lambda: runner.forward(runner.rows(slots, [context] * batch), ids), slots)
+    return lambda: runner.forward(runner.rows(slots, [context] * batch), ids), slots
+
+
+def decode_forward_ms(runner, batch: int, context: int = CONTEXT) -> float:
+    return timed_ms(runner.pool, *decode_step(runner, batch, context))
 
 
 def draft_step(runner, batch: int, draft_len: int, temperature: float = 0.0) -> tuple[Step, list[int]]:
@@ -288,19 +292,21 @@ def profile_fn(fn, steps: int = 5) -> dict:
             fn()
         sync()
     by_kind: dict[str, float] = {}
-    kernels = 0
+    by_name: list[tuple[str, float, float]] = []  # (kernel, per step: launches, ms)
     for evt in prof.key_averages():
         device_us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
         if device_us <= 0:
             continue
-        kernels += evt.count
+        by_name.append((evt.key[:90], evt.count / steps, round(device_us / steps / 1e3, 4)))
         kind = next((kind for kind, keys in KINDS if any(k in evt.key for k in keys)), "other")
         by_kind[kind] = by_kind.get(kind, 0.0) + device_us / steps / 1e3
     ranges = [e.time_range for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     span_ms = (max(r.end for r in ranges) - min(r.start for r in ranges)) / steps / 1e3 if ranges else None
     return {"gpu_busy_ms_per_step": round(sum(by_kind.values()), 3),
-            "gpu_span_ms_per_step": round(span_ms, 3) if span_ms else None, "kernels_per_step": kernels // steps,
-            "by_kind_ms": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
+            "gpu_span_ms_per_step": round(span_ms, 3) if span_ms else None,
+            "kernels_per_step": int(sum(count for _, count, _ in by_name)),
+            "by_kind_ms": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "by_kernel": [dict(kernel=k, launches=n, ms=ms) for k, n, ms in sorted(by_name, key=lambda r: -r[2])]}
 
 
 def bandwidth_shares(step_profile: dict, model, batch: int, forwards: int) -> dict:
@@ -316,14 +322,22 @@ def bandwidth_shares(step_profile: dict, model, batch: int, forwards: int) -> di
 
 
 def profile_steps() -> dict:
-    """The 7B verify at batch 64 with 4 greedy drafts, and the TinyLlama draft at batch 1, L = 4, profiled."""
+    """Profiled: the 7B verify at batch 64 and 1 with 4 greedy drafts, the 7B decode forward at batch 1, and the
+    TinyLlama draft at batch 1, L = 4 (GPU time by kernel kind and by kernel)."""
     config = step_config(CONTEXT + 8, 64)
-    target, draft = shaped_models()["target"], shaped_models()["draft"]
-    verify, _ = verify_step(VerifyLane(build_runner(target, config)), 64, 4, draft_probs=False)
-    drafting, _ = draft_step(build_runner(draft, config), 1, 4)
-    result = {"device": torch.cuda.get_device_name(),
-              "verify_7b_b64_l4": bandwidth_shares(profile_fn(verify), target, 64, 1),
-              "draft_tinyllama_b1_l4": bandwidth_shares(profile_fn(drafting), draft, 1, 4)}
+    models = shaped_models()
+    lane, drafter = VerifyLane(build_runner(models["target"], config)), build_runner(models["draft"], config)
+    steps = {"verify_7b_b64_l4": ("target", 64, 1, lambda: verify_step(lane, 64, 4, draft_probs=False)),
+             "verify_7b_b1_l4": ("target", 1, 1, lambda: verify_step(lane, 1, 4, draft_probs=False)),
+             "decode_7b_b1": ("target", 1, 1, lambda: decode_step(lane.runner, 1)),
+             "draft_tinyllama_b1_l4": ("draft", 1, 4, lambda: draft_step(drafter, 1, 4))}
+    result = {"device": torch.cuda.get_device_name()}
+    for name, (role, batch, forwards, make) in steps.items():
+        step, slots = make()
+        result[name] = bandwidth_shares(profile_fn(step), models[role], batch, forwards)
+        pool = lane.pool if role == "target" else drafter.pool
+        for slot in slots:
+            pool.free(slot)
     print(result, flush=True)
     return result
 
