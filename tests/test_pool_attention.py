@@ -80,6 +80,26 @@ def test_rows_from_position_0_attend_causally_without_a_mask(heads, kv_heads):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_merge_over_more_splits_than_it_takes_at_once():
+    """40 splits of 16 keys: the merge takes them 16 at a time, and a later step's splits hold larger
+    scores than the earlier ones', so what was merged is rescaled; some splits are empty."""
+    from lanes.model.triton_attention import merge_step
+
+    gen = torch.Generator().manual_seed(3)
+    slots, capacity, dim, splits = 3, 640, 16, 40
+    assert splits > 2 * merge_step(splits)
+    k_dense = torch.randn(slots, 2, capacity, dim, generator=gen)
+    k_dense[:, :, 400:] *= 4  # the largest scores sit in later splits
+    v_dense = torch.randn(slots, 2, capacity, dim, generator=gen)
+    slot_ids, kv_lens = torch.tensor([1, 2]), torch.tensor([600, 90], dtype=torch.int32)
+    query = torch.randn(2, 4, 2, dim, generator=gen)
+    ref = dense_attention(query, k_dense, v_dense, slot_ids, kv_lens, dim**-0.5)
+    k_blocks, table = paginate(k_dense, 16, seed=2)
+    v_blocks, _ = paginate(v_dense, 16, seed=2)
+    out = pool_attention(query, k_blocks, v_blocks, table, slot_ids, kv_lens, dim**-0.5, splits, block_n=16)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_split_count_fills_the_gpu_and_never_exceeds_the_key_blocks():
     assert split_count(capacity_tokens=2048, batch=1, kv_heads=32, num_sms=132) == 9
     assert split_count(capacity_tokens=2048, batch=64, kv_heads=32, num_sms=132) == 1
