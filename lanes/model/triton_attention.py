@@ -27,16 +27,12 @@ import triton.language as tl
 
 BLOCK_N = 64  # keys per inner step
 MAX_ROWS = 128  # Q * (query heads per kv head) handled by one program
-# Splits the merge takes at once: 4 where there are at most 4 (batches of a few dozen rows), else 16. Two
-# values, not the split count rounded up: that follows the batch, and each new value would compile the
-# merge again mid-serving (see above).
-SPLIT_STEPS = (4, 16)
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr,
-    stride_qb, stride_qh, stride_qq, stride_ob, stride_oq, stride_oh,
+    q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr,
+    stride_qb, stride_qh, stride_qq,
     stride_kb, stride_kh, stride_kn, stride_table,
     scale, Q, window, softcap,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -96,15 +92,10 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    if splits == 1:  # the whole row in one program (large batches): its output, and no merge kernel
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        base = ((b * tl.num_programs(1) + kv_head) * splits + split) * BLOCK_M
-        tl.store(max_ptr + base + rows, m_i)
-        tl.store(sum_ptr + base + rows, l_i)
-        tl.store(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
+    base = ((b * tl.num_programs(1) + kv_head) * splits + split) * BLOCK_M
+    tl.store(max_ptr + base + rows, m_i)
+    tl.store(sum_ptr + base + rows, l_i)
+    tl.store(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
 
 
 @triton.jit
@@ -130,44 +121,31 @@ def tanh(x):
 @triton.jit
 def _merge_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr,
-    stride_ob, stride_oq, stride_oh, splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_STEP: tl.constexpr,
+    stride_ob, stride_oq, stride_oh, Q, splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Where the keys were split (splits > 1; one split stores its output itself). One program per (row,
-    kv head, query row of the group): the row's splits merged SPLIT_STEP at a time, each step's maxima,
-    sums and partial outputs loaded at once. A program per (row, kv head) walking the splits one by one,
-    twice, over all BLOCK_M rows (most of them padding at Q = 1) was a chain of dependent loads: 5-6 us a
-    layer at batch 1 on an H100, longer than the split kernel itself (benchmarks/results/kernels_h100/)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    row = tl.program_id(2)  # m = (query index m // GROUP, head kv_head * GROUP + m % GROUP), m < Q * GROUP
+    rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    first = (b * tl.num_programs(1) + kv_head) * splits * BLOCK_M + row  # this row's entry in split 0
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, splits, SPLIT_STEP):
-        split = s0 + tl.arange(0, SPLIT_STEP)
-        ok = split < splits
-        at = first + split * BLOCK_M
-        m_split = tl.load(max_ptr + at, mask=ok, other=float("-inf"))  # [SPLIT_STEP]
-        m_new = tl.maximum(m_run, tl.max(m_split, axis=0))
-        # Splits that saw no visible key keep m = -inf (weight 0); shift by 0 to avoid inf - inf.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp(m_split - shift)  # [SPLIT_STEP]
-        alpha = tl.exp(m_run - shift)  # [1]: what the splits merged so far are worth now
-        total = total * alpha + tl.sum(w * tl.load(sum_ptr + at, mask=ok, other=0.0), axis=0)
-        part = tl.load(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
-        m_run = m_new
-    out = acc / total
-    q_idx = row // GROUP
-    head = kv_head * GROUP + row % GROUP
-    tl.store(out_ptr + b * stride_ob + q_idx * stride_oq + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-
-def merge_step(splits: int) -> int:
-    return SPLIT_STEPS[0] if splits <= SPLIT_STEPS[0] else SPLIT_STEPS[1]
+    first = (b * tl.num_programs(1) + kv_head) * splits * BLOCK_M
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(splits):
+        m_all = tl.maximum(m_all, tl.load(max_ptr + first + s * BLOCK_M + rows))
+    shift = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s in range(splits):
+        base = first + s * BLOCK_M
+        w = tl.exp(tl.load(max_ptr + base + rows) - shift)
+        total += w * tl.load(sum_ptr + base + rows)
+        acc += w[:, None] * tl.load(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :])
+    out = acc / total[:, None]
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    ok = rows < Q * GROUP
+    tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def head_dim_supported(head_dim: int) -> bool:
@@ -205,8 +183,8 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     row_sum = torch.empty(work, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
     _split_kernel[(batch, kv_heads, splits)](
-        query, k_pool, v_pool, block_table, slot_ids, kv_lens, acc, row_max, row_sum, out,
-        query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        query, k_pool, v_pool, block_table, slot_ids, kv_lens, acc, row_max, row_sum,
+        query.stride(0), query.stride(1), query.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         scale, q_len, window if window is not None else capacity + q_len, softcap or 1.0,
         PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -214,9 +192,8 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
-        _merge_kernel[(batch, kv_heads, q_len * group)](
-            acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), splits,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, SPLIT_STEP=merge_step(splits),
-        )
+    _merge_kernel[(batch, kv_heads)](
+        acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len, splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+    )
     return out
