@@ -325,19 +325,18 @@ def profile_steps() -> dict:
     """Profiled: the 7B verify at batch 64 and 1 with 4 greedy drafts, the 7B decode forward at batch 1, and the
     TinyLlama draft at batch 1, L = 4 (GPU time by kernel kind and by kernel)."""
     config = step_config(CONTEXT + 8, 64)
-    models = shaped_models()
-    lane, drafter = VerifyLane(build_runner(models["target"], config)), build_runner(models["draft"], config)
-    steps = {"verify_7b_b64_l4": ("target", 64, 1, lambda: verify_step(lane, 64, 4, draft_probs=False)),
-             "verify_7b_b1_l4": ("target", 1, 1, lambda: verify_step(lane, 1, 4, draft_probs=False)),
-             "decode_7b_b1": ("target", 1, 1, lambda: decode_step(lane.runner, 1)),
-             "draft_tinyllama_b1_l4": ("draft", 1, 4, lambda: draft_step(drafter, 1, 4))}
+    target, draft = shaped_models()["target"], shaped_models()["draft"]
+    lane, drafter = VerifyLane(build_runner(target, config)), build_runner(draft, config)
+    steps = {"verify_7b_b64_l4": (target, lane.runner, 64, 1, lambda: verify_step(lane, 64, 4, draft_probs=False)),
+             "verify_7b_b1_l4": (target, lane.runner, 1, 1, lambda: verify_step(lane, 1, 4, draft_probs=False)),
+             "decode_7b_b1": (target, lane.runner, 1, 1, lambda: decode_step(lane.runner, 1)),
+             "draft_tinyllama_b1_l4": (draft, drafter, 1, 4, lambda: draft_step(drafter, 1, 4))}
     result = {"device": torch.cuda.get_device_name()}
-    for name, (role, batch, forwards, make) in steps.items():
+    for name, (model, runner, batch, forwards, make) in steps.items():
         step, slots = make()
-        result[name] = bandwidth_shares(profile_fn(step), models[role], batch, forwards)
-        pool = lane.pool if role == "target" else drafter.pool
-        for slot in slots:
-            pool.free(slot)
+        result[name] = bandwidth_shares(profile_fn(step), model, batch, forwards)
+        for slot in slots:  # back to the pool for the next step's rows
+            runner.pool.free(slot)
     print(result, flush=True)
     return result
 

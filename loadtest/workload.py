@@ -147,8 +147,10 @@ def mix_long_prompts(requests: list[WorkloadRequest], share: float, long_prompt_
     """Replace round(share * n) seeded-chosen prompts by `long_prompt_len`-token ones."""
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"long-prompt share must be in [0, 1], got {share}")
-    rng = np.random.default_rng(seed)
     num_long = round(share * len(requests))
+    if num_long == 0:  # nothing to replace: skip the vocabulary scan below
+        return list(requests)
+    rng = np.random.default_rng(seed)
     chosen = set(rng.choice(len(requests), size=num_long, replace=False).tolist())
     usable_ids = usable_token_ids(tokenizer)
     return [replace(_random_prompt_request(tokenizer, usable_ids, long_prompt_len, r.output_len,
