@@ -295,7 +295,8 @@ def profile_fn(fn, steps: int = 5) -> dict:
     by_name: list[tuple[str, float, float]] = []  # (kernel, per step: launches, ms)
     for evt in prof.key_averages():
         device_us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
-        if device_us <= 0:
+        # Kernels only: an eager aten op (aten::argmax) also carries its kernel's time and would count it twice.
+        if device_us <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         by_name.append((evt.key[:90], evt.count / steps, round(device_us / steps / 1e3, 4)))
         kind = next((kind for kind, keys in KINDS if any(k in evt.key for k in keys)), "other")
@@ -341,12 +342,42 @@ def profile_steps() -> dict:
     return result
 
 
+def attention_table() -> list[dict]:
+    """The pool attention alone (split + merge kernels, CUDA-graph timed) at context 512, over the engine's blocks
+    of 16, for the draft's and the 7B's heads: capacity 576 as the step tables build it, 2,048 as configs/ serve."""
+    from triton.testing import do_bench_cudagraph
+
+    from lanes.model.triton_attention import pool_attention, split_count
+    sms, rows = torch.cuda.get_device_properties(0).multi_processor_count, []
+    for name, shape in (("tinyllama", TINYLLAMA), ("llama2_7b", LLAMA2_7B)):
+        heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+        dim = shape["hidden_size"] // heads
+        for capacity, batch, q_len in ((c, b, q) for c in (576, 2048) for b in (1, 4, 16, 64) for q in (1, 5)):
+            blocks = batch * capacity // 16
+            k_pool = torch.randn(blocks, kv_heads, 16, dim, dtype=torch.bfloat16, device="cuda")
+            v_pool = torch.randn_like(k_pool)
+            table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, capacity // 16)
+            slots = torch.arange(batch, device="cuda")
+            lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device="cuda")
+            query = torch.randn(batch, heads, q_len, dim, dtype=torch.bfloat16, device="cuda")
+            splits = split_count(capacity, batch, kv_heads, sms)
+            torch.cuda.synchronize()  # the bench runs on a stream of its own, which would not wait for the inputs
+            us = 1e3 * do_bench_cudagraph(lambda: pool_attention(query, k_pool, v_pool, table, slots, lens,
+                                                                 dim ** -0.5, splits), rep=20)
+            kv = 2 * batch * kv_heads * (CONTEXT + q_len) * dim * 2
+            rows.append(dict(model=name, capacity=capacity, batch=batch, q=q_len, splits=splits, us=round(us, 2),
+                             kv_gbs=round(kv / us / 1e3, 1)))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu")
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--floor", action="store_true", help="the steps against their floor alone (see above)")
     parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind: profile_steps.json")
+    parser.add_argument("--attention", action="store_true", help="the pool attention alone: attention.json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,6 +391,8 @@ def main() -> None:
         result.setdefault("copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))
         result["floor"] = floor_table(result["copy_bandwidth_gbs"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    if args.attention:
+        (out / "attention.json").write_text(json.dumps(attention_table(), indent=2))
     if args.profile:
         torch.cuda.empty_cache()
         (out / "profile_steps.json").write_text(json.dumps(profile_steps(), indent=2))
