@@ -275,7 +275,7 @@ def floor_table(bandwidth: float) -> dict:
 
 # ---- where a step's GPU time goes ---------------------------------------------------------------
 
-KINDS = (("attention (pool kernel)", ("_split_kernel", "_merge_kernel")),
+KINDS = (("attention (pool kernel)", ("_split_kernel", "_merge_")),
          ("GEMM", ("gemm", "Gemm", "sm90", "cutlass", "nvjet")),
          ("fused norm / rotary+KV write / act-mul", ("_add_rms_norm_kernel", "_rope_store_kernel", "_act_mul_kernel")),
          ("KV write (index_put)", ("index_put", "indexing")),

@@ -80,11 +80,14 @@ def test_rows_from_position_0_attend_causally_without_a_mask(heads, kv_heads):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_forty_splits_some_empty_merge_to_dense_attention():
-    """40 splits of 16 keys, the largest scores in later splits, some splits empty: the merge weighs every
-    split by its own maximum."""
+def test_merge_over_more_splits_than_it_takes_at_once():
+    """40 splits of 16 keys: the merge takes them 16 at a time, and a later step's splits hold larger
+    scores than the earlier ones', so what was merged is rescaled; some splits are empty."""
+    from lanes.model.triton_attention import merge_step
+
     gen = torch.Generator().manual_seed(3)
     slots, capacity, dim, splits = 3, 640, 16, 40
+    assert splits > 2 * merge_step(splits)
     k_dense = torch.randn(slots, 2, capacity, dim, generator=gen)
     k_dense[:, :, 400:] *= 4  # the largest scores sit in later splits
     v_dense = torch.randn(slots, 2, capacity, dim, generator=gen)

@@ -40,15 +40,6 @@ class PoolAttentionMeta:
     block_table: torch.Tensor  # [slots + 1, blocks_per_slot] int32: the pool's, on the device
     # Gather-path masks of sliding-window layers, built by the first such layer and shared by the rest.
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    # The kernel's counts of finished key splits, a zeroed row per layer (split_counters), taken in call order.
-    split_counters: torch.Tensor | None = None
-    calls: int = 0
-
-    def next_counters(self) -> torch.Tensor | None:
-        if self.split_counters is None:
-            return None
-        self.calls += 1
-        return self.split_counters[self.calls - 1]
 
 
 # Attention-call arguments that change the result and that the pool paths do not implement:
@@ -84,7 +75,7 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta
         from lanes.model.triton_attention import pool_attention
 
         return pool_attention(query, k_pool, v_pool, meta.block_table, meta.slot_ids, meta.kv_lens, scale,
-                              meta.splits, window, softcap, counters=meta.next_counters())
+                              meta.splits, window, softcap)
     return _gathered_attention(query, k_pool, v_pool, meta, scale, window, softcap)
 
 

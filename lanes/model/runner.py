@@ -202,16 +202,14 @@ class ModelRunner:
                 and head_dim_supported(self.pool.shape.head_dim))
 
     def _meta(self, slot_ids, starts, positions, longest: int | None) -> PoolAttentionMeta:
-        from lanes.model.triton_attention import split_count, split_counters
+        from lanes.model.triton_attention import split_count
 
         batch, q_len = positions.shape
         # The pool's device table: a CUDA graph reads it at its fixed address, updated in place between replays.
         table = self.pool.block_table_device
         if self._kernel_fits(q_len):
             splits = split_count(self.pool.shape.capacity_tokens, batch, self.num_kv_heads, self._num_sms)
-            counters = (split_counters(self.pool.shape.num_layers, batch, self.num_kv_heads, self.device)
-                        if splits > 1 else None)
-            return PoolAttentionMeta(slot_ids, starts, None, None, splits, True, table, split_counters=counters)
+            return PoolAttentionMeta(slot_ids, starts, None, None, splits, True, table)
         if longest == q_len:  # every row starts at position 0: causal attention over its own tokens, no mask
             return PoolAttentionMeta(slot_ids, starts, q_len, None, 1, False, table)
         kv_bound = min(self.pool.shape.capacity_tokens, -(-longest // KV_BOUND_MULTIPLE) * KV_BOUND_MULTIPLE)

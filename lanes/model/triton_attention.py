@@ -35,12 +35,12 @@ SPLIT_STEPS = (4, 16)
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, kvlen_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr,
     stride_qb, stride_qh, stride_qq, stride_ob, stride_oq, stride_oh,
     stride_kb, stride_kh, stride_kn, stride_table,
     scale, Q, window, softcap,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, MERGE_STEP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,44 +101,10 @@ def _split_kernel(
         tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        pair = b * tl.num_programs(1) + kv_head
-        base = (pair * splits + split) * BLOCK_M
+        base = ((b * tl.num_programs(1) + kv_head) * splits + split) * BLOCK_M
         tl.store(max_ptr + base + rows, m_i)
         tl.store(sum_ptr + base + rows, l_i)
         tl.store(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
-        # The last of the pair's splits to finish merges them all (acq_rel: it sees the others' stores): no
-        # merge kernel.
-        if tl.atomic_add(count_ptr + pair, 1, sem="acq_rel") == splits - 1:
-            _merge_splits(acc_ptr, max_ptr, sum_ptr, out_ptr + b * stride_ob, pair * splits * BLOCK_M, splits,
-                          q_idx, head, row_ok, stride_oq, stride_oh, HEAD_DIM, BLOCK_M, MERGE_STEP)
-
-
-@triton.jit
-def _merge_splits(acc_ptr, max_ptr, sum_ptr, out_ptr, first, splits, q_idx, head, row_ok, stride_oq, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_STEP: tl.constexpr):
-    """Merges a (row, kv head)'s splits MERGE_STEP at a time, each step's loads issued at once."""
-    rows = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s0 in range(0, splits, MERGE_STEP):
-        split = s0 + tl.arange(0, MERGE_STEP)
-        ok = (split[:, None] < splits) & row_ok[None, :]  # [STEP, M]
-        at = first + split[:, None] * BLOCK_M + rows[None, :]
-        m_split = tl.load(max_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m_split, axis=0))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: avoid inf - inf
-        w = tl.exp(m_split - shift[None, :])  # [STEP, M]
-        alpha = tl.exp(m_run - shift)
-        total = total * alpha + tl.sum(w * tl.load(sum_ptr + at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-        part = tl.load(acc_ptr + at[:, :, None] * HEAD_DIM + dims[None, None, :], mask=ok[:, :, None], other=0.0,
-                       cache_modifier=".cg")
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
-        m_run = m_new
-    out = acc / total[:, None]
-    tl.store(out_ptr + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -162,16 +128,16 @@ def tanh(x):
 
 
 @triton.jit
-def _merge_kernel(
+def _merge_row_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr,
     stride_ob, stride_oq, stride_oh, splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_STEP: tl.constexpr,
 ):
-    """Where the keys were split (splits > 1; one split stores its output itself). One program per (row,
-    kv head, query row of the group): the row's splits merged SPLIT_STEP at a time, each step's maxima,
-    sums and partial outputs loaded at once. A program per (row, kv head) walking the splits one by one,
-    twice, over all BLOCK_M rows (most of them padding at Q = 1) was a chain of dependent loads: 5-6 us a
-    layer at batch 1 on an H100, longer than the split kernel itself (benchmarks/results/kernels_h100/)."""
+    """Where there are more than two splits (small batches). One program per (row, kv head, query row of the
+    group): the row's splits merged SPLIT_STEP at a time, each step's maxima, sums and partial outputs loaded
+    at once. _merge_pair_kernel, walking the splits one by one, twice, over all BLOCK_M rows (most of them
+    padding at Q = 1), was a chain of dependent loads: on an H100 the attention at batch 1 took 1.45x (the
+    7B) to 4.8x (the draft at configs/' 32 splits, Q = 5) as long (benchmarks/results/kernels_h100/merge/)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = tl.program_id(2)  # m = (query index m // GROUP, head kv_head * GROUP + m % GROUP), m < Q * GROUP
@@ -200,15 +166,42 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + q_idx * stride_oq + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _merge_pair_kernel(
+    acc_ptr, max_ptr, sum_ptr, out_ptr,
+    stride_ob, stride_oq, stride_oh, Q, splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Where there are two splits (batches that nearly fill the GPU): one program per (row, kv head) over all
+    its query rows. A program per query row was up to 1.24x slower here (the draft's 64 rows, Q = 5: 10,240
+    programs of two loads each)."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    first = (b * tl.num_programs(1) + kv_head) * splits * BLOCK_M
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(splits):
+        m_all = tl.maximum(m_all, tl.load(max_ptr + first + s * BLOCK_M + rows))
+    shift = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s in range(splits):
+        base = first + s * BLOCK_M
+        w = tl.exp(tl.load(max_ptr + base + rows) - shift)
+        total += w * tl.load(sum_ptr + base + rows)
+        acc += w[:, None] * tl.load(acc_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :])
+    out = acc / total[:, None]
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    ok = rows < Q * GROUP
+    tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
 def merge_step(splits: int) -> int:
+    """Splits _merge_row_kernel loads at once (SPLIT_STEPS)."""
     return SPLIT_STEPS[0] if splits <= SPLIT_STEPS[0] else SPLIT_STEPS[1]
-
-
-def split_counters(calls: int, batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """Zeroed counts of finished splits, [calls, batch * kv_heads] int32: one row per pool_attention call, so a
-    forward zeroes its layers' counts in one fill. Never shared between calls: lanes on other streams
-    attend at the same time."""
-    return torch.zeros(calls, batch * kv_heads, dtype=torch.int32, device=device)
 
 
 def head_dim_supported(head_dim: int) -> bool:
@@ -226,7 +219,7 @@ def split_count(capacity_tokens: int, batch: int, kv_heads: int, num_sms: int) -
 def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                    slot_ids: torch.Tensor, kv_lens: torch.Tensor, scale: float, splits: int,
                    window: int | None = None, softcap: float | None = None, num_warps: int = 4,
-                   num_stages: int = 2, block_n: int = BLOCK_N, counters: torch.Tensor | None = None) -> torch.Tensor:
+                   num_stages: int = 2, block_n: int = BLOCK_N) -> torch.Tensor:
     """query [B, H, Q, D]; pools [blocks, kv_heads, block_size, D]; block_table [slots, blocks_per_slot]
     int32; returns [B, Q, H, D]. `window`: keys each query sees, itself included (None: all before
     it); `softcap`: tanh cap on scores. num_warps / num_stages / block_n (keys a step): the split
@@ -247,13 +240,22 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
     _split_kernel[(batch, kv_heads, splits)](
         query, k_pool, v_pool, block_table, slot_ids, kv_lens, acc, row_max, row_sum, out,
-        split_counters(1, batch if splits > 1 else 0, kv_heads, query.device)[0] if counters is None else counters,
         query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         scale, q_len, window if window is not None else capacity + q_len, softcap or 1.0,
         PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
-        MERGE_STEP=max(1, min(16, 8192 // (block_m * head_dim))), num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if splits == 2:
+        _merge_pair_kernel[(batch, kv_heads)](
+            acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len, splits,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        )
+    elif splits > 2:  # one warp a program: it holds SPLIT_STEP x HEAD_DIM values (slower with four)
+        _merge_row_kernel[(batch, kv_heads, q_len * group)](
+            acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), splits,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, SPLIT_STEP=merge_step(splits), num_warps=1,
+        )
     return out
