@@ -16,7 +16,8 @@ max_model_len (a static loop over the slot's capacity cost the same at any lengt
 argument, not a compile-time one: prefill chunks come in every width up to MAX_ROWS / group, and a
 compile per width (~1 s each) stalled serving. The split count is a runtime value too (the grid's
 third axis): it follows the batch, and as a compile-time constant it compiled the kernel again for
-each new split count, such as an eager prefill chunk's new batch size. Eager chunks of new shapes
+each new split count, such as an eager prefill chunk's new batch size (only whether there is one split is
+compile-time: two compiles at most). Eager chunks of new shapes
 stalled steps 0.4-1.2 s on an H200 (benchmarks/results/engine_loads_h200); this removes one cause
 of those compiles, not yet measured there. Runs on CPU under TRITON_INTERPRET=1 (tests).
 """
@@ -40,7 +41,7 @@ def _split_kernel(
     stride_kb, stride_kh, stride_kn, stride_table,
     scale, Q, window, softcap,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,7 +97,7 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    if splits == 1:  # the whole row in one program (large batches): its output, and no merge kernel
+    if ONE_SPLIT:  # the whole row in one program (large batches): its output, and no merge kernel
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + q_idx[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -246,7 +247,8 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         PAGE=page, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        # A compile-time branch: as a runtime test of the split count it cost the two-split kernel 1-6 % on an H100.
+        ONE_SPLIT=splits == 1, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 2:
         _merge_pair_kernel[(batch, kv_heads)](
