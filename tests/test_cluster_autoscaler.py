@@ -285,21 +285,26 @@ def test_autoscaling_config_under_load_adds_verify_nodes_and_removes_them_after(
         nodes_s = time.monotonic() - began
         stats = wait_for_replicas(APP, "VerifyLane", 3, NODES_TIMEOUT_S)
         grown_s = time.monotonic() - began
-        placed = _verify_replica_nodes()
+        placed, alive = _verify_replica_nodes(), _nodes_by_type(cluster).get(VERIFY_TYPE, set())
         # The new replicas take new requests of the burst.
         before = {s["lease"]: s["rows_verified"] for s in stats}
         deadline = time.monotonic() + 60
         while not all(s["rows_verified"] > before.get(s["lease"], 0) for s in lane_stats(APP, "VerifyLane")):
             assert time.monotonic() < deadline, "a verify replica took no request of the burst"
             time.sleep(0.5)
-        return nodes, placed, nodes_s, grown_s
+        return nodes, placed, alive, nodes_s, grown_s
 
-    (nodes, placed, nodes_s, grown_s), results, refs, _ = _under_streams(streams, grow)
+    (seen, placed, alive, nodes_s, grown_s), results, refs, _ = _under_streams(streams, grow)
     ended_s = time.monotonic()
-    print(f"verify 1 -> 3 by autoscaling_config under {STREAMS} streams: {len(nodes - first)} nodes added in "
-          f"{nodes_s:.1f} s, replicas up in {grown_s:.1f} s; {len(results)} streams: {_outcomes(results, refs)}")
-    assert first < nodes and len(nodes) == 3
-    assert set(placed.values()) == nodes
+    # Where the burst's verify calls dip while new replicas load (two cores), Serve's autoscaler may stop the
+    # starting ones and ask again; the autoscaler then retires their idle nodes and starts others. So the
+    # replicas' nodes are checked once they run, not against the first three nodes seen.
+    nodes = set(placed.values())
+    print(f"verify 1 -> 3 by autoscaling_config under {STREAMS} streams: 3 nodes in {nodes_s:.1f} s "
+          f"({len((seen | nodes) - first)} started), replicas up in {grown_s:.1f} s; {len(results)} streams: "
+          f"{_outcomes(results, refs)}")
+    assert len(seen) == 3 and len(placed) == 3 and len(nodes) == 3  # one replica a node
+    assert nodes <= alive and len(nodes - first) >= 2  # on verify nodes, two of them new
     assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}, _errors(results)
 
     wait_for_replicas(APP, "VerifyLane", 1, NODES_TIMEOUT_S)  # the load over: back to min_replicas
