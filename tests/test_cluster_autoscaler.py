@@ -297,9 +297,9 @@ def test_autoscaling_config_under_load_adds_verify_nodes_and_removes_them_after(
 
     (seen, placed, alive, nodes_s, grown_s), results, refs, _ = _under_streams(streams, grow)
     ended_s = time.monotonic()
-    # Where the burst's verify calls dip while new replicas load (two cores), Serve's autoscaler may stop the
-    # starting ones and ask again; the autoscaler then retires their idle nodes and starts others. So the
-    # replicas' nodes are checked once they run, not against the first three nodes seen.
+    # The first nodes started for the new replicas are not always where they run: CI once saw two nodes go
+    # idle and be replaced before the replicas ran (on the two others). So the replicas' nodes are checked
+    # once they run, against the nodes alive then, not against the first three nodes seen.
     nodes = set(placed.values())
     print(f"verify 1 -> 3 by autoscaling_config under {STREAMS} streams: 3 nodes in {nodes_s:.1f} s "
           f"({len((seen | nodes) - first)} started), replicas up in {grown_s:.1f} s; {len(results)} streams: "
@@ -384,7 +384,10 @@ def test_the_planner_adds_a_verify_replica_on_a_node_the_autoscaler_starts_and_g
 
     (placed, alive, grown_s), burst, refs, _ = _under_streams(streams, grow)
     ended_s = time.monotonic()
-    nodes = set(placed.values())  # as after Serve's autoscaler, checked once the replicas run (see above)
+    # On a loaded host the burst's last streams can take longer than Serve's downscale delay: the lane then
+    # starts to shrink under them, before the one-at-a-time phase (CI once saw it).
+    shrinking_in_burst = _running("VerifyLane") != 2
+    nodes = set(placed.values())  # checked once the replicas run, as in the autoscaling_config test
     print(f"planner: verify 1 -> 2 under {STREAMS} streams in {grown_s:.1f} s, on nodes {sorted(nodes)}; "
           f"{len(burst)} streams: {_outcomes(burst, refs)}; head lanes at most {head_lanes}")
     # The first replica on the first node, the new one on another node of the verify type.
@@ -397,8 +400,9 @@ def test_the_planner_adds_a_verify_replica_on_a_node_the_autoscaler_starts_and_g
     left = _wait_for_verify_nodes(cluster, 1)
     results, refs = [r for r, _ in after], [ref for _, ref in after]
     print(f"planner: verify 2 -> 1 in {shrunk_s:.1f} s under one stream at a time ({len(after)} streams: "
-          f"{_outcomes(results, refs)}), the idle node removed after {time.monotonic() - ended_s:.1f} s")
-    assert after, "scaled down before any stream ran on two verify replicas"
+          f"{_outcomes(results, refs)}; shrinking as the burst ended: {shrinking_in_burst}), the idle node removed "
+          f"after {time.monotonic() - ended_s:.1f} s")
+    assert after or shrinking_in_burst, "the lane shrank with no stream in flight"
     assert _outcomes(results, refs) == {"completed": len(results), "wrong output": 0, "failed": 0}, _errors(results)
     assert left < nodes and set(_verify_replica_nodes().values()) == left
     wait_until_idle(APP, "pdv")
