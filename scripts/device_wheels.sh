@@ -10,6 +10,13 @@
 # and on the GPU machine, before anything imports ray:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH
+#
+# Where the tracked tree and .whl/ together exceed one call's 64 MiB, `bash scripts/device_wheels.sh --split`
+# also halves the bundle: .whl_p1/ (the ray wheel's first part) and .whl_p2/ (its second part and the other
+# wheels), both git-ignored, for two calls on the same warm machine (warm about 30 s after a call):
+#   call 1, carry [".whl_p1"]:  mkdir -p /tmp/wparts && cp .whl_p1/* /tmp/wparts/
+#   call 2, carry [".whl_p2"]:  mkdir -p .whl && cp .whl_p2/*.whl .whl/ && cat /tmp/wparts/ray.part00 \
+#       .whl_p2/ray.part01 > .whl/$(cat .whl_p2/ray.name) && <the install above>
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -59,3 +66,14 @@ for src in glob.glob(".whl/ray-*.whl"):
     os.replace(tmp, src)
 PY
 du -sh .whl
+if [ "${1:-}" = "--split" ]; then
+    rm -rf .whl_p1 .whl_p2 && mkdir -p .whl_p1 .whl_p2
+    ray_wheel=$(basename .whl/ray-*.whl)
+    find .whl -type f -name '*.whl' ! -name 'ray-*' -exec cp {} .whl_p2/ \;
+    # The ray wheel's first part as large as the rest together: each call carries half the bundle.
+    half=$(( ($(du -cb .whl/*.whl | tail -1 | cut -f1) + 1) / 2 ))
+    split -b "$half" -d ".whl/$ray_wheel" .whl_p1/ray.part
+    mv .whl_p1/ray.part01 .whl_p2/
+    echo "$ray_wheel" > .whl_p2/ray.name
+    du -sh .whl_p1 .whl_p2
+fi
