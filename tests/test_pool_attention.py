@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lanes.model.attention import PoolAttentionMeta, _gathered_attention
-from lanes.model.triton_attention import pool_attention, split_count
+from lanes.model.triton_attention import merge_step, pool_attention, split_count
 from lanes.sample.params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
@@ -83,8 +83,6 @@ def test_rows_from_position_0_attend_causally_without_a_mask(heads, kv_heads):
 def test_merge_over_more_splits_than_it_takes_at_once():
     """40 splits of 16 keys: the merge takes them 16 at a time, and a later step's splits hold larger
     scores than the earlier ones', so what was merged is rescaled; some splits are empty."""
-    from lanes.model.triton_attention import merge_step
-
     gen = torch.Generator().manual_seed(3)
     slots, capacity, dim, splits = 3, 640, 16, 40
     assert splits > 2 * merge_step(splits)

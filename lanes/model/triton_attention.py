@@ -16,10 +16,10 @@ max_model_len (a static loop over the slot's capacity cost the same at any lengt
 argument, not a compile-time one: prefill chunks come in every width up to MAX_ROWS / group, and a
 compile per width (~1 s each) stalled serving. The split count is a runtime value too (the grid's
 third axis): it follows the batch, and as a compile-time constant it compiled the kernel again for
-each new split count, such as an eager prefill chunk's new batch size (only whether there is one split is
-compile-time: two compiles at most). Eager chunks of new shapes
-stalled steps 0.4-1.2 s on an H200 (benchmarks/results/engine_loads_h200); this removes one cause
-of those compiles, not yet measured there. Runs on CPU under TRITON_INTERPRET=1 (tests).
+each new split count, such as an eager prefill chunk's new batch size (only whether there is one
+split is compile-time: two compiles at most). Eager chunks of new shapes stalled steps 0.4-1.2 s on
+an H200 (benchmarks/results/engine_loads_h200); this removes one cause of those compiles, not yet
+measured there. Runs on CPU under TRITON_INTERPRET=1 (tests).
 """
 
 import torch
