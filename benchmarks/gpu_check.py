@@ -343,6 +343,42 @@ def profile_steps() -> dict:
     return result
 
 
+def engine_loop(out: Path, steps: int = 128, traced: int = 16) -> dict:
+    """`EngineCore.step()` at 1 in flight on the shaped pair (random bf16: drafts are rarely accepted, so a spec
+    step yields about one token), L = 3: each decode step's wall time against the device's busy time, from a
+    profiler trace of `traced` steps by region (lanes/engine/step_trace.py, files under `out`). The difference
+    is what the loop adds to a step where the GPU waits on the host."""
+    from lanes.engine.step_trace import start_trace
+    from lanes.model.loader import LoadedModel
+
+    models = shaped_models()
+    prompt = torch.randint(1, 32000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    result = {}
+    for mode in ("nospec", "spec"):
+        config = EngineConfig(max_model_len=2048, max_num_seqs=64, num_speculative_tokens=3, num_kv_blocks=1024)
+        draft = LoadedModel(models["draft"], None, "draft") if mode == "spec" else None
+        engine = EngineCore.colocated(LoadedModel(models["target"], None, "target"), draft, config)
+        for request in range(2):  # the first warms up; the second is timed, then traced
+            engine.add_request(str(request), prompt, SamplingParams(max_tokens=steps + traced + 2, ignore_eos=True))
+            wall_ms, tokens = [], 0
+            while engine.has_work:
+                if request and len(wall_ms) == steps:
+                    start_trace(engine, traced, str(out), f"engine_{mode}")
+                start = time.perf_counter()
+                tokens += sum(len(o.token_ids) for o in engine.step())
+                wall_ms.append((time.perf_counter() - start) * 1e3)
+        summary = engine.trace.finish()
+        decode_ms = statistics.mean(wall_ms[1:steps])  # the first step prefills
+        result[mode] = {"step_ms": round(decode_ms, 3), "tokens_per_step": round(tokens / len(wall_ms), 3),
+                        "device_busy_ms_traced": summary["device_busy_ms_per_step"],
+                        "host_ms_traced": summary["region_ms_per_step"],
+                        "gpu_idle_share": round(1 - summary["device_busy_ms_per_step"] / decode_ms, 3)}
+        print(mode, result[mode], flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    return result
+
+
 def attention_table() -> list[dict]:
     """The pool attention alone (split + merge kernels, CUDA-graph timed) at context 512, over the engine's blocks
     of 16, for the draft's and the 7B's heads: capacity 576 as the step tables build it, 2,048 as configs/ serve."""
@@ -379,6 +415,7 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="the steps against their floor alone (see above)")
     parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind: profile_steps.json")
     parser.add_argument("--attention", action="store_true", help="the pool attention alone: attention.json")
+    parser.add_argument("--engine", action="store_true", help="the engine's loop at 1 in flight: engine_loop.json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -394,6 +431,8 @@ def main() -> None:
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     if args.attention:
         (out / "attention.json").write_text(json.dumps(attention_table(), indent=2))
+    if args.engine:
+        (out / "engine_loop.json").write_text(json.dumps(engine_loop(out), indent=2))
     if args.profile:
         torch.cuda.empty_cache()
         (out / "profile_steps.json").write_text(json.dumps(profile_steps(), indent=2))
