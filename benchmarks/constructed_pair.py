@@ -84,9 +84,8 @@ def build_constructed_pair(
         raise ValueError("draft and target must share the vocabulary size")
     successor, draft_successor = successor_maps(vocab_size, agreement, seed)
     common = dict(dtype=dtype, device=device, sharpness=sharpness, residual_scale=residual_scale)
-    target = build_constructed_model(target_config, successor, seed=seed, name="constructed-target", **common)
-    draft = build_constructed_model(draft_config, draft_successor, seed=seed + 1, name="constructed-draft", **common)
-    return target, draft
+    return (build_constructed_model(target_config, successor, seed=seed, name="constructed-target", **common),
+            build_constructed_model(draft_config, draft_successor, seed=seed + 1, name="constructed-draft", **common))
 
 
 def build_constructed_model(config: dict, successor: torch.Tensor, seed: int, dtype: str | torch.dtype, device: str,
@@ -140,8 +139,7 @@ def probe_prompts(vocab_size: int, batch: int, seed: int, length: int = PROBE_LE
 @torch.inference_mode()
 def next_token_logits(model: LoadedModel, prompts: torch.Tensor) -> torch.Tensor:
     """Logits after every position of `prompts` [B, T], float32 on the CPU. [B, T, V]"""
-    device = next(model.model.parameters()).device
-    return model.model(prompts.to(device)).logits.float().cpu()
+    return model.model(prompts.to(next(model.model.parameters()).device)).logits.float().cpu()
 
 
 def map_fidelity(model: LoadedModel, successor: torch.Tensor, prompts: torch.Tensor) -> float:
@@ -163,8 +161,7 @@ def residual_share(model: LoadedModel, prompts: torch.Tensor) -> float:
     finally:
         handle.remove()
     embedded = decoder.embed_tokens(ids).float()  # [B, T, H]
-    added = captured[0].float() - embedded
-    return (added.pow(2).mean().sqrt() / embedded.pow(2).mean().sqrt()).item()
+    return ((captured[0].float() - embedded).pow(2).mean().sqrt() / embedded.pow(2).mean().sqrt()).item()
 
 
 def predicted_acceptance(target: LoadedModel, draft: LoadedModel, prompts: torch.Tensor) -> dict[str, float]:
@@ -188,9 +185,8 @@ def map_check(target: LoadedModel, draft: LoadedModel, agreement: float, seed: i
 
 @dataclass
 class TrialCountingStats(SpecDecodeStats):
-    """The engine's counters, plus the drafted tokens verification judged: a draft of n tokens with k
-    accepted judged min(k + 1, n), so accepted / judged is the per-token acceptance, exact even for
-    drafts cut short near max_tokens."""
+    """The engine's counters, plus the drafted tokens verification judged: a draft of n tokens with k accepted judged
+    min(k + 1, n), so accepted / judged is the per-token acceptance, exact even for drafts cut short near max_tokens."""
 
     num_judged_tokens: int = 0
 
@@ -222,13 +218,9 @@ def acceptance_counters(stats: TrialCountingStats) -> dict:
 def measure_acceptance(target: LoadedModel, draft: LoadedModel, num_prompts: int, draft_len: int,
                        max_tokens: int = 64, seed: int = 0) -> dict[str, dict]:
     """Acceptance counters of the engine decoding random prompts, greedy and at temperature 1.0."""
-    vocab_size = target.model.get_output_embeddings().weight.shape[0]
-    prompts = random_prompts(num_prompts, vocab_size, 4, 16, seed=seed)
-    result = {}
-    for mode, temperature in (("greedy", 0.0), ("temperature_1", 1.0)):
-        _, stats = run_engine(target, draft, prompts, draft_len, temperature, max_tokens, seed)
-        result[mode] = acceptance_counters(stats)
-    return result
+    prompts = random_prompts(num_prompts, target.model.get_output_embeddings().weight.shape[0], 4, 16, seed=seed)
+    return {mode: acceptance_counters(run_engine(target, draft, prompts, draft_len, temperature, max_tokens, seed)[1])
+            for mode, temperature in (("greedy", 0.0), ("temperature_1", 1.0))}
 
 
 def evaluate(args: argparse.Namespace, agreement: float) -> dict:
@@ -241,17 +233,6 @@ def evaluate(args: argparse.Namespace, agreement: float) -> dict:
     return {"agreement": agreement, **map_check(target, draft, agreement, args.seed, probes),
             "residual_share": {"target": residual_share(target, probes), "draft": residual_share(draft, probes)},
             "measured": measured}
-
-
-def print_table(results: list[dict]) -> None:
-    print(f"{'agreement':>9} {'fidelity t/d':>13} {'resid t/d':>11} | {'mode':<13} {'per-token':>9} "
-          f"{'predicted':>9} {'accept_rate':>11} {'mean_len':>8}")
-    for r in results:
-        for mode, m in r["measured"].items():
-            print(f"{r['agreement']:>9.2f} {r['map_fidelity']['target']:>6.3f}/{r['map_fidelity']['draft']:<6.3f} "
-                  f"{r['residual_share']['target']:>5.2f}/{r['residual_share']['draft']:<5.2f} | {mode:<13} "
-                  f"{m['per_token_acceptance']:>9.3f} {r['predicted_per_token_acceptance'][mode]:>9.3f} "
-                  f"{m['acceptance_rate']:>11.3f} {m['mean_acceptance_length']:>8.3f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -290,7 +271,14 @@ def main(argv: list[str] | None = None) -> None:
         results.append(evaluate(args, agreement))
         # Runners and their CUDA graphs reference each other: free the last pair's memory before the next.
         gc.collect()
-    print_table(results)
+    print(f"{'agreement':>9} {'fidelity t/d':>13} {'resid t/d':>11} | {'mode':<13} {'per-token':>9} "
+          f"{'predicted':>9} {'accept_rate':>11} {'mean_len':>8}")
+    for r in results:
+        for mode, m in r["measured"].items():
+            print(f"{r['agreement']:>9.2f} {r['map_fidelity']['target']:>6.3f}/{r['map_fidelity']['draft']:<6.3f} "
+                  f"{r['residual_share']['target']:>5.2f}/{r['residual_share']['draft']:<5.2f} | {mode:<13} "
+                  f"{m['per_token_acceptance']:>9.3f} {r['predicted_per_token_acceptance'][mode]:>9.3f} "
+                  f"{m['acceptance_rate']:>11.3f} {m['mean_acceptance_length']:>8.3f}")
     target_config, draft_config = shape_configs(args.shape)
     report = {"command": " ".join(sys.argv), "machine": machine(), "wall_s": round(time.perf_counter() - start, 1),
               "args": {k: str(v) for k, v in vars(args).items()}, "target_config": target_config,

@@ -326,8 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 4,8,16,32,64,128 on cuda, 1,2 on cpu)")
     parser.add_argument("--sat-ttft-ms", type=float, default=3000.0, help="p95 TTFT that marks a rate saturated")
     args = parser.parse_args(argv)
-    preset = PRESETS[args.device]
-    vars(args).update({key: preset[key] for key in LENGTHS + ("dtype", "request_timeout_s")})
+    vars(args).update({key: PRESETS[args.device][key] for key in LENGTHS + ("dtype", "request_timeout_s")})
     on_gpu = args.device == "cuda"
     args.rates = [float(r) for r in (args.rates or ("4,8,16,32,64,128" if on_gpu else "1,2")).split(",")]
     args.window_s = 5.0 if on_gpu else 4.0  # seconds of arrivals a rate

@@ -77,8 +77,7 @@ def greedy_row(name: str, device: str) -> dict:
     from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
     from tests.test_model_families import FAMILIES, VOCAB, WINDOW
 
-    config = FAMILIES[TEST_CONFIGS[name]]
-    target = build_random_model(config, dtype="float32", seed=1)
+    target = build_random_model(FAMILIES[TEST_CONFIGS[name]], dtype="float32", seed=1)
     draft = perturbed_copy(target, 0.3, seed=2)
     target.model.to(device)
     draft.model.to(device)

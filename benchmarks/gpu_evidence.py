@@ -12,10 +12,11 @@ under --out after every point, within --budget-s. Workloads, goals and the devic
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from itertools import groupby
+from itertools import groupby, product
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
 from benchmarks.lib.apps import AppRun, app_args, engine_args, run_app, sized_args  # noqa: E402
-from benchmarks.lib.cluster import (STARTED_S, git_commit, load_average, log, machine, serving,  # noqa: E402
-                                    start_model_cluster)
+from benchmarks.lib.cluster import STARTED_S, git_commit, log, machine, serving, start_model_cluster  # noqa: E402
 from benchmarks.lib.loads import Load  # noqa: E402
 from benchmarks.lib.pairs import SavedPair, save_pair  # noqa: E402
 from benchmarks.lib.results import ratio, row, rows_table, script_parser, verdict, write_document  # noqa: E402
@@ -92,7 +92,8 @@ class Report:
     def __init__(self, part: str, args: argparse.Namespace, argv: list[str]):
         self.part, self.args = part, args
         self.doc = {"part": part, "command": "python3 benchmarks/gpu_evidence.py " + " ".join(argv),
-                    "commit": git_commit(), "machine": machine(), "load_average_before": load_average(),
+                    "commit": git_commit(), "machine": machine(),
+                    "load_average_before": [round(x, 2) for x in os.getloadavg()],
                     "goals": {k: list(v) for k, v in GOALS[part].items()}, "apps": {}, "rows": [],
                     "checks": [], "notes": []}
 
@@ -192,11 +193,10 @@ def controller_loads(requests: list[WorkloadRequest], concurrencies: list[int], 
 def controller_checks(report: Report, modes: list[str], loads: list[str]) -> list[dict]:
     """Each drafting mode's tok/s over nospec's at every load, against the goal that applies there."""
     checks = []
-    for mode in modes:
-        for load in loads:
-            value = ratio(row_of(report, mode, load).get("tok_s"), row_of(report, "nospec", load).get("tok_s"))
-            goal = GOALS["controller"]["1 and 16 in flight" if load in ("c1", "c16") else "every point"]
-            checks.append(check(goal, value, mode=mode, load=load, x_nospec=value))
+    for mode, load in product(modes, loads):
+        value = ratio(row_of(report, mode, load).get("tok_s"), row_of(report, "nospec", load).get("tok_s"))
+        goal = GOALS["controller"]["1 and 16 in flight" if load in ("c1", "c16") else "every point"]
+        checks.append(check(goal, value, mode=mode, load=load, x_nospec=value))
     return checks
 
 
@@ -253,8 +253,7 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
 def prefix_checks(report: Report, modes: list[str]) -> list[dict]:
     checks = []
     for mode in modes:
-        off = row_of(report, f"{mode}-cache-off", "shared").get("ttft_ms p50")
-        on = row_of(report, f"{mode}-cache-on", "shared").get("ttft_ms p50")
+        off, on = (row_of(report, f"{mode}-cache-{cache}", "shared").get("ttft_ms p50") for cache in ("off", "on"))
         value = ratio(off, on)
         checks.append(check(GOALS["prefix"]["ttft_p50 off / on"], value, mode=mode,
                             **{"ttft_p50_ms off": off, "ttft_p50_ms on": on, "off / on": value}))

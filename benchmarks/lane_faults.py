@@ -50,10 +50,9 @@ def ratio(after: float | None, before: float | None) -> float | None:
 
 
 def kill_row(mode: str, result: KillResult, survivors_replaced: list[str] | None = None) -> dict:
-    """A kill's line of the table: the harness's summary, the failed streams' last end, the memory
-    ratios and the goals (None where a quantity was not measured, e.g. memory on the CPU).
-    `survivors_replaced`: the other lanes whose processes changed over the kill (one that crashed
-    after its peer's death and was replaced by Serve)."""
+    """A kill's line of the table: the harness's summary, the failed streams' last end, the memory ratios and the goals
+    (None where a quantity was not measured, e.g. memory on the CPU). `survivors_replaced`: the other lanes whose
+    processes changed over the kill (one that crashed after its peer's death and was replaced by Serve)."""
     s = result.summary()
     failed_ends = [r.end_s for r in result.in_flight if r.status == "failed"]
     row = {"mode": mode, "lane": s["deployment"], **{k: v for k, v in s.items() if k not in ("app", "deployment")},

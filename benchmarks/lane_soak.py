@@ -152,8 +152,7 @@ def collect(directory: Path, copy_to: Path | None = None, wait_s: float = 0.0) -
     while status["phase"] not in DONE_PHASES and alive(status.get("pid")) and time.monotonic() < deadline_s:
         time.sleep(5)
         status = read_status(directory)
-    running = alive(status.get("pid"))
-    if status["phase"] not in DONE_PHASES and not running:
+    if status["phase"] not in DONE_PHASES and not alive(status.get("pid")):
         status["phase"] += " (its process is gone)"
     # How far it got: all of it once done; while it runs, until now; else (failed, gone) its last flush.
     elapsed_s = (None if status["phase"] == "done" else time.time() - status["origin_wall_s"]

@@ -43,11 +43,10 @@ DEFAULT_CONTROLLER = {"interval_s": 0.5, "initial_draft_len": 4, "max_draft_len"
                       "verify_token_budget": 48}
 # Every key is a flag.
 DEFAULTS = {"base_rps": 1.0, "peak_factor": 4.0, "hold_s": 30.0, "ramp_s": 60.0, "peak_s": 60.0, "tail_s": 60.0,
-            "ttft_ms": 1500.0, "tpot_ms": 60.0, "slo": "{}", "max_num_seqs": 2, "max_replicas": 4,
-            "fixed_replicas": 1, "prompt_tokens": 64, "output_tokens": 32, "num_prompts": 200,
-            "controller": json.dumps(DEFAULT_CONTROLLER), "request_timeout_s": 300.0, "window_s": 10.0,
-            "settle_s": 30.0, "target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT, "seed": 0, "ceiling": "",
-            "ceiling_s": 30.0}
+            "ttft_ms": 1500.0, "tpot_ms": 60.0, "slo": "{}", "max_num_seqs": 2, "max_replicas": 4, "fixed_replicas": 1,
+            "prompt_tokens": 64, "output_tokens": 32, "num_prompts": 200, "controller": json.dumps(DEFAULT_CONTROLLER),
+            "request_timeout_s": 300.0, "window_s": 10.0, "settle_s": 30.0, "target": DEFAULT_TARGET,
+            "draft": DEFAULT_DRAFT, "seed": 0, "ceiling": "", "ceiling_s": 30.0}
 HELP = {"base_rps": "1x: about one replica's capacity", "ttft_ms": "slo.ttft_p95_ms", "tpot_ms": "slo.tpot_p95_ms",
         "slo": "JSON merged into the planner arm's slo block", "num_prompts": "distinct prompts, cycled",
         "controller": "JSON of the L controller's block", "request_timeout_s": "the load tester's limit on one request",
@@ -237,14 +236,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    if report["arms"]:
-        plot(report, out / "ramp.png")
-    (out / "README.md").write_text(markdown(report))
-
-
 def run_arms(args: argparse.Namespace, url: str, workload, report: dict) -> None:
     """Each arm in turn: deployed, its ramp run, deleted; the report rewritten after each."""
     for name, config in report["app_configs"].items():
@@ -263,7 +254,11 @@ def run_arms(args: argparse.Namespace, url: str, workload, report: dict) -> None
         except Exception as exc:  # one arm failing leaves the others measured
             report["errors"][name] = repr(exc)
             print(f"{name}: failed: {exc!r}", flush=True)
-        write_report(report, args.out)  # after every arm: a run cut short keeps what it measured
+        args.out.mkdir(parents=True, exist_ok=True)  # after every arm: a run cut short keeps what it measured
+        (args.out / "results.json").write_text(json.dumps(report, indent=1))
+        if report["arms"]:
+            plot(report, args.out / "ramp.png")
+        (args.out / "README.md").write_text(markdown(report))
 
 
 def ceiling(args: argparse.Namespace, url: str, workload, command: str) -> None:

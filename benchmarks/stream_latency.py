@@ -61,8 +61,7 @@ def apply_overrides(config: dict, overrides: dict) -> None:
     """A setting's KEY=JSON pairs: an app config key (`stream_channel`), a dotted path into the app config
     (`ingress.num_replicas`), else an engine key."""
     for key, value in overrides.items():
-        top = key in AppConfig.model_fields
-        *path, last = key.split(".") if "." in key or top else ("engine", key)
+        *path, last = key.split(".") if "." in key or key in AppConfig.model_fields else ("engine", key)
         node = config
         for part in path:
             node = node.setdefault(part, {})

@@ -51,10 +51,9 @@ def engine_args(max_model_len: int, max_num_seqs: int, draft_len: int = 3) -> di
 
 def app_args(mode: str, target: Path | None, draft: Path | None, *, dtype: str, engine: dict,
              lane_num_cpus: float, one_gpu: bool, controller: bool = False) -> dict:
-    """configs/<mode>.yaml's args with a benchmark's models (paths absolute: replicas may run elsewhere;
-    None: the config's own), engine sizes and CPUs; every lane and the ingress admit MAX_ONGOING requests.
-    `one_gpu`: the lanes share one GPU (GPU_SHARES); `controller`: the draft-length controller decides L
-    from the first step."""
+    """configs/<mode>.yaml's args with a benchmark's models (paths absolute: replicas may run elsewhere; None: the
+    config's own), engine sizes and CPUs; every lane and the ingress admit MAX_ONGOING requests. `one_gpu`: the lanes
+    share one GPU (GPU_SHARES); `controller`: the draft-length controller decides L from the first step."""
     config = yaml.safe_load((REPO / "configs" / f"{mode}.yaml").read_text())["applications"][0]["args"]
     for role, override in (("target", target), ("draft", draft)):
         config[role]["path"] = str(Path(override or REPO / config[role]["path"]).resolve())
@@ -107,14 +106,11 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
               seed: int, on_point: Callable[[AppRun], None] = lambda run: None,
               lanes_of: Callable[[float, float], dict] | None = None, request_counters: bool = False,
               sampler: Callable[[str, Load], Awaitable[None]] | None = None, min_load_s: float = 0.0) -> None:
-    """Run `loads` in order against the deployed app `run.name`, a point each into `run`.
-
-    A load whose estimate (or `min_load_s`) no longer fits before `deadline_s` (time.monotonic) is skipped,
-    and no request waits past it by more than 10 s. `on_point(run)` after every point; `lanes_of(start_s,
-    end_s)` reads the lanes' timelines over each measured point; `request_counters`: acceptance from the
-    responses' own counters (the server's totals cover one ingress replica of several); `sampler(app_url,
-    load)` runs beside every load, cancelled when it ends.
-    """
+    """Run `loads` in order against the deployed app `run.name`, a point each into `run`. A load whose estimate (or
+    `min_load_s`) no longer fits before `deadline_s` (time.monotonic) is skipped, and no request waits past it by more
+    than 10 s. `on_point(run)` after every point; `lanes_of(start_s, end_s)` reads the lanes' timelines over each
+    measured point; `request_counters`: acceptance from the responses' own counters (the server's totals cover one
+    ingress replica of several); `sampler(app_url, load)` runs beside every load, cancelled when it ends."""
     done = {load.name: point.summary for load, point in run.points}
     warmups = frozenset(load.name for load in loads if not load.measured)
     for load in loads:
@@ -129,9 +125,8 @@ def run_loads(run: AppRun, port: int, loads: list[Load], deadline_s: float, *, r
         timeout_s = max(10.0, min(request_timeout_s, left_s + 10))
         start_s = time.time()
         url = f"http://127.0.0.1:{port}/{run.name}"
-        result = asyncio.run(beside(run_load(url, load.requests, arrivals, options=load.options,
-                                             timeout_s=timeout_s, seed=seed, progress=False),
-                                    sampler(url, load) if sampler else None))
+        result = asyncio.run(beside(run_load(url, load.requests, arrivals, options=load.options, timeout_s=timeout_s,
+                                             seed=seed, progress=False), sampler(url, load) if sampler else None))
         if request_counters:
             result.spec_before = SpecDecodeCounters(0, 0, 0, [])
             result.spec_after = request_spec_counters(result.records)
@@ -224,9 +219,8 @@ def deploy_warm(mode: str, args: argparse.Namespace, pair, tokenizer, port: int,
     burst of max_num_seqs requests of about `prompt_len` tokens (CUDA graphs are captured per batch bucket
     on first use); run.status is "failed" if it did not deploy."""
     sizes, preset = args.sizes, PRESETS[args.device]
-    config = app_args(mode, pair.target, pair.draft, dtype=args.dtype,
-                      engine=engine_args(sizes["max_model_len"], sizes["max_num_seqs"]),
-                      lane_num_cpus=preset["lane_num_cpus"], one_gpu=args.device == "cuda")
+    config = app_args(mode, pair.target, pair.draft, dtype=args.dtype, lane_num_cpus=preset["lane_num_cpus"],
+                      engine=engine_args(sizes["max_model_len"], sizes["max_num_seqs"]), one_gpu=args.device == "cuda")
     run = AppRun(mode)
     if deploy_app(run, config, preset["deploy_timeout_s"]):
         prompts = LogNormal(prompt_len, 0.6, 4, 3 * prompt_len)

@@ -80,20 +80,15 @@ def deploy(name: str, app_args: dict, timeout_s: float) -> float:
             status = serve.status().applications.get(name)
             if status is not None and status.status == ApplicationStatus.RUNNING:
                 return time.monotonic() - started_s
-            failed = status is not None and status.status in (ApplicationStatus.DEPLOY_FAILED,
-                                                              ApplicationStatus.UNHEALTHY)
-            if failed or time.monotonic() - started_s > timeout_s:
-                why = _status_message(status) if failed else f"not running after {timeout_s:.0f} s"
-                raise DeployFailed(f"{name}: {why}")
+            if status is not None and status.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
+                raise DeployFailed(" | ".join([f"{name}: {status.status}: {status.message}"] + [
+                    f"{dep}: {d.status} {d.message}" for dep, d in status.deployments.items() if d.message]))
+            if time.monotonic() - started_s > timeout_s:
+                raise DeployFailed(f"{name}: not running after {timeout_s:.0f} s")
             time.sleep(1.0)
     except BaseException:
         serve.delete(name)
         raise
-
-
-def _status_message(status) -> str:
-    return " | ".join([f"{status.status}: {status.message}"]
-                      + [f"{dep}: {d.status} {d.message}" for dep, d in status.deployments.items() if d.message])
 
 
 def replica_logs() -> list[Path]:
@@ -185,7 +180,3 @@ def git_commit() -> str:
                               capture_output=True, text=True)
         return done.stdout.strip() or "unknown"
     return "unknown"
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]

@@ -48,7 +48,9 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
     while started.returncode != 0 and time.monotonic() < deadline_s:
         # An earlier run's daemon that outlived its quit (it waits for its clients to exit; a `-d` meanwhile
         # exits 1 with nothing on stderr): ask it again and wait for it to go.
-        _quit_stale(env)
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            _control("get_server_list", env, timeout_s=5.0)
+            _control("quit", env, timeout_s=60.0)
         time.sleep(STALE_POLL_S)
         started = _start(env)
     if started.returncode != 0:
@@ -69,13 +71,6 @@ def mps_daemon(directory: Path) -> Iterator[dict[str, str]]:
 
 def _start(env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([CONTROL, "-d"], env={**os.environ, **env}, capture_output=True, text=True)
-
-
-def _quit_stale(env: dict[str, str]) -> None:
-    """Ask a daemon still running on these pipes to quit."""
-    with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-        _control("get_server_list", env, timeout_s=5.0)
-        _control("quit", env, timeout_s=60.0)
 
 
 def control_log_tail(directory: Path, lines: int = 20) -> str:
