@@ -29,11 +29,10 @@ def enabled(device: torch.device) -> bool:
 def _enabled(index: int) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("VPD_PDL", "1") == "0":
         return False
-    try:
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401 (Triton >= 3.3, with launch_pdl)
-    except ImportError:
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    from triton.language.extra import cuda
+
+    # gdc_wait came with Triton 3.3, as did the launch_pdl keyword
+    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch_options(pdl: bool) -> dict:
