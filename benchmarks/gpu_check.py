@@ -1,11 +1,12 @@
 """GPU checks in one device call: the engine's greedy output on CUDA against HF's, then per-step timings
 against HF eager and the memory-bandwidth floor (needs a CUDA device).
 
-    python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile] [--attention]
+    python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile] [--attention] [--engine]
 
 `--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
-kernel; `--attention`: the pool attention alone. Writes gpu_check.json (profile_steps.json, attention.json);
-the tables and their reading: docs/performance.md.
+kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the
+device's busy time. Writes gpu_check.json (profile_steps.json, attention.json, engine_loop.json); the tables
+and their reading: docs/performance.md. VPD_PDL=0 runs the kernels without dependent launch.
 """
 
 import os
