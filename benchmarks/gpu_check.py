@@ -356,7 +356,7 @@ def engine_loop(out: Path, steps: int = 128, traced: int = 16) -> dict:
     prompt = torch.randint(1, 32000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     result = {}
     for mode in ("nospec", "spec"):
-        config = EngineConfig(max_model_len=2048, max_num_seqs=64, num_speculative_tokens=3, num_kv_blocks=1024)
+        config = EngineConfig(max_model_len=2048, max_num_seqs=8, num_speculative_tokens=3, num_kv_blocks=1024)
         draft = LoadedModel(models["draft"], None, "draft") if mode == "spec" else None
         engine = EngineCore.colocated(LoadedModel(models["target"], None, "target"), draft, config)
         for request in range(2):  # the first warms up; the second is timed, then traced
