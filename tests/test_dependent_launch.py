@@ -1,6 +1,6 @@
 """Programmatic dependent launch (lanes/model/dependent_launch.py): off wherever it cannot run, so that the
 kernels' tests under Triton's interpreter, CPU serving and GPUs before Hopper launch as before. Its effect on
-an H100 is measured by benchmarks/gpu_check.py (VPD_PDL=0 against the default), not here."""
+a GPU is measured by benchmarks/gpu_check.py (VPD_PDL=0 against 1), not here."""
 
 import torch
 
@@ -15,11 +15,15 @@ def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
     dependent_launch._enabled.cache_clear()
 
 
-def test_vpd_pdl_0_turns_it_off(monkeypatch):
-    dependent_launch._enabled.cache_clear()
+def test_off_unless_vpd_pdl_is_1(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("VPD_PDL", "0")
-    assert not dependent_launch._enabled(0)
+    for value in (None, "0", "yes"):
+        dependent_launch._enabled.cache_clear()
+        if value is None:
+            monkeypatch.delenv("VPD_PDL", raising=False)
+        else:
+            monkeypatch.setenv("VPD_PDL", value)
+        assert not dependent_launch._enabled(0)  # decided before any device is asked
     dependent_launch._enabled.cache_clear()
 
 

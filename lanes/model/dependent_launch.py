@@ -9,7 +9,8 @@ only the launch overlaps, never a read. It then lets the next kernel launch at o
 (`griddepcontrol.launch_dependents`): without that, the next waits for this one's programs to exit.
 cuBLAS's GEMMs between them are launched as before; a kernel after one of them saves its launch only.
 
-Off under Triton's interpreter, before Hopper, and with VPD_PDL=0 (to measure against).
+On with VPD_PDL=1, off by default until a GPU measurement says it pays (benchmarks/gpu_check.py, VPD_PDL=0
+against 1); never under Triton's interpreter or before Hopper.
 """
 
 import functools
@@ -27,7 +28,7 @@ def enabled(device: torch.device) -> bool:
 
 @functools.cache
 def _enabled(index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("VPD_PDL", "1") == "0":
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("VPD_PDL", "0") != "1":
         return False
     from triton.language.extra import cuda
 
