@@ -6,8 +6,7 @@ against HF eager and the memory-bandwidth floor (needs a CUDA device).
 `--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
 kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the
 device's busy time. Writes gpu_check.json (profile_steps.json, attention.json, engine_loop.json); the tables
-and their reading: docs/performance.md. VPD_PDL=1 launches the layers' Triton kernels with
-dependent launch (lanes/model/dependent_launch.py).
+and their reading: docs/performance.md.
 """
 
 import os

@@ -14,8 +14,6 @@ import triton
 import triton.language as tl
 from transformers.models.llama.modeling_llama import rotate_half
 
-from lanes.model import dependent_launch
-from lanes.model.dependent_launch import wait_for_prior
 from lanes.model.pool_cache import block_positions
 from lanes.model.triton_attention import tanh
 
@@ -25,8 +23,7 @@ from lanes.model.triton_attention import tanh
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, rows, hidden,
                          HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
     ok = (row < rows) & (cols < hidden)
@@ -85,11 +82,11 @@ def _add_rms_norm_triton(x, residual, weight, eps: float, unit_offset: bool) -> 
     rows, hidden = x.shape
     out = torch.empty_like(x)
     res_out = x if residual is None else torch.empty_like(x)
-    per_program, pdl = rows_per_program(hidden), dependent_launch.enabled(x.device)
+    per_program = rows_per_program(hidden)
     _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
         x, residual if residual is not None else x, weight, out, res_out, eps, rows, hidden,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, ROWS=per_program,
-        BLOCK=triton.next_power_of_2(hidden), PDL=pdl, **dependent_launch.launch_options(pdl))
+        BLOCK=triton.next_power_of_2(hidden))
     return out, res_out
 
 
@@ -104,8 +101,7 @@ HEADS_PER_PROGRAM = 8
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, table_ptr, slot_ptr, start_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr,
                        q_len, stride_kb, stride_kh, stride_kn, stride_table,
                        Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-                       HEADS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
+                       HEADS: tl.constexpr):
     token = tl.program_id(0)
     # [HEADS, 1], of 0 .. Q_HEADS + 2 * KV_HEADS - 1: query heads, key heads, value heads
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
@@ -157,12 +153,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block_ta
     assert qkv.is_contiguous() and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
     assert block_table.stride(-1) == 1
     q_out = torch.empty(batch, q_len, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    pdl = dependent_launch.enabled(qkv.device)
     _rope_store_kernel[(batch * q_len, triton.cdiv(q_heads + 2 * kv_heads, HEADS_PER_PROGRAM))](
         qkv, cos, sin, block_table, slot_ids, starts, q_out, k_pool, v_pool, q_len,
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PAGE=k_pool.shape[2], HEADS=HEADS_PER_PROGRAM,
-        PDL=pdl, **dependent_launch.launch_options(pdl),
     )
     return q_out
 
@@ -185,8 +179,7 @@ def _rope_store_torch(qkv, cos, sin, block_table, slot_ids, starts, k_pool, v_po
 
 @triton.jit
 def _act_mul_kernel(gate_up_ptr, out_ptr, rows, inter, GELU_TANH: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
     ok = (row < rows) & (cols < inter)
@@ -226,8 +219,7 @@ def _act_mul_triton(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     rows = gate_up.numel() // (2 * inter)
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
-    per_program, pdl = rows_per_program(inter), dependent_launch.enabled(gate_up.device)
+    per_program = rows_per_program(inter)
     _act_mul_kernel[(triton.cdiv(rows, per_program), triton.cdiv(inter, block))](
-        gate_up, out, rows, inter, GELU_TANH=gelu_tanh, ROWS=per_program, BLOCK=block, PDL=pdl,
-        **dependent_launch.launch_options(pdl))
+        gate_up, out, rows, inter, GELU_TANH=gelu_tanh, ROWS=per_program, BLOCK=block)
     return out

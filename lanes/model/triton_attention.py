@@ -26,9 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lanes.model import dependent_launch
-from lanes.model.dependent_launch import wait_for_prior
-
 BLOCK_N = 64  # keys per inner step
 MAX_ROWS = 128  # Q * (query heads per kv head) handled by one program
 # Splits the merge takes at once: 4 where there are at most 4 (batches of a few dozen rows), else 16. Two
@@ -44,9 +41,8 @@ def _split_kernel(
     stride_kb, stride_kh, stride_kn, stride_table,
     scale, Q, window, softcap,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, ONE_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
-    wait_for_prior(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,14 +132,13 @@ def tanh(x):
 def _merge_row_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr,
     stride_ob, stride_oq, stride_oh, splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_STEP: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_STEP: tl.constexpr,
 ):
     """Where there are more than two splits (small batches). One program per (row, kv head, query row of the
     group): the row's splits merged SPLIT_STEP at a time, each step's maxima, sums and partial outputs loaded
     at once. _merge_pair_kernel, walking the splits one by one, twice, over all BLOCK_M rows (most of them
     padding at Q = 1), was a chain of dependent loads: on an H100 the attention at batch 1 took 1.45x (the
     7B) to 4.8x (the draft at configs/' 32 splits, Q = 5) as long (benchmarks/results/kernels_h100/merge/)."""
-    wait_for_prior(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = tl.program_id(2)  # m = (query index m // GROUP, head kv_head * GROUP + m % GROUP), m < Q * GROUP
@@ -176,12 +171,11 @@ def _merge_row_kernel(
 def _merge_pair_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr,
     stride_ob, stride_oq, stride_oh, Q, splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Where there are two splits (batches that nearly fill the GPU): one program per (row, kv head) over all
     its query rows. A program per query row was up to 1.24x slower here (the draft's 64 rows, Q = 5: 10,240
     programs of two loads each)."""
-    wait_for_prior(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -245,8 +239,6 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     row_max = torch.empty(work, dtype=torch.float32, device=query.device)
     row_sum = torch.empty(work, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype, device=query.device)
-    pdl = dependent_launch.enabled(query.device)
-    launch = dict(PDL=pdl, **dependent_launch.launch_options(pdl))
     _split_kernel[(batch, kv_heads, splits)](
         query, k_pool, v_pool, block_table, slot_ids, kv_lens, acc, row_max, row_sum, out,
         query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -256,17 +248,16 @@ def pool_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         # float32 models keep float32 products (tf32 would differ from the reference in the 4th digit)
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
         # A compile-time branch: as a runtime test of the split count it cost the two-split kernel 1-6 % on an H100.
-        ONE_SPLIT=splits == 1, num_warps=num_warps, num_stages=num_stages, **launch,
+        ONE_SPLIT=splits == 1, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 2:
         _merge_pair_kernel[(batch, kv_heads)](
             acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), q_len, splits,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, **launch,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
         )
     elif splits > 2:  # one warp a program: it holds SPLIT_STEP x HEAD_DIM values (slower with four)
         _merge_row_kernel[(batch, kv_heads, q_len * group)](
             acc, row_max, row_sum, out, out.stride(0), out.stride(1), out.stride(2), splits,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, SPLIT_STEP=merge_step(splits), num_warps=1,
-            **launch,
         )
     return out
