@@ -235,6 +235,17 @@ def evaluate(args: argparse.Namespace, agreement: float) -> dict:
             "measured": measured}
 
 
+def print_table(results: list[dict]) -> None:
+    print(f"{'agreement':>9} {'fidelity t/d':>13} {'resid t/d':>11} | {'mode':<13} {'per-token':>9} "
+          f"{'predicted':>9} {'accept_rate':>11} {'mean_len':>8}")
+    for r in results:
+        for mode, m in r["measured"].items():
+            print(f"{r['agreement']:>9.2f} {r['map_fidelity']['target']:>6.3f}/{r['map_fidelity']['draft']:<6.3f} "
+                  f"{r['residual_share']['target']:>5.2f}/{r['residual_share']['draft']:<5.2f} | {mode:<13} "
+                  f"{m['per_token_acceptance']:>9.3f} {r['predicted_per_token_acceptance'][mode]:>9.3f} "
+                  f"{m['acceptance_rate']:>11.3f} {m['mean_acceptance_length']:>8.3f}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("small", "tinyllama-7b"), default="small")
@@ -271,14 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(evaluate(args, agreement))
         # Runners and their CUDA graphs reference each other: free the last pair's memory before the next.
         gc.collect()
-    print(f"{'agreement':>9} {'fidelity t/d':>13} {'resid t/d':>11} | {'mode':<13} {'per-token':>9} "
-          f"{'predicted':>9} {'accept_rate':>11} {'mean_len':>8}")
-    for r in results:
-        for mode, m in r["measured"].items():
-            print(f"{r['agreement']:>9.2f} {r['map_fidelity']['target']:>6.3f}/{r['map_fidelity']['draft']:<6.3f} "
-                  f"{r['residual_share']['target']:>5.2f}/{r['residual_share']['draft']:<5.2f} | {mode:<13} "
-                  f"{m['per_token_acceptance']:>9.3f} {r['predicted_per_token_acceptance'][mode]:>9.3f} "
-                  f"{m['acceptance_rate']:>11.3f} {m['mean_acceptance_length']:>8.3f}")
+    print_table(results)
     target_config, draft_config = shape_configs(args.shape)
     report = {"command": " ".join(sys.argv), "machine": machine(), "wall_s": round(time.perf_counter() - start, 1),
               "args": {k: str(v) for k, v in vars(args).items()}, "target_config": target_config,

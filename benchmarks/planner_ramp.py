@@ -236,6 +236,14 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    if report["arms"]:
+        plot(report, out / "ramp.png")
+    (out / "README.md").write_text(markdown(report))
+
+
 def run_arms(args: argparse.Namespace, url: str, workload, report: dict) -> None:
     """Each arm in turn: deployed, its ramp run, deleted; the report rewritten after each."""
     for name, config in report["app_configs"].items():
@@ -254,11 +262,7 @@ def run_arms(args: argparse.Namespace, url: str, workload, report: dict) -> None
         except Exception as exc:  # one arm failing leaves the others measured
             report["errors"][name] = repr(exc)
             print(f"{name}: failed: {exc!r}", flush=True)
-        args.out.mkdir(parents=True, exist_ok=True)  # after every arm: a run cut short keeps what it measured
-        (args.out / "results.json").write_text(json.dumps(report, indent=1))
-        if report["arms"]:
-            plot(report, args.out / "ramp.png")
-        (args.out / "README.md").write_text(markdown(report))
+        write_report(report, args.out)  # after every arm: a run cut short keeps what it measured
 
 
 def ceiling(args: argparse.Namespace, url: str, workload, command: str) -> None:
