@@ -91,8 +91,8 @@ def median_ms(fn, repeats: int = 10) -> float:
 # ---- correctness ----------------------------------------------------------------------------
 
 def engine_greedy_check() -> dict:
-    """Engine greedy output against HF's on CUDA (kernel and CUDA graphs on), with small prefill
-    budgets (prompts in chunks) and with large ones (whole prompts batched: graphed prefill)."""
+    """Engine greedy output against HF's on CUDA (kernel and CUDA graphs on), with small prefill budgets (prompts
+    in chunks), with large ones (whole prompts batched: graphed prefill), and without drafts (steps launched ahead)."""
     from tests.conftest import make_pair
     from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
 
@@ -102,15 +102,16 @@ def engine_greedy_check() -> dict:
     prompts = random_prompts(16, 128, 1, 150, seed=7)
     refs = [hf_greedy(target, p, 24) for p in prompts]
     result = {"prompts": len(prompts)}
-    for name, chunk, idle in (("chunked", 32, 64), ("whole_prompts", 256, 1024)):
+    for name, chunk, idle, drafter in (("chunked", 32, 64, draft), ("whole_prompts", 256, 1024, draft),
+                                       ("nospec_ahead", 32, 64, None)):
         # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
         config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle)
-        engine = EngineCore.colocated(target, draft, config)
-        assert engine.draft.graphs is not None and engine.draft.attention_kernel
+        engine = EngineCore.colocated(target, drafter, config)
+        assert engine.verifier.lane.runner.graphs is not None and engine.verifier.lane.runner.attention_kernel
         outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
                                           for i, p in enumerate(prompts)})
         result[name] = {"equal_to_hf_greedy": sum(outs[str(i)] == ref for i, ref in enumerate(refs)),
-                        "acceptance_rate": engine.total_stats.acceptance_rate,
+                        "acceptance_rate": engine.total_stats.acceptance_rate, "steps_ahead": engine.num_steps_ahead,
                         # whole-prompt prefills replayed as graphs, by (batch bucket, width bucket)
                         "prefill_graph_shapes": sorted(engine.verifier.lane.runner.prefill_graphs.graphs)}
     return result
@@ -348,15 +349,15 @@ def engine_loop(out: Path, steps: int = 128, traced: int = 16) -> dict:
     """`EngineCore.step()` at 1 in flight on the shaped pair (random bf16: drafts are rarely accepted, so a spec
     step yields about one token), L = 3: each decode step's wall time against the device's busy time, from a
     profiler trace of `traced` steps by region (lanes/engine/step_trace.py, files under `out`). The difference
-    is what the loop adds to a step where the GPU waits on the host."""
+    is what the loop adds to a step where the GPU waits on the host; nospec with async scheduling and without."""
     from lanes.engine.step_trace import start_trace
-    from lanes.model.loader import LoadedModel
 
     models = shaped_models()
     prompt = torch.randint(1, 32000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     result = {}
-    for mode in ("nospec", "spec"):
-        config = EngineConfig(max_model_len=2048, max_num_seqs=8, num_speculative_tokens=3, num_kv_blocks=1024)
+    for mode in ("nospec", "nospec_host_first", "spec"):
+        config = EngineConfig(max_model_len=2048, max_num_seqs=8, num_speculative_tokens=3, num_kv_blocks=1024,
+                              async_scheduling=mode != "nospec_host_first")
         draft = LoadedModel(models["draft"], None, "draft") if mode == "spec" else None
         engine = EngineCore.colocated(LoadedModel(models["target"], None, "target"), draft, config)
         for request in range(2):  # the first warms up; the second is timed, then traced
@@ -373,7 +374,8 @@ def engine_loop(out: Path, steps: int = 128, traced: int = 16) -> dict:
         result[mode] = {"step_ms": round(decode_ms, 3), "tokens_per_step": round(tokens / len(wall_ms), 3),
                         "device_busy_ms_traced": summary["device_busy_ms_per_step"],
                         "host_ms_traced": summary["region_ms_per_step"],
-                        "gpu_idle_share": round(1 - summary["device_busy_ms_per_step"] / decode_ms, 3)}
+                        "gpu_idle_share": round(1 - summary["device_busy_ms_per_step"] / decode_ms, 3),
+                        "steps_ahead": engine.num_steps_ahead}
         print(mode, result[mode], flush=True)
         del engine
         torch.cuda.empty_cache()

@@ -9,7 +9,7 @@ import gc
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -43,7 +43,7 @@ from lanes.spec.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer,
 from lanes.spec.prefill import PrefillLane
 from lanes.spec.rollback import rollback_after_verify
 from lanes.spec.stats import SpecDecodeStats
-from lanes.spec.verify import VerifyBatch, VerifyLane, VerifyResult
+from lanes.spec.verify import PendingVerify, VerifyBatch, VerifyLane, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,10 @@ class EngineConfig:
     max_oom_attempts: int = 3
     lane_name: str = "engine"  # whose memory plan and refusals the log and errors name
     kv_copied_out: bool = False  # each prompt's KV is copied out of its blocks (the prefill lane's hand-over)
+    # Launch the next decode step before reading this one's tokens, where no request needs them on the
+    # host first (no drafts, penalties or grammar, nothing to admit): the host's work between two steps
+    # then overlaps the device's (vLLM's async scheduling). EngineCore._launch_next says when.
+    async_scheduling: bool = True
     fit_max_model_len: bool = False  # max_model_len was left unset: lower it to the longest that fits (CUDA)
 
     def __post_init__(self):
@@ -107,6 +111,21 @@ class EngineConfig:
         # Padded rows of a batched draft or catch-up forward write past their own length; leave
         # room for the widest (prefill splits its batch instead: PrefillLane._fit).
         return self.max_model_len + max(self.max_draft_len + 2, CATCH_UP_CHUNK)
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not read yet."""
+
+    rows: list[Sequence]
+    proposal: DraftProposal
+    pending: PendingResult
+    # Rows that finished (or were aborted) while this step could still write their KV blocks: their
+    # slots go back once it has been read (EngineCore._finish).
+    finished: list[Sequence] = field(default_factory=list)
+
+    def holds(self, seq: Sequence) -> bool:
+        return any(row is seq for row in self.rows)
 
 
 class EngineCore:
@@ -152,6 +171,8 @@ class EngineCore:
         # steps this engine stops, and the replica's health check fails.
         self.device_fault: str | None = None
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._in_flight: _InFlight | None = None  # async scheduling: a decode step launched, not read yet
+        self.num_steps_ahead = 0  # decode steps launched before the step they follow was read
         self.grammars = Grammars(tokenizer, vocab_size, eos_ids)  # structured output; idle until a request asks
 
     @classmethod
@@ -278,7 +299,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.prefiller.has_replies
+        return self.scheduler.has_work or self.prefiller.has_replies or self._in_flight is not None
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -293,6 +314,25 @@ class EngineCore:
 
     def _step(self) -> tuple[list[RequestOutput], int]:
         """One step's outputs, and how many running requests it decoded."""
+        ooms = self.step_cap.num_oom_recoveries
+        outputs, rows = self._step_ahead() if self._in_flight is not None else ([], None)
+        if rows is None:
+            scheduled, rows = self._scheduled_step()
+            outputs += scheduled
+        if self.step_cap.num_oom_recoveries == ooms:
+            self.step_cap.observe_clean_step()
+        return outputs, rows
+
+    def _step_ahead(self) -> tuple[list[RequestOutput], int | None]:
+        """With a decode step in flight: launch the one after it where nothing needs the host first,
+        then read it. Returns its outputs, and its rows when the next step is in flight now (None: the
+        caller schedules a step as usual, with nothing in flight)."""
+        flight = self._in_flight
+        self._in_flight = self._launch_next(flight)
+        outputs = self._read(flight)
+        return outputs, len(flight.rows) if self._in_flight is not None else None
+
+    def _scheduled_step(self) -> tuple[list[RequestOutput], int]:
         with region("admit"):
             expired = self._expire_lost()
             self.scheduler.admit()
@@ -304,7 +344,6 @@ class EngineCore:
             prefill_outputs = self._prefill_phase(self.prefiller.take_in, decoding=bool(self.scheduler.running))
         with region("make_room"):
             self.scheduler.make_room(self._tokens_after_step)
-        ooms = self.step_cap.num_oom_recoveries
         outputs, launched = [], None
         prefill_only = self._prefill_turn()
         running = [] if prefill_only else self._decode_rows()
@@ -318,10 +357,10 @@ class EngineCore:
         with region("prefill"):
             prefill_outputs += self._prefill_phase(self.prefiller.step, decoding=bool(running))
         if launched is not None:
-            outputs += self._guarded(running, lambda: self._finish_decode(running, *launched))
+            flight = _InFlight(running, *launched)
+            self._in_flight = self._launch_next(flight)
+            outputs += self._read(flight)
         self._prefilled_last = prefill_only
-        if self.step_cap.num_oom_recoveries == ooms:
-            self.step_cap.observe_clean_step()
         # A prompt taken in before drafting has its first token out before the tokens it decoded here.
         return expired + prefill_outputs + outputs, len(running)
 
@@ -440,6 +479,43 @@ class EngineCore:
         with on(self.streams.verify):
             return self.verifier.launch(batch)
 
+    def _launch_next(self, flight: _InFlight) -> _InFlight | None:
+        """Async scheduling: the decode step after `flight`, launched before `flight` is read, or None
+        where the host must read `flight` first. It goes ahead only when it would decode the same
+        rows with nothing else to schedule (nothing waiting, prefilling or lost), every row decodes
+        without drafts (each emits one token, so its next position is known), needs no history of its
+        tokens on the host (penalties, a grammar), and has more than one token left before max_tokens.
+        A row that ends otherwise in `flight` (EOS, a stop string, an abort) wastes its next token,
+        which is dropped, and keeps its blocks until the step after is read (`_finish`)."""
+        rows, scheduler = flight.rows, self.scheduler
+        ready = (self.config.async_scheduling and isinstance(flight.pending, PendingVerify)  # a local verify step
+                 and not any(flight.proposal.num_draft) and len(rows) <= self.step_cap.rows
+                 and len(rows) == len(scheduler.running) and all(a is b for a, b in zip(rows, scheduler.running))
+                 and not (scheduler.waiting or scheduler.prefilling or self.prefiller.has_replies or self._lost))
+        if not ready or not all(self._decodes_ahead(seq) for seq in rows):
+            return None
+        self.streams.decode_after_current()
+        self.streams.verify_after_decode()
+        try:
+            with region("verify_launch"), on(self.streams.verify):
+                pending = flight.pending.launch_next()
+        except PoolFullError:  # its blocks do not fit: the scheduler makes room once `flight` is read
+            return None
+        self.num_steps_ahead += 1
+        return _InFlight(rows, flight.proposal, pending)
+
+    def _decodes_ahead(self, seq: Sequence) -> bool:
+        return (seq.finish_reason is None and seq.remaining_tokens > 1 and seq.grammar is None
+                and not seq.params.penalised and (self.proposer is None or seq.draft_len == 0))
+
+    def _read(self, flight: _InFlight) -> list[RequestOutput]:
+        """Read a decode step launched earlier, append its tokens, and give back the slots of the rows
+        that finished while it was in flight."""
+        outputs = self._guarded(flight.rows, lambda: self._finish_decode(flight.rows, flight.proposal, flight.pending))
+        for seq in flight.finished:
+            self.scheduler.release_slots(seq)
+        return outputs
+
     def _finish_decode(self, running: list[Sequence], proposal: DraftProposal, pending: PendingResult
                        ) -> list[RequestOutput]:
         """Read the verify step's result, roll the draft cache back, and append what was accepted."""
@@ -459,6 +535,8 @@ class EngineCore:
         errors = result.errors or [None] * len(running)
         for seq, num_draft, tokens, num_accepted, lp, error in zip(running, proposal.num_draft, result.tokens,
                                                                    result.num_accepted, logprobs, errors):
+            if seq.finish_reason is not None:  # ended while this step was in flight: its token is dropped
+                continue
             if error is not None:
                 outputs += self._remote_error(seq, error, "verify")
                 continue
@@ -577,7 +655,13 @@ class EngineCore:
                             prompt_logprobs=prompt_logprobs)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+        # A decode step in flight may still write this row's blocks: they must not go to another request
+        # (whose prefill, on another stream, could be overwritten) before that step has been read.
+        flight = self._in_flight
+        in_flight = flight is not None and flight.holds(seq) and seq.status is SeqStatus.RUNNING
+        self.scheduler.finish(seq, reason, keep_slots=in_flight)
+        if in_flight:
+            flight.finished.append(seq)
         self._detok.pop(seq.request_id, None)
         self._lost.pop(seq.request_id, None)
 

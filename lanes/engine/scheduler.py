@@ -140,25 +140,28 @@ class Scheduler:
             chunk.seq.status = SeqStatus.RUNNING
             self.running.append(chunk.seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Release a request's slots, whatever state it is in (finished, aborted, failed)."""
+    def finish(self, seq: Sequence, reason: str, keep_slots: bool = False) -> None:
+        """Release a request's slots, whatever state it is in (finished, aborted, failed). `keep_slots`
+        (a running request): the caller gives them back later (`release_slots`), once a step still in
+        flight that writes them has been read."""
         if seq.status is SeqStatus.FINISHED:
             return
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         else:
-            self._release(seq)
+            self._release(seq, keep_slots)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.by_id.pop(seq.request_id, None)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, keep_slots: bool = False) -> None:
         (self.prefilling if seq.status is SeqStatus.PREFILLING else self.running).remove(seq)
         if seq.status is SeqStatus.PREFILLING:
             if self.holds_blocks(seq):
                 return  # the prefiller calls release_slots when its result lands
             self.forget(seq)
-        self.release_slots(seq)
+        if not keep_slots:
+            self.release_slots(seq)
 
     def release_slots(self, seq: Sequence) -> None:
         """Give back a sequence's slots and their blocks."""

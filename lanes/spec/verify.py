@@ -6,7 +6,7 @@ Per step: one host-to-device copy of the rows' inputs, one device-to-host copy o
 the pool's lengths set for the whole batch at once.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -26,7 +26,9 @@ from lanes.spec.rollback import rollback_after_verify
 class VerifyBatch:
     target_slots: list[int]
     num_tokens: list[int]  # T per row: committed tokens, the last of which the target has not seen
-    last_tokens: list[int]
+    # The last committed token per row: a host list, or [B] on the device where the step that samples it
+    # has not been read yet (VerifyLane.launch_after).
+    last_tokens: list[int] | torch.Tensor
     # [B, L] int64. Over a verify channel on one device, a DraftRef in transit: the slot of the engine's ring
     # that holds them (lanes/device/shared_drafts.py), turned back into a tensor by the verify replica.
     draft_tokens: torch.Tensor
@@ -82,10 +84,15 @@ class PendingVerify:
     k: int | None  # top logprobs packed per column, None when no row asked
     width: int  # L + 1 columns
     copy: HostCopy
+    tokens: torch.Tensor  # [B, L + 1] on the device: what `copy` brings back, for a step launched after this one
 
     def result(self) -> VerifyResult:
         """Wait for the copy, then set the pool's lengths and roll rejected drafts back."""
         return self.lane._finish(self, self.copy.wait())
+
+    def launch_next(self) -> "PendingVerify":
+        """The decode step after this one, launched before this one is read (VerifyLane.launch_after)."""
+        return self.lane.launch_after(self)
 
 
 class VerifyLane:
@@ -117,17 +124,20 @@ class VerifyLane:
         ordinary decode step of the target."""
         return self.launch(batch).result()
 
-    def launch(self, batch: VerifyBatch) -> "PendingVerify":
+    def launch(self, batch: VerifyBatch, steps_unread: int = 0) -> "PendingVerify":
         """`verify` up to its one device-to-host copy, queued without waiting for it, so that the
         engine can launch other work (a prefill chunk) while the GPU verifies. Nothing reads the
-        result or touches the pool's lengths until `PendingVerify.result()`."""
+        result or touches the pool's lengths until `PendingVerify.result()`. `steps_unread`: decode
+        steps of these rows launched and not read yet, whose tokens the pool's lengths do not count."""
         device = self.runner.device
         slots, num_tokens = batch.target_slots, batch.num_tokens
         kv_lens = np.subtract(num_tokens, 1)
-        assert (self.pool.lengths[slots] == kv_lens).all(), "target must lag by exactly one token"
+        assert (self.pool.lengths[slots] + steps_unread == kv_lens).all(), "target must lag by exactly one token"
         st = SamplingTensors.build(batch.params, batch.seeds, device)
-        slot_ids, starts, last, num_draft = to_device([slots, kv_lens.tolist(), batch.last_tokens, batch.num_draft],
-                                                      torch.long, device)
+        on_host = not isinstance(batch.last_tokens, torch.Tensor)
+        columns = [slots, kv_lens.tolist(), batch.num_draft] + ([batch.last_tokens] if on_host else [])
+        slot_ids, starts, num_draft, *last = to_device(columns, torch.long, device)
+        last = last[0] if on_host else batch.last_tokens
         drafts = batch.draft_tokens.to(device)
         self.pool.reserve(slots, np.add(num_tokens, batch.num_draft))  # the real drafts; padding writes no block
         ids = torch.cat([last[:, None], drafts], dim=1)  # [B, L + 1]
@@ -147,7 +157,18 @@ class VerifyLane:
         columns = [out.tokens, out.num_accepted[:, None]]
         if k is not None:
             columns.append(pack(logits, out.tokens, k))  # [B, (L + 1) * (1 + 2k)]
-        return PendingVerify(self, batch, k, ids.shape[1], to_host_async(torch.cat(columns, dim=1)))
+        return PendingVerify(self, batch, k, ids.shape[1], to_host_async(torch.cat(columns, dim=1)), out.tokens)
+
+    def launch_after(self, pending: "PendingVerify") -> "PendingVerify":
+        """Async scheduling: the decode step that follows `pending`, launched before `pending` is read,
+        so that its host work and launch overlap `pending` on the device instead of following it. Each
+        row's input is the token `pending` samples, taken on the device; the stream orders the two
+        steps. Only after a step without drafts: every row of it emits exactly one token, so each
+        row's next position is known on the host without reading it."""
+        batch = pending.batch
+        assert pending.width == 1 and not any(batch.num_draft), "only a step without drafts emits one token a row"
+        following = replace(batch, num_tokens=[n + 1 for n in batch.num_tokens], last_tokens=pending.tokens[:, 0])
+        return self.launch(following, steps_unread=1)
 
     def _finish(self, pending: "PendingVerify", host: torch.Tensor) -> VerifyResult:
         batch, k, width = pending.batch, pending.k, pending.width
