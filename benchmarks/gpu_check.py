@@ -92,7 +92,7 @@ def median_ms(fn, repeats: int = 10) -> float:
 
 def engine_greedy_check() -> dict:
     """Engine greedy output against HF's on CUDA (kernel and CUDA graphs on), with small prefill budgets (prompts
-    in chunks), with large ones (whole prompts batched: graphed prefill), and without drafts (steps launched ahead)."""
+    in chunks), with large ones (whole prompts batched: graphed prefill), and without drafts; async scheduling on."""
     from tests.conftest import make_pair
     from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
 
@@ -103,7 +103,7 @@ def engine_greedy_check() -> dict:
     refs = [hf_greedy(target, p, 24) for p in prompts]
     result = {"prompts": len(prompts)}
     for name, chunk, idle, drafter in (("chunked", 32, 64, draft), ("whole_prompts", 256, 1024, draft),
-                                       ("nospec_ahead", 32, 64, None)):
+                                       ("nospec", 32, 64, None)):
         # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
         config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle)
         engine = EngineCore.colocated(target, drafter, config)
@@ -349,16 +349,16 @@ def engine_loop(out: Path, steps: int = 128, traced: int = 16) -> dict:
     """`EngineCore.step()` at 1 in flight on the shaped pair (random bf16: drafts are rarely accepted, so a spec
     step yields about one token), L = 3: each decode step's wall time against the device's busy time, from a
     profiler trace of `traced` steps by region (lanes/engine/step_trace.py, files under `out`). The difference
-    is what the loop adds to a step where the GPU waits on the host; nospec with async scheduling and without."""
+    is what the loop adds to a step where the GPU waits on the host; each mode with async scheduling and without."""
     from lanes.engine.step_trace import start_trace
 
     models = shaped_models()
     prompt = torch.randint(1, 32000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     result = {}
-    for mode in ("nospec", "nospec_host_first", "spec"):
+    for mode in ("nospec", "nospec_host_first", "spec", "spec_host_first"):
         config = EngineConfig(max_model_len=2048, max_num_seqs=8, num_speculative_tokens=3, num_kv_blocks=1024,
-                              async_scheduling=mode != "nospec_host_first")
-        draft = LoadedModel(models["draft"], None, "draft") if mode == "spec" else None
+                              async_scheduling=not mode.endswith("host_first"))
+        draft = LoadedModel(models["draft"], None, "draft") if mode.startswith("spec") else None
         engine = EngineCore.colocated(LoadedModel(models["target"], None, "target"), draft, config)
         for request in range(2):  # the first warms up; the second is timed, then traced
             engine.add_request(str(request), prompt, SamplingParams(max_tokens=steps + traced + 2, ignore_eos=True))

@@ -5,7 +5,9 @@ the engine must fall back to reading first wherever the next step needs the host
 
 import pytest
 
+from lanes.engine.core import EngineConfig, EngineCore
 from lanes.sample.params import SamplingParams
+from lanes.spec.ngram import NgramProposer
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 
 VOCAB = 64  # the tests' tiny pair (tests/conftest.py)
@@ -105,15 +107,39 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_and_without_async_schedu
         assert ahead[rid][1] == pytest.approx(host_first[rid][1], abs=1e-9)
 
 
-def test_drafts_and_penalties_keep_the_host_in_the_loop(llama_pair):
+def test_spec_drafts_ahead_and_keeps_greedy_and_seeded_output(llama_pair):
+    """With a draft model the next step's draft starts from the verify step's device output: the accepted
+    count picks its input (the bonus token, or the last draft and the bonus token) and its positions."""
+    target, draft = llama_pair
+    prompts = random_prompts(3, VOCAB, 4, 16, seed=37)
+    greedy = {str(i): (p, SamplingParams(max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)}
+    ahead, host_first = (small_engine(target, draft, num_speculative_tokens=3, async_scheduling=on) for on in (1, 0))
+    outputs = run_to_completion(ahead, greedy)
+    assert outputs == run_to_completion(host_first, greedy)
+    assert all(outputs[str(i)] == hf_greedy(target, p, 40) for i, p in enumerate(prompts))
+    # The same drafts, position by position: both of the inputs drafted ahead (drafts accepted in part, and
+    # whole: accepted_per_pos[2] counts verify steps of 3 drafts that kept all 3) fed what the host would.
+    stats = ahead.total_stats
+    assert stats.to_dict() == host_first.total_stats.to_dict()
+    assert ahead.num_steps_ahead >= 10 and stats.accepted_per_pos[2] > 0 and stats.num_drafts > stats.accepted_per_pos[0]
+    sampled = {str(i): (p, SamplingParams(max_tokens=40, temperature=0.9, seed=11 + i, ignore_eos=True))
+               for i, p in enumerate(prompts)}
+    runs = [run_to_completion(small_engine(target, draft, num_speculative_tokens=3, async_scheduling=on), sampled)
+            for on in (True, False)]
+    assert runs[0] == runs[1]
+
+
+def test_prompt_lookup_and_penalties_keep_the_host_in_the_loop(llama_pair):
     target, draft = llama_pair
     prompts = random_prompts(2, VOCAB, 4, 16, seed=36)
-    spec = small_engine(target, draft)
-    assert run_to_completion(spec, _requests(prompts))["1"] == hf_greedy(target, prompts[1], 9)
-    assert spec.num_steps_ahead == 0  # each verify's accepted length decides the next step's positions
+    long = {str(i): (p, SamplingParams(max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)}
     penalised = small_engine(target, None)
     run_to_completion(penalised, _requests(prompts, repetition_penalty=1.3))
     assert penalised.num_steps_ahead == 0  # the next token's penalty counts this one
+    lookup = EngineCore.colocated(target, None, EngineConfig(max_model_len=320, num_speculative_tokens=3),
+                                  proposer=NgramProposer(1, 3))
+    run_to_completion(lookup, long)
+    assert lookup.num_steps_ahead == 0  # the next lookup needs the tokens on the host
     spec_off = small_engine(target, draft)
     spec_off.set_draft_lengths(0)
     outputs = run_to_completion(spec_off, _requests(prompts))

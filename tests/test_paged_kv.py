@@ -47,8 +47,9 @@ def test_greedy_equals_hf_with_blocks_crossed_mid_draft_and_mid_rollback(llama_p
 @pytest.mark.parametrize("block_size", [1, 3])
 def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_size):
     """Each slot holds the blocks its length needs and at most those of one draft more (rollback keeps
-    the blocks the next step writes again), and the KV read through its block table equals a fresh
-    forward over the committed tokens."""
+    the blocks the next step writes again), or two where a step was launched ahead of the one before it
+    (async scheduling reserves for the longest acceptance), and the KV read through its block table
+    equals a fresh forward over the committed tokens."""
     target, draft = llama_pair
     engine = small_engine(target, draft, num_speculative_tokens=4, block_size=block_size)
     for i, p in enumerate(random_prompts(3, VOCAB, 5, 30, seed=12)):
@@ -60,7 +61,8 @@ def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_s
             for runner, slot in ((engine.verifier.lane.runner, seq.target_slot), (engine.draft, seq.draft_slot)):
                 pool = runner.pool
                 n = int(pool.lengths[slot])
-                assert -(-n // block_size) <= pool.num_held[slot] <= -(-(n + 4 + 1) // block_size)
+                slack = 4 + 1 + (4 if engine.num_steps_ahead else 0)
+                assert -(-n // block_size) <= pool.num_held[slot] <= -(-(n + slack) // block_size)
                 assert len(set(pool.slot_blocks(slot))) == pool.num_held[slot]
                 torch.testing.assert_close(pool.read_slot(slot)[0], _reference_keys(runner.model, seq.token_ids[:n]),
                                            rtol=1e-9, atol=1e-9)
@@ -69,7 +71,7 @@ def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_s
         for pool in _pools(engine):
             held = np.concatenate([pool.slot_blocks(s) for s in range(pool.shape.num_slots)] + [[]]).astype(int)
             assert len(held) == len(set(held.tolist())) == pool.shape.num_blocks - pool.num_free_blocks
-    assert checked > 0
+    assert checked > 0 and engine.num_steps_ahead > 0
     _assert_no_leaks(engine)
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
@@ -481,32 +482,46 @@ class EngineCore:
 
     def _launch_next(self, flight: _InFlight) -> _InFlight | None:
         """Async scheduling: the decode step after `flight`, launched before `flight` is read, or None
-        where the host must read `flight` first. It goes ahead only when it would decode the same
-        rows with nothing else to schedule (nothing waiting, prefilling or lost), every row decodes
-        without drafts (each emits one token, so its next position is known), needs no history of its
-        tokens on the host (penalties, a grammar), and has more than one token left before max_tokens.
-        A row that ends otherwise in `flight` (EOS, a stop string, an abort) wastes its next token,
-        which is dropped, and keeps its blocks until the step after is read (`_finish`)."""
+        where the host must read `flight` first. It goes ahead only when it would decode the same rows
+        with nothing else to schedule (nothing waiting, prefilling or lost) and each row's next step is
+        known without its tokens on the host (`_next_draft_len`). A row that ends in `flight` (EOS, a stop
+        string, an abort) wastes its next step's tokens, which are dropped, and keeps its blocks until that
+        step is read (`_finish`). The whole step runs on the verify stream, after `flight` there."""
         rows, scheduler = flight.rows, self.scheduler
         ready = (self.config.async_scheduling and isinstance(flight.pending, PendingVerify)  # a local verify step
-                 and not any(flight.proposal.num_draft) and len(rows) <= self.step_cap.rows
+                 and len(rows) <= self.step_cap.rows
                  and len(rows) == len(scheduler.running) and all(a is b for a, b in zip(rows, scheduler.running))
                  and not (scheduler.waiting or scheduler.prefilling or self.prefiller.has_replies or self._lost))
-        if not ready or not all(self._decodes_ahead(seq) for seq in rows):
+        draft_lens = [self._next_draft_len(s, n) for s, n in zip(rows, flight.proposal.num_draft)] if ready else [None]
+        if None in draft_lens or (any(draft_lens) and not all(draft_lens)):
             return None
-        self.streams.decode_after_current()
-        self.streams.verify_after_decode()
+        num_tokens = [len(s.token_ids) for s in rows]  # T before `flight`'s tokens
         try:
-            with region("verify_launch"), on(self.streams.verify):
-                pending = flight.pending.launch_next()
+            with on(self.streams.verify):
+                with region("draft"):
+                    proposal = (self.proposer.propose_ahead(rows, draft_lens, flight.pending, num_tokens)
+                                if any(draft_lens) else self._propose(rows, draft_lens))
+                with region("verify_launch"):
+                    batch = VerifyBatch([s.target_slot for s in rows], None, None, proposal.tokens, proposal.probs,
+                                        proposal.num_draft, [s.params for s in rows], [s.seed for s in rows],
+                                        [s.target_lease for s in rows])
+                    pending = flight.pending.launch_next(batch, num_tokens)
         except PoolFullError:  # its blocks do not fit: the scheduler makes room once `flight` is read
             return None
         self.num_steps_ahead += 1
-        return _InFlight(rows, flight.proposal, pending)
+        return _InFlight(rows, proposal, pending)
 
-    def _decodes_ahead(self, seq: Sequence) -> bool:
-        return (seq.finish_reason is None and seq.remaining_tokens > 1 and seq.grammar is None
-                and not seq.params.penalised and (self.proposer is None or seq.draft_len == 0))
+    def _next_draft_len(self, seq: Sequence, num_draft: int) -> int | None:
+        """The drafts `seq` proposes in the step after one of `num_draft` drafts, where that is known before
+        the step is read; else None. Not known with penalties or a grammar (they need the step's tokens on
+        the host), with drafts from prompt lookup or a draft cache that did not draft in that step, or
+        near max_tokens, where the next step's drafts would depend on how many are accepted."""
+        if seq.finish_reason is not None or seq.grammar is not None or seq.params.penalised:
+            return None
+        draft_len = min(seq.draft_len, self.config.max_draft_len) if self.proposer is not None else 0
+        if draft_len and not (num_draft and isinstance(self.proposer, DraftLane)):
+            return None
+        return draft_len if seq.remaining_tokens >= num_draft + draft_len + 2 else None
 
     def _read(self, flight: _InFlight) -> list[RequestOutput]:
         """Read a decode step launched earlier, append its tokens, and give back the slots of the rows
@@ -524,6 +539,8 @@ class EngineCore:
             result = pending.result()
         if self.draft is not None:
             with region("rollback"):
+                if proposal.ahead:  # drafted from the device: fed up to draft n - 1 (DraftLane._draft sets this)
+                    self.draft.pool.lengths[[s.draft_slot for s in running]] = np.add(num_tokens, proposal.num_draft) - 1
                 rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
         with region("append"):
             return self._append_verified(running, proposal, result)

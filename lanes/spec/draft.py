@@ -9,17 +9,20 @@ drawn token is, while the next forward runs: the next position's mask depends on
 import itertools
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from lanes.device.batching import pad_rows, pad_tokens, to_device, to_host_async
+from lanes.device.batching import PAD_TOKEN_ID, pad_rows, pad_tokens, to_device, to_host_async
 from lanes.engine.sequence import Sequence
 from lanes.model.runner import ModelRunner, Rows
 from lanes.sample.grammar import ColumnMasks
 from lanes.sample.penalties import Penalties, PenaltyHistory
 from lanes.sample.sampling import STREAM_DRAFT, SamplingTensors, draw
+
+if TYPE_CHECKING:
+    from lanes.spec.verify import PendingVerify
 
 CATCH_UP_CHUNK = 64  # tokens per catch-up forward for a sequence whose draft cache fell behind
 # Catch-up forwards one step runs at most. A row's draft cache may lag by a whole prompt (prefilled at L = 0,
@@ -36,6 +39,9 @@ class DraftProposal:
     # is one-hot at every token (greedy rows, or a lookup proposer): 4 bytes a token travel, not 4 V
     num_draft: list[int]  # tokens drafted per row (a lookup proposer may find fewer than asked)
     masks: ColumnMasks | None = None  # rows with a grammar: the bitmasks the draft was sampled under
+    # Drafted before the step it follows was read (DraftLane.propose_ahead): the draft pool's lengths are
+    # set on the host once this step is read (EngineCore._finish_decode).
+    ahead: bool = False
 
     @classmethod
     def empty(cls, batch: int, device) -> "DraftProposal":
@@ -117,7 +123,43 @@ class DraftLane:
         rows = Rows(slot_ids, base, max(num_tokens))  # every row now holds its committed tokens
         # The target's penalties on the draft's own proposals, for acceptance (correctness never needs them).
         penalties = Penalties.build([s.params for s in seqs], PenaltyHistory.of(seqs), logits.shape[-1], logits.device)
-        tokens, probs = [], []
+        tokens, probs = self._draw_drafts(logits, rows, max_len, st, penalties, masks, batch_rows)
+        # Fed everything up to draft n - 1; draft n was sampled but not fed.
+        pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
+        return tokens, probs, masks  # [B, L], [B, L, V]
+
+    def propose_ahead(self, seqs: list[Sequence], draft_lens: list[int], verified: "PendingVerify",
+                      num_tokens: list[int]) -> DraftProposal:
+        """Async scheduling: draft the step after `verified`, a verify step of the same rows not read yet,
+        from what it commits, taken on the device. Each row drafted n > 0 tokens in that step (T committed
+        before it, `num_tokens`): once k are accepted, its draft cache holds T + min(k, n - 1) tokens
+        (lanes/spec/rollback.py), so the input is the bonus token alone (k < n) or the last draft and the
+        bonus token (k = n), as `_draft` pads them. No penalties, grammar or catch-up (EngineCore._launch_next)."""
+        pool, device = self.runner.pool, self.runner.device
+        slots, n = [s.draft_slot for s in seqs], np.asarray(verified.batch.num_draft)
+        pool.reserve(slots, np.add(num_tokens, n) + draft_lens)  # up to draft n' - 1 after the longest acceptance
+        accepted, n_rows = verified.out.num_accepted, verified.num_draft  # [B], [B] on the device
+        bonus = verified.out.tokens.gather(1, accepted[:, None])[:, 0]
+        full = accepted == n_rows
+        last_draft = verified.inputs.gather(1, n_rows[:, None])[:, 0]  # column 0 is the token before the drafts
+        pair = torch.stack([torch.where(full, last_draft, bonus), torch.where(full, bonus, PAD_TOKEN_ID)], dim=1)
+        before = verified.rows.starts + 1  # T
+        slot_ids = to_device(slots, torch.long, device)
+        starts = before + torch.minimum(accepted, n_rows - 1)
+        logits = self.runner.forward(Rows(slot_ids, starts, int(np.add(num_tokens, n).max()) - 1), pair,
+                                     keep=full.long())  # [B, V]
+        base = before + accepted + 1  # T': every row now holds its committed tokens
+        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
+        rows = Rows(slot_ids, base, int(np.add(num_tokens, n).max()) + 1)
+        tokens, probs = self._draw_drafts(logits, rows, max(draft_lens), st)
+        return DraftProposal(tokens, probs, list(draft_lens), ahead=True)
+
+    def _draw_drafts(self, logits: torch.Tensor, rows: Rows, max_len: int, st: SamplingTensors,
+                     penalties: Penalties | None = None, masks: ColumnMasks | None = None,
+                     batch_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draw `max_len` drafts a row from the logits at each row's committed end (`rows.starts`: T), one
+        forward per draft after the first. Returns [B, L] and their distributions [B, L, V] (None: greedy)."""
+        base, tokens, probs = rows.starts, [], []
         for j in range(max_len):
             if masks is not None:
                 logits = masks.apply(logits, j, batch_rows)
@@ -132,9 +174,7 @@ class DraftLane:
                 rows = rows.advanced(1)
             if drawn is not None:
                 masks.advance(j, drawn.wait().tolist(), batch_rows)
-        # Fed everything up to draft n - 1; draft n was sampled but not fed.
-        pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
-        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None, masks  # [B, L], [B, L, V]
+        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None
 
     def _catch_up(self, seqs: list[Sequence], slots: list[int], num_tokens: list[int]) -> np.ndarray:
         """Feed tokens the draft has not seen (after a stretch with L = 0, or a prompt prefilled at

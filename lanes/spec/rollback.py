@@ -10,7 +10,8 @@ model's cache stays valid up to T + k tokens and no further:
 Positions past the new length are left as they are; the next write overwrites them and the mask
 hides them until then. Whole blocks past the new length hold only rejected tokens, and they stay
 with the slot: the next step writes the same positions again (vLLM keeps its lookahead slots the same
-way), so a row holds at most the blocks of its length plus one draft. Giving them back at every
+way), so a row holds at most the blocks of its length plus one draft (two after a step launched ahead,
+lanes/engine/core.py EngineCore._launch_next). Giving them back at every
 rejection and taking them again the next step was host work on the critical path: in gpu_check.py's
 7B verify step at 64 rows, where every row crosses a block each step, 14.34 against 13.73 ms on an
 H200 (benchmarks/results/gpu_evidence_h200/step_paged_ae6a372, step_paged_dc80e56). They go back with the

@@ -6,7 +6,7 @@ Per step: one host-to-device copy of the rows' inputs, one device-to-host copy o
 the pool's lengths set for the whole batch at once.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,17 +18,18 @@ from lanes.sample.logprobs import TokenLogprobs, batch_k, pack, unpack
 from lanes.sample.params import SamplingParams
 from lanes.sample.penalties import Penalties, PenaltyHistory
 from lanes.sample.sampling import STREAM_ACCEPT, STREAM_TARGET, SamplingTensors, logits_to_probs, uniform_noise
-from lanes.spec.rejection import greedy_verify, point_mass, rejection_sample
+from lanes.spec.rejection import RejectionOutput, greedy_verify, point_mass, rejection_sample
 from lanes.spec.rollback import rollback_after_verify
 
 
 @dataclass
 class VerifyBatch:
     target_slots: list[int]
-    num_tokens: list[int]  # T per row: committed tokens, the last of which the target has not seen
-    # The last committed token per row: a host list, or [B] on the device where the step that samples it
-    # has not been read yet (VerifyLane.launch_after).
-    last_tokens: list[int] | torch.Tensor
+    # T per row: committed tokens, the last of which the target has not seen. None for a step launched
+    # before the step it follows was read (VerifyLane.launch_after): the target's pool holds T - 1 once
+    # that one has been read, and its last tokens are on the device.
+    num_tokens: list[int] | None
+    last_tokens: list[int] | None
     # [B, L] int64. Over a verify channel on one device, a DraftRef in transit: the slot of the engine's ring
     # that holds them (lanes/device/shared_drafts.py), turned back into a tensor by the verify replica.
     draft_tokens: torch.Tensor
@@ -84,15 +85,19 @@ class PendingVerify:
     k: int | None  # top logprobs packed per column, None when no row asked
     width: int  # L + 1 columns
     copy: HostCopy
-    tokens: torch.Tensor  # [B, L + 1] on the device: what `copy` brings back, for a step launched after this one
+    # On the device, for a step launched after this one before it is read (VerifyLane.launch_after):
+    rows: Rows  # the target's slots and each row's T - 1
+    inputs: torch.Tensor  # [B, L + 1] the last committed token, then the drafts
+    num_draft: torch.Tensor  # [B]
+    out: RejectionOutput  # what `copy` brings back
 
     def result(self) -> VerifyResult:
         """Wait for the copy, then set the pool's lengths and roll rejected drafts back."""
         return self.lane._finish(self, self.copy.wait())
 
-    def launch_next(self) -> "PendingVerify":
-        """The decode step after this one, launched before this one is read (VerifyLane.launch_after)."""
-        return self.lane.launch_after(self)
+    def launch_next(self, batch: VerifyBatch, num_tokens: list[int]) -> "PendingVerify":
+        """The verify step after this one, launched before this one is read (VerifyLane.launch_after)."""
+        return self.lane.launch_after(self, batch, num_tokens)
 
 
 class VerifyLane:
@@ -124,24 +129,40 @@ class VerifyLane:
         ordinary decode step of the target."""
         return self.launch(batch).result()
 
-    def launch(self, batch: VerifyBatch, steps_unread: int = 0) -> "PendingVerify":
+    def launch(self, batch: VerifyBatch) -> "PendingVerify":
         """`verify` up to its one device-to-host copy, queued without waiting for it, so that the
         engine can launch other work (a prefill chunk) while the GPU verifies. Nothing reads the
-        result or touches the pool's lengths until `PendingVerify.result()`. `steps_unread`: decode
-        steps of these rows launched and not read yet, whose tokens the pool's lengths do not count."""
-        device = self.runner.device
+        result or touches the pool's lengths until `PendingVerify.result()`."""
         slots, num_tokens = batch.target_slots, batch.num_tokens
         kv_lens = np.subtract(num_tokens, 1)
-        assert (self.pool.lengths[slots] + steps_unread == kv_lens).all(), "target must lag by exactly one token"
-        st = SamplingTensors.build(batch.params, batch.seeds, device)
-        on_host = not isinstance(batch.last_tokens, torch.Tensor)
-        columns = [slots, kv_lens.tolist(), batch.num_draft] + ([batch.last_tokens] if on_host else [])
-        slot_ids, starts, num_draft, *last = to_device(columns, torch.long, device)
-        last = last[0] if on_host else batch.last_tokens
-        drafts = batch.draft_tokens.to(device)
+        assert (self.pool.lengths[slots] == kv_lens).all(), "target must lag by exactly one token"
+        slot_ids, starts, last, num_draft = to_device([slots, kv_lens.tolist(), batch.last_tokens, batch.num_draft],
+                                                      torch.long, self.runner.device)
         self.pool.reserve(slots, np.add(num_tokens, batch.num_draft))  # the real drafts; padding writes no block
+        return self._launch(batch, Rows(slot_ids, starts, int(kv_lens.max())), last, num_draft)
+
+    def launch_after(self, pending: "PendingVerify", batch: VerifyBatch, num_tokens: list[int]) -> "PendingVerify":
+        """Async scheduling: verify `batch` (the rows of `pending`, in its order, with their next drafts)
+        before `pending` is read, so that the host's work and launch overlap `pending` on the device
+        instead of following it. Each row's T and last token are what `pending` commits, taken on the
+        device; the stream orders the two steps. `num_tokens`: T per row before `pending`, which bounds
+        the positions on the host (a row commits at most its drafts + 1)."""
+        assert batch.num_tokens is None and batch.target_slots == pending.batch.target_slots
+        accepted = pending.out.num_accepted
+        last = pending.out.tokens.gather(1, accepted[:, None])[:, 0]  # [B] the recovered or bonus token
+        starts = pending.rows.starts + accepted + 1  # T' - 1 = T + k
+        most = np.add(num_tokens, pending.batch.num_draft)  # the largest T' - 1
+        self.pool.reserve(batch.target_slots, most + 1 + np.asarray(batch.num_draft))
+        num_draft = to_device(batch.num_draft, torch.long, self.runner.device)
+        return self._launch(batch, Rows(pending.rows.slot_ids, starts, int(most.max())), last, num_draft)
+
+    def _launch(self, batch: VerifyBatch, rows: Rows, last: torch.Tensor, num_draft: torch.Tensor
+                ) -> "PendingVerify":
+        device, starts = self.runner.device, rows.starts
+        st = SamplingTensors.build(batch.params, batch.seeds, device)
+        drafts = batch.draft_tokens.to(device)
         ids = torch.cat([last[:, None], drafts], dim=1)  # [B, L + 1]
-        logits = self.runner.forward(Rows(slot_ids, starts, int(kv_lens.max())), ids)  # [B, L + 1, V]
+        logits = self.runner.forward(rows, ids)  # [B, L + 1, V]
         if batch.token_bitmask is not None:  # structured output: p is the masked target
             logits = apply_token_bitmask(logits, batch.token_bitmask)
         # Penalised target: column c counts the drafts before it (lanes/sample/penalties.py). Logprobs stay raw.
@@ -157,22 +178,14 @@ class VerifyLane:
         columns = [out.tokens, out.num_accepted[:, None]]
         if k is not None:
             columns.append(pack(logits, out.tokens, k))  # [B, (L + 1) * (1 + 2k)]
-        return PendingVerify(self, batch, k, ids.shape[1], to_host_async(torch.cat(columns, dim=1)), out.tokens)
-
-    def launch_after(self, pending: "PendingVerify") -> "PendingVerify":
-        """Async scheduling: the decode step that follows `pending`, launched before `pending` is read,
-        so that its host work and launch overlap `pending` on the device instead of following it. Each
-        row's input is the token `pending` samples, taken on the device; the stream orders the two
-        steps. Only after a step without drafts: every row of it emits exactly one token, so each
-        row's next position is known on the host without reading it."""
-        batch = pending.batch
-        assert pending.width == 1 and not any(batch.num_draft), "only a step without drafts emits one token a row"
-        following = replace(batch, num_tokens=[n + 1 for n in batch.num_tokens], last_tokens=pending.tokens[:, 0])
-        return self.launch(following, steps_unread=1)
+        return PendingVerify(self, batch, k, ids.shape[1], to_host_async(torch.cat(columns, dim=1)), rows, ids,
+                             num_draft, out)
 
     def _finish(self, pending: "PendingVerify", host: torch.Tensor) -> VerifyResult:
         batch, k, width = pending.batch, pending.k, pending.width
         slots, num_tokens = batch.target_slots, batch.num_tokens
+        if num_tokens is None:  # launched ahead: the step before it has been read, and the pool holds T - 1
+            num_tokens = self.pool.lengths[slots] + 1
         accepted = host[:, width].numpy()
         self.pool.lengths[slots] = np.add(num_tokens, batch.num_draft)  # what this forward wrote for the real drafts
         rollback_after_verify(self.pool, slots, num_tokens, accepted)
