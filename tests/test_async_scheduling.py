@@ -1,7 +1,7 @@
 """Async scheduling (EngineConfig.async_scheduling): a decode step launched before the one it follows is
 read. Its output must be exactly what the engine gives with the host in the loop, a row that ends while
 its next step is in flight must lose that step's token and keep its blocks until the step is read, and
-the engine must fall back to reading first wherever the next step needs the host (drafts, penalties)."""
+the engine must fall back to reading first wherever the next step needs the host (penalties, prompt lookup)."""
 
 import pytest
 

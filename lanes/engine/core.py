@@ -87,9 +87,9 @@ class EngineConfig:
     max_oom_attempts: int = 3
     lane_name: str = "engine"  # whose memory plan and refusals the log and errors name
     kv_copied_out: bool = False  # each prompt's KV is copied out of its blocks (the prefill lane's hand-over)
-    # Launch the next decode step before reading this one's tokens, where no request needs them on the
-    # host first (no drafts, penalties or grammar, nothing to admit): the host's work between two steps
-    # then overlaps the device's (vLLM's async scheduling). EngineCore._launch_next says when.
+    # Launch the next decode step (its drafts, then its verify) before reading this one's tokens, where no
+    # request needs them on the host first (no penalties, grammar or prompt lookup, nothing to admit): the
+    # host's work between two steps then overlaps the device's (vLLM's async scheduling). EngineCore._launch_next.
     async_scheduling: bool = True
     fit_max_model_len: bool = False  # max_model_len was left unset: lower it to the longest that fits (CUDA)
 
