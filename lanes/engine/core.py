@@ -538,10 +538,11 @@ class EngineCore:
         with region("verify_wait"):
             result = pending.result()
         if self.draft is not None:
+            slots = [s.draft_slot for s in running]
             with region("rollback"):
                 if proposal.ahead:  # drafted from the device: fed up to draft n - 1 (DraftLane._draft sets this)
-                    self.draft.pool.lengths[[s.draft_slot for s in running]] = np.add(num_tokens, proposal.num_draft) - 1
-                rollback_after_verify(self.draft.pool, [s.draft_slot for s in running], num_tokens, result.num_accepted)
+                    self.draft.pool.lengths[slots] = np.add(num_tokens, proposal.num_draft) - 1
+                rollback_after_verify(self.draft.pool, slots, num_tokens, result.num_accepted)
         with region("append"):
             return self._append_verified(running, proposal, result)
 
