@@ -91,8 +91,8 @@ def median_ms(fn, repeats: int = 10) -> float:
 # ---- correctness ----------------------------------------------------------------------------
 
 def engine_greedy_check() -> dict:
-    """Engine greedy output against HF's on CUDA (kernel and CUDA graphs on), with small prefill budgets (prompts
-    in chunks), with large ones (whole prompts batched: graphed prefill), and without drafts; async scheduling on."""
+    """Engine greedy output against HF's on CUDA (its defaults there: kernel and CUDA graphs; async scheduling on), with
+    small prefill budgets (prompts in chunks), large ones (whole prompts batched: graphed prefill), and no drafts."""
     from tests.conftest import make_pair
     from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion
 
@@ -104,8 +104,8 @@ def engine_greedy_check() -> dict:
     result = {"prompts": len(prompts)}
     for name, chunk, idle, drafter in (("chunked", 32, 64, draft), ("whole_prompts", 256, 1024, draft),
                                        ("nospec", 32, 64, None)):
-        # On CUDA the engine defaults to the in-place attention kernel and CUDA graphs.
-        config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle)
+        config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle,
+                              async_scheduling=True)
         engine = EngineCore.colocated(target, drafter, config)
         assert engine.verifier.lane.runner.graphs is not None and engine.verifier.lane.runner.attention_kernel
         outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))

@@ -24,12 +24,12 @@ def _slots_used(engine) -> int:
 def test_nospec_steps_ahead_and_keeps_greedy_output(llama_pair):
     target, _ = llama_pair
     prompts = random_prompts(4, VOCAB, 3, 20, seed=31)
-    ahead, host_first = small_engine(target, None), small_engine(target, None, async_scheduling=False)
+    ahead, host_first = small_engine(target, None, async_scheduling=True), small_engine(target, None)
     outputs = run_to_completion(ahead, _requests(prompts))
     assert outputs == run_to_completion(host_first, _requests(prompts))
     for i, p in enumerate(prompts):
         assert outputs[str(i)] == hf_greedy(target, p, 6 + 3 * i)
-    # Most steps of a batch that only decodes go ahead; none without async scheduling.
+    # Most steps of a batch that only decodes go ahead; none without async scheduling (the default).
     assert ahead.num_steps_ahead >= 10 and host_first.num_steps_ahead == 0
     assert _slots_used(ahead) == 0 and not ahead.has_work
 
@@ -37,7 +37,7 @@ def test_nospec_steps_ahead_and_keeps_greedy_output(llama_pair):
 def test_a_request_arriving_mid_stream_joins_after_the_step_in_flight(llama_pair):
     target, _ = llama_pair
     first, second = random_prompts(2, VOCAB, 5, 12, seed=32)
-    engine = small_engine(target, None)
+    engine = small_engine(target, None, async_scheduling=True)
     engine.add_request("a", first, SamplingParams(max_tokens=20, ignore_eos=True))
     tokens = {"a": [], "b": []}
     for step in range(200):
@@ -56,7 +56,7 @@ def test_a_row_stopped_while_its_next_step_is_in_flight_drops_its_token_and_free
     prompt = random_prompts(1, VOCAB, 12, 12, seed=33)[0]
     ref = hf_greedy(target, prompt, 30)
     stop_at = next(i for i in range(6, 30) if ref[i] not in ref[:i])
-    engine = small_engine(target, None)
+    engine = small_engine(target, None, async_scheduling=True)
     engine.add_request("s", prompt, SamplingParams(max_tokens=30, stop_token_ids=[ref[stop_at]]))
     tokens, last = [], None
     while last is None or not last.finished:
@@ -73,7 +73,7 @@ def test_a_row_stopped_while_its_next_step_is_in_flight_drops_its_token_and_free
 def test_an_abort_while_a_step_is_in_flight_frees_the_slot_once_the_step_is_read(llama_pair):
     target, _ = llama_pair
     prompt = random_prompts(1, VOCAB, 8, 8, seed=34)[0]
-    engine = small_engine(target, None)
+    engine = small_engine(target, None, async_scheduling=True)
     engine.add_request("x", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
     while engine.num_steps_ahead < 3:
         engine.step()
@@ -134,14 +134,15 @@ def test_prompt_lookup_and_penalties_keep_the_host_in_the_loop(llama_pair):
     target, draft = llama_pair
     prompts = random_prompts(2, VOCAB, 4, 16, seed=36)
     long = {str(i): (p, SamplingParams(max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)}
-    penalised = small_engine(target, None)
+    penalised = small_engine(target, None, async_scheduling=True)
     run_to_completion(penalised, _requests(prompts, repetition_penalty=1.3))
     assert penalised.num_steps_ahead == 0  # the next token's penalty counts this one
-    lookup = EngineCore.colocated(target, None, EngineConfig(max_model_len=320, num_speculative_tokens=3),
+    lookup = EngineCore.colocated(target, None, EngineConfig(max_model_len=320, num_speculative_tokens=3,
+                                                             async_scheduling=True),
                                   proposer=NgramProposer(1, 3))
     run_to_completion(lookup, long)
     assert lookup.num_steps_ahead == 0  # the next lookup needs the tokens on the host
-    spec_off = small_engine(target, draft)
+    spec_off = small_engine(target, draft, async_scheduling=True)
     spec_off.set_draft_lengths(0)
     outputs = run_to_completion(spec_off, _requests(prompts))
     assert spec_off.num_steps_ahead > 0  # speculation switched off by the controller: it decodes ahead

@@ -31,9 +31,9 @@ async def _tokens(engine, prompt, params) -> list[int]:
     return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
 
 
-@pytest.fixture(scope="module")
-def engine_args():
-    return dict(factory=partial(pair_engine, "llama"), describe=_slots_total)
+@pytest.fixture(scope="module", params=[False, True], ids=["host_first", "async_scheduling"])
+def engine_args(request):
+    return dict(factory=partial(pair_engine, "llama", async_scheduling=request.param), describe=_slots_total)
 
 
 def _slots_total(core) -> int:

@@ -51,7 +51,7 @@ def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_s
     (async scheduling reserves for the longest acceptance), and the KV read through its block table
     equals a fresh forward over the committed tokens."""
     target, draft = llama_pair
-    engine = small_engine(target, draft, num_speculative_tokens=4, block_size=block_size)
+    engine = small_engine(target, draft, num_speculative_tokens=4, block_size=block_size, async_scheduling=True)
     for i, p in enumerate(random_prompts(3, VOCAB, 5, 30, seed=12)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
     checked = 0

@@ -90,7 +90,8 @@ class EngineConfig:
     # Launch the next decode step (its drafts, then its verify) before reading this one's tokens, where no
     # request needs them on the host first (no penalties, grammar or prompt lookup, nothing to admit): the
     # host's work between two steps then overlaps the device's (vLLM's async scheduling). EngineCore._launch_next.
-    async_scheduling: bool = True
+    # Off by default until a GPU run has timed it (benchmarks/gpu_check.py --engine).
+    async_scheduling: bool = False
     fit_max_model_len: bool = False  # max_model_len was left unset: lower it to the longest that fits (CUDA)
 
     def __post_init__(self):
