@@ -8,9 +8,8 @@ import pytest
 from lanes.engine.core import EngineConfig, EngineCore
 from lanes.sample.params import SamplingParams
 from lanes.spec.ngram import NgramProposer
+from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
-
-VOCAB = 64  # the tests' tiny pair (tests/conftest.py)
 
 
 def _requests(prompts, **params):
