@@ -91,7 +91,7 @@ def median_ms(fn, repeats: int = 10) -> float:
 # ---- correctness ----------------------------------------------------------------------------
 
 def engine_greedy_check() -> dict:
-    """Engine greedy output against HF's on CUDA (its defaults there: kernel and CUDA graphs; async scheduling on), with
+    """Engine greedy output against HF's on CUDA (kernel and CUDA graphs, its defaults there; async scheduling), with
     small prefill budgets (prompts in chunks), large ones (whole prompts batched: graphed prefill), and no drafts."""
     from tests.conftest import make_pair
     from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion

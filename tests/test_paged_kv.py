@@ -45,13 +45,14 @@ def test_greedy_equals_hf_with_blocks_crossed_mid_draft_and_mid_rollback(llama_p
 
 
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_size):
+@pytest.mark.parametrize("ahead", [False, True], ids=["host_first", "async_scheduling"])
+def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_size, ahead):
     """Each slot holds the blocks its length needs and at most those of one draft more (rollback keeps
     the blocks the next step writes again), or two where a step was launched ahead of the one before it
     (async scheduling reserves for the longest acceptance), and the KV read through its block table
     equals a fresh forward over the committed tokens."""
     target, draft = llama_pair
-    engine = small_engine(target, draft, num_speculative_tokens=4, block_size=block_size, async_scheduling=True)
+    engine = small_engine(target, draft, num_speculative_tokens=4, block_size=block_size, async_scheduling=ahead)
     for i, p in enumerate(random_prompts(3, VOCAB, 5, 30, seed=12)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
     checked = 0
@@ -71,7 +72,7 @@ def test_every_block_holds_the_committed_kv_after_every_step(llama_pair, block_s
         for pool in _pools(engine):
             held = np.concatenate([pool.slot_blocks(s) for s in range(pool.shape.num_slots)] + [[]]).astype(int)
             assert len(held) == len(set(held.tolist())) == pool.shape.num_blocks - pool.num_free_blocks
-    assert checked > 0 and engine.num_steps_ahead > 0
+    assert checked > 0 and (engine.num_steps_ahead > 0) == ahead
     _assert_no_leaks(engine)
 
 
