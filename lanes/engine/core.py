@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
@@ -40,7 +39,7 @@ from lanes.sample.grammar import Grammars
 from lanes.sample.logprobs import TokenLogprobs
 from lanes.sample.params import ParamError, SamplingParams
 from lanes.sample.penalties import PenaltyHistory, check_request
-from lanes.spec.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer, verify_bitmask
+from lanes.spec.draft import CATCH_UP_CHUNK, DraftLane, DraftProposal, Proposer, set_drafted_lengths, verify_bitmask
 from lanes.spec.prefill import PrefillLane
 from lanes.spec.rollback import rollback_after_verify
 from lanes.spec.stats import SpecDecodeStats
@@ -541,8 +540,8 @@ class EngineCore:
         if self.draft is not None:
             slots = [s.draft_slot for s in running]
             with region("rollback"):
-                if proposal.ahead:  # drafted from the device: fed up to draft n - 1 (DraftLane._draft sets this)
-                    self.draft.pool.lengths[slots] = np.add(num_tokens, proposal.num_draft) - 1
+                if proposal.ahead:  # drafted before T was known on the host
+                    set_drafted_lengths(self.draft.pool, slots, num_tokens, proposal.num_draft)
                 rollback_after_verify(self.draft.pool, slots, num_tokens, result.num_accepted)
         with region("append"):
             return self._append_verified(running, proposal, result)

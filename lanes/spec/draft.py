@@ -22,6 +22,7 @@ from lanes.sample.penalties import Penalties, PenaltyHistory
 from lanes.sample.sampling import STREAM_DRAFT, SamplingTensors, draw
 
 if TYPE_CHECKING:
+    from lanes.kv.pool import KVPool
     from lanes.spec.verify import PendingVerify
 
 CATCH_UP_CHUNK = 64  # tokens per catch-up forward for a sequence whose draft cache fell behind
@@ -124,8 +125,7 @@ class DraftLane:
         # The target's penalties on the draft's own proposals, for acceptance (correctness never needs them).
         penalties = Penalties.build([s.params for s in seqs], PenaltyHistory.of(seqs), logits.shape[-1], logits.device)
         tokens, probs = self._draw_drafts(logits, rows, max_len, st, penalties, masks, batch_rows)
-        # Fed everything up to draft n - 1; draft n was sampled but not fed.
-        pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
+        set_drafted_lengths(pool, slots, num_tokens, draft_lens)
         return tokens, probs, masks  # [B, L], [B, L, V]
 
     def propose_ahead(self, seqs: list[Sequence], draft_lens: list[int], verified: "PendingVerify",
@@ -137,7 +137,8 @@ class DraftLane:
         bonus token (k = n), as `_draft` pads them. No penalties, grammar or catch-up (EngineCore._launch_next)."""
         pool, device = self.runner.pool, self.runner.device
         slots, n = [s.draft_slot for s in seqs], np.asarray(verified.batch.num_draft)
-        pool.reserve(slots, np.add(num_tokens, n) + draft_lens)  # up to draft n' - 1 after the longest acceptance
+        most = np.add(num_tokens, n)  # the largest T' - 1
+        pool.reserve(slots, most + draft_lens)  # up to draft n' - 1 after the longest acceptance
         accepted, n_rows = verified.out.num_accepted, verified.num_draft  # [B], [B] on the device
         bonus = verified.out.tokens.gather(1, accepted[:, None])[:, 0]
         full = accepted == n_rows
@@ -146,11 +147,10 @@ class DraftLane:
         before = verified.rows.starts + 1  # T
         slot_ids = to_device(slots, torch.long, device)
         starts = before + torch.minimum(accepted, n_rows - 1)
-        logits = self.runner.forward(Rows(slot_ids, starts, int(np.add(num_tokens, n).max()) - 1), pair,
-                                     keep=full.long())  # [B, V]
+        logits = self.runner.forward(Rows(slot_ids, starts, int(most.max()) - 1), pair, keep=full.long())  # [B, V]
         base = before + accepted + 1  # T': every row now holds its committed tokens
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], device)
-        rows = Rows(slot_ids, base, int(np.add(num_tokens, n).max()) + 1)
+        rows = Rows(slot_ids, base, int(most.max()) + 1)
         tokens, probs = self._draw_drafts(logits, rows, max(draft_lens), st)
         return DraftProposal(tokens, probs, list(draft_lens), ahead=True)
 
@@ -194,6 +194,13 @@ class DraftLane:
             pool.reserve(behind_slots, np.add(starts, [len(chunk) for chunk in chunks]))
             self.runner.forward(self.runner.rows(behind_slots, starts), ids, keep=last, prefill=True)
             pool.lengths[behind_slots] = np.add(starts, [len(chunk) for chunk in chunks])
+
+
+def set_drafted_lengths(pool: "KVPool", slots: list[int], num_tokens, draft_lens) -> None:
+    """After drafting n tokens from T committed: the draft cache was fed everything up to draft n - 1 (draft n
+    was sampled but not fed). Set when the drafts are launched, or for drafts launched ahead of the step
+    before them, once that step is read (EngineCore._finish_decode)."""
+    pool.lengths[slots] = np.add(num_tokens, draft_lens) - 1
 
 
 def _cat(tokens: list[torch.Tensor]) -> torch.Tensor | None:
