@@ -126,8 +126,7 @@ def step_stats(reports: list[dict], start_s: float, end_s: float) -> dict:
     window_s = max(end_s - start_s, 1e-9)
     prefill = [e.get("prefill_tokens", 0) for e in steps]
     return {
-        "steps": len(steps),
-        "steps_per_s": round(len(steps) / window_s, 1),
+        "steps": len(steps), "steps_per_s": round(len(steps) / window_s, 1),
         "step_ms": ms_quantiles((e["end_s"] - e["start_s"] for e in steps), digits=2),
         "step_ms_mean": round(1e3 * statistics.mean(e["end_s"] - e["start_s"] for e in steps), 2) if steps else None,
         "rows_per_step": round(statistics.mean(e["rows"] for e in steps), 2) if steps else None,
