@@ -215,12 +215,12 @@ class EngineArgs(_Strict):
     cuda_graphs: bool | None = Field(default=None, description="Replay decode, verify and whole-prompt "
                                      "prefill forwards as CUDA graphs, captured at replica start. None: on "
                                      "CUDA. false: eager forwards and no capture (vLLM's enforce_eager).")
-    async_scheduling: bool = Field(default=False, description="Launch each decode step (its drafts, then its "
+    async_scheduling: bool = Field(default=True, description="Launch each decode step (its drafts, then its "
                                    "verify) before the step it follows is read, its inputs taken on the device, "
                                    "so that the host's work between steps overlaps the GPU's (vLLM's async "
                                    "scheduling). It applies while no running request uses penalties, a grammar "
                                    "or prompt lookup, none waits to be admitted, and the verify lane is local "
-                                   "(unified, spec, nospec, pd). Off by default: not yet timed on a GPU.")
+                                   "(unified, spec, nospec, pd). false: every step's tokens are read before the next launches.")
     max_migrations: int = Field(default=3, ge=0, description="pdv: times a request is recomputed on another "
                                 "verify replica when the one holding its KV is scaled down or dies (its "
                                 "output goes on where it stopped); once more, it fails. 0: it fails at once.")

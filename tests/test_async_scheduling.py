@@ -23,12 +23,12 @@ def _slots_used(engine) -> int:
 def test_nospec_steps_ahead_and_keeps_greedy_output(llama_pair):
     target, _ = llama_pair
     prompts = random_prompts(4, VOCAB, 3, 20, seed=31)
-    ahead, host_first = small_engine(target, None, async_scheduling=True), small_engine(target, None)
+    ahead, host_first = small_engine(target, None), small_engine(target, None, async_scheduling=False)
     outputs = run_to_completion(ahead, _requests(prompts))
     assert outputs == run_to_completion(host_first, _requests(prompts))
     for i, p in enumerate(prompts):
         assert outputs[str(i)] == hf_greedy(target, p, 6 + 3 * i)
-    # Most steps of a batch that only decodes go ahead; none without async scheduling (the default).
+    # Most steps of a batch that only decodes go ahead (the default); none without async scheduling.
     assert ahead.num_steps_ahead >= 10 and host_first.num_steps_ahead == 0
     assert _slots_used(ahead) == 0 and not ahead.has_work
 
