@@ -29,19 +29,22 @@ PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
 def _fail_verify_after(core, good_steps: int, before_raise=None):
-    """Make the engine's verify forward raise after `good_steps` good ones (what a kernel fault does)."""
-    launch = core.verifier.launch
+    """Make the engine's verify forward raise after `good_steps` good ones (what a kernel fault does),
+    launched as scheduled (`launch`) or ahead of the step it follows (the verify lane's `launch_after`)."""
     calls = [0]
 
-    def failing(batch):
-        calls[0] += 1
-        if calls[0] > good_steps:
-            if before_raise is not None:
-                before_raise()
-            raise RuntimeError("verify forward failed")
-        return launch(batch)
+    def failing(launch):
+        def launch_or_fail(*args):
+            calls[0] += 1
+            if calls[0] > good_steps:
+                if before_raise is not None:
+                    before_raise()
+                raise RuntimeError("verify forward failed")
+            return launch(*args)
+        return launch_or_fail
 
-    core.verifier.launch = failing
+    core.verifier.launch = failing(core.verifier.launch)
+    core.verifier.lane.launch_after = failing(core.verifier.lane.launch_after)
     return core
 
 
