@@ -328,7 +328,7 @@ class EngineCore:
 
     def _step_ahead(self) -> tuple[list[RequestOutput], int | None]:
         """With a decode step in flight: launch the one after it where nothing needs the host first,
-        then read it. Returns its outputs, and its rows when the next step is in flight now (None: the
+        advance the prompts beside it, then read it. Returns its outputs, and its rows when the next step is in flight now (None: the
         caller schedules a step as usual, with nothing in flight)."""
         flight = self._in_flight
         self._in_flight = self._launch_next(flight)
