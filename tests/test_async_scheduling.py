@@ -51,28 +51,6 @@ def test_a_request_arriving_mid_stream_joins_after_the_step_in_flight(llama_pair
     assert tokens == {"a": hf_greedy(target, first, 20), "b": hf_greedy(target, second, 10)}
 
 
-@pytest.mark.parametrize("with_draft", [False, True], ids=["nospec", "spec"])
-def test_a_long_prompt_is_prefilled_in_chunks_beside_steps_launched_ahead(llama_pair, with_draft):
-    target, draft = llama_pair
-    short, long = random_prompts(1, VOCAB, 6, 6, seed=37)[0], random_prompts(1, VOCAB, 150, 150, seed=38)[0]
-    engine = small_engine(target, draft if with_draft else None, num_speculative_tokens=2, prefill_chunk_tokens=16)
-    engine.add_request("a", short, SamplingParams(max_tokens=60, ignore_eos=True))
-    tokens, ahead_while_prefilling = {"a": [], "b": []}, 0
-    for step in range(400):
-        if step == 4:
-            engine.add_request("b", long, SamplingParams(max_tokens=8, ignore_eos=True))
-        if step > 4 and not engine.has_work:
-            break
-        ahead, prefilled = engine.num_steps_ahead, engine.scheduler.num_prefill_tokens
-        for out in engine.step():
-            tokens[out.request_id].extend(out.token_ids)
-        ahead_while_prefilling += engine.num_steps_ahead > ahead and engine.scheduler.num_prefill_tokens > prefilled
-    assert tokens == {"a": hf_greedy(target, short, 60), "b": hf_greedy(target, long, 8)}
-    # 150 tokens in chunks of 16: ten steps prefill "b", and "a" decodes ahead through most of them.
-    assert ahead_while_prefilling >= 5
-    assert _slots_used(engine) == 0 and not engine.has_work
-
-
 def test_a_step_launched_ahead_that_fails_is_scheduled_again_once_the_step_in_flight_is_read(llama_pair):
     target, draft = llama_pair
     prompts = random_prompts(2, VOCAB, 4, 16, seed=40)
@@ -91,24 +69,6 @@ def test_a_step_launched_ahead_that_fails_is_scheduled_again_once_the_step_in_fl
     assert calls[0] > 3 and engine.num_steps_ahead == calls[0] - 1  # it went ahead again after the failure
     assert outputs == {str(i): hf_greedy(target, p, 40) for i, p in enumerate(prompts)}
     assert _slots_used(engine) == 0 and not engine.has_work
-
-
-def test_prefill_first_gives_a_waiting_prompt_the_next_step_and_launches_none_ahead_meanwhile(llama_pair):
-    target, draft = llama_pair
-    short, long = random_prompts(2, VOCAB, 6, 40, seed=39)
-    engine = small_engine(target, draft, num_speculative_tokens=2, prefill_first=True, prefill_chunk_tokens=16,
-                          idle_prefill_tokens=16)
-    engine.add_request("a", short, SamplingParams(max_tokens=30, ignore_eos=True))
-    while engine.num_steps_ahead < 2:
-        engine.step()
-    engine.add_request("b", long, SamplingParams(max_tokens=4, ignore_eos=True))
-    ahead = engine.num_steps_ahead
-    for _ in range(20):  # 40 tokens in prefill-only steps of 16, alternating with decode steps
-        if not (engine.scheduler.waiting or engine.scheduler.prefilling):
-            break
-        engine.step()
-    assert not (engine.scheduler.waiting or engine.scheduler.prefilling)
-    assert engine.num_steps_ahead <= ahead + 1  # at most the step launched before "b" was seen
 
 
 def test_a_row_stopped_while_its_next_step_is_in_flight_drops_its_token_and_frees_its_slot_after(llama_pair):

@@ -251,8 +251,7 @@ def test_a_long_prompt_never_stalls_decoding(llama_pair):
     step still gives the running request its decode step."""
     target, draft = llama_pair
     engine = small_engine(target, draft, prefill_chunk_tokens=32, max_model_len=320)
-    # Long enough to outlast the prompt's chunks: the tiny pair accepts every draft, 5 tokens a step.
-    engine.add_request("short", [1, 2, 3], SamplingParams(max_tokens=80, ignore_eos=True))
+    engine.add_request("short", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
     engine.step()  # prefill of the short prompt
     engine.add_request("long", random_prompts(1, VOCAB, 250, 250, seed=1)[0], SamplingParams(max_tokens=4))
     steps_while_prefilling = 0

@@ -87,9 +87,8 @@ class EngineConfig:
     lane_name: str = "engine"  # whose memory plan and refusals the log and errors name
     kv_copied_out: bool = False  # each prompt's KV is copied out of its blocks (the prefill lane's hand-over)
     # Launch the next decode step (its drafts, then its verify) before reading this one's tokens, where no
-    # request needs them on the host first (no penalties, grammar or prompt lookup) and the batch keeps its rows
-    # (prompts still prefill beside it): the host's work between two steps then overlaps the device's (vLLM's
-    # async scheduling). EngineCore._launch_next.
+    # request needs them on the host first (no penalties, grammar or prompt lookup, nothing to admit): the
+    # host's work between two steps then overlaps the device's (vLLM's async scheduling). EngineCore._launch_next.
     # On one H100 it shortened a step at 1 in flight by 10 % (nospec) and 6 % (spec), and served nospec and
     # unified 1.01-1.14x faster (benchmarks/results/async_scheduling_h100/).
     async_scheduling: bool = True
@@ -328,26 +327,12 @@ class EngineCore:
 
     def _step_ahead(self) -> tuple[list[RequestOutput], int | None]:
         """With a decode step in flight: launch the one after it where nothing needs the host first,
-        advance the prompts beside it, then read it. Returns its outputs, and its rows when the next step is in flight now (None: the
+        then read it. Returns its outputs, and its rows when the next step is in flight now (None: the
         caller schedules a step as usual, with nothing in flight)."""
         flight = self._in_flight
         self._in_flight = self._launch_next(flight)
-        if self._in_flight is None:
-            return self._read(flight), None
-        prefill_outputs = self._prefill_beside()
-        return prefill_outputs + self._read(flight), len(flight.rows)
-
-    def _prefill_beside(self) -> list[RequestOutput]:
-        """A step launched ahead still admits waiting prompts and advances the prefilling ones (on their own
-        stream, while the decode step runs), as a scheduled step does; they join the decode batch in the next
-        scheduled step. No make_room: the rows in flight cannot be preempted, and launch_next has already
-        reserved their blocks (admit leaves room for every admitted request's next step)."""
-        with region("admit"):
-            self.scheduler.admit()
-        with region("take_in"):
-            outputs = self._prefill_phase(self.prefiller.take_in, decoding=True)
-        with region("prefill"):
-            return outputs + self._prefill_phase(self.prefiller.step, decoding=True)
+        outputs = self._read(flight)
+        return outputs, len(flight.rows) if self._in_flight is not None else None
 
     def _scheduled_step(self) -> tuple[list[RequestOutput], int]:
         with region("admit"):
@@ -499,17 +484,15 @@ class EngineCore:
     def _launch_next(self, flight: _InFlight) -> _InFlight | None:
         """Async scheduling: the decode step after `flight`, launched before `flight` is read, or None
         where the host must read `flight` first. It goes ahead only when it would decode the same rows
-        (prompts may wait or prefill beside it: `_prefill_beside`; none lost) and each row's next step is
+        with nothing else to schedule (nothing waiting, prefilling or lost) and each row's next step is
         known without its tokens on the host (`_next_draft_len`). A row that ends in `flight` (EOS, a stop
         string, an abort) wastes its next step's tokens, which are dropped, and keeps its blocks until that
         step is read (`_finish`). The whole step runs on the verify stream, after `flight` there."""
         rows, scheduler = flight.rows, self.scheduler
-        # prefill_first: a waiting prompt has the next step to itself, so none goes ahead.
-        prefill_turn = self.config.prefill_first and (scheduler.waiting or scheduler.prefilling)
         ready = (self.config.async_scheduling and isinstance(flight.pending, PendingVerify)  # a local verify step
                  and len(rows) <= self.step_cap.rows
                  and len(rows) == len(scheduler.running) and all(a is b for a, b in zip(rows, scheduler.running))
-                 and not (prefill_turn or self._lost))
+                 and not (scheduler.waiting or scheduler.prefilling or self.prefiller.has_replies or self._lost))
         draft_lens = [self._next_draft_len(s, n) for s, n in zip(rows, flight.proposal.num_draft)] if ready else [None]
         if None in draft_lens or (any(draft_lens) and not all(draft_lens)):
             return None
