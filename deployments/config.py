@@ -220,7 +220,8 @@ class EngineArgs(_Strict):
                                    "so that the host's work between steps overlaps the GPU's (vLLM's async "
                                    "scheduling). It applies while no running request uses penalties, a grammar "
                                    "or prompt lookup, none waits to be admitted, and the verify lane is local "
-                                   "(unified, spec, nospec, pd). false: every step's tokens are read before the next launches.")
+                                   "(unified, spec, nospec, pd). false: every step's tokens are read before the "
+                                   "next step launches.")
     max_migrations: int = Field(default=3, ge=0, description="pdv: times a request is recomputed on another "
                                 "verify replica when the one holding its KV is scaled down or dies (its "
                                 "output goes on where it stopped); once more, it fails. 0: it fails at once.")
