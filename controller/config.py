@@ -145,8 +145,9 @@ class ControllerConfig(BaseModel):
         "drafts cost.",
     )
     arrival_surge_ratio: float = Field(
-        default=1.5, gt=1, description="Arrival rate above this multiple of its EWMA counts as a surge: L is "
-        "not raised while one is in progress, because the queue signals lag the arrivals.",
+        default=1.5, gt=1, description="Arrival rate above this multiple of its EWMA, while the requests in "
+        "flight grow, counts as a surge: L is not raised while one is in progress, because the queue signals "
+        "lag the arrivals.",
     )
     request_ttl_decisions: int = Field(
         default=10, ge=1, description="Decisions a request may go unreported before its state is dropped.",

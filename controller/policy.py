@@ -208,10 +208,15 @@ def shed_draft_len(current: int, decode_p95_ms: float, config: ControllerConfig)
     return max(config.min_draft_len, min(current, math.floor((current + 1) * target_ms / decode_p95_ms) - 1))
 
 
-def is_arrival_surge(arrival_rate_rps: float, arrival_rate_ewma_rps: float | None, surge_ratio: float) -> bool:
+def is_arrival_surge(arrival_rate_rps: float, arrival_rate_ewma_rps: float | None, in_flight: float,
+                     in_flight_last: float, surge_ratio: float) -> bool:
     # The queue only grows after a surge has arrived; holding L while arrivals outrun their average keeps
-    # the controller from raising L into a ramp it has not seen in the queue yet.
-    return arrival_rate_ewma_rps is not None and arrival_rate_rps > surge_ratio * arrival_rate_ewma_rps
+    # the controller from raising L into a ramp it has not seen in the queue yet. Arrivals that only
+    # replace finished requests are no ramp, however bunched: clients in a closed loop start their next
+    # requests together as their last ones end together, so one interval of a steady load reads a multiple
+    # of the average rate. A surge must also outrun completions: the requests in flight grow.
+    above_average = arrival_rate_ewma_rps is not None and arrival_rate_rps > surge_ratio * arrival_rate_ewma_rps
+    return above_average and in_flight > in_flight_last
 
 
 def wanted_draft_len(accept_rates: dict[str, float | None], config: ControllerConfig) -> int:
@@ -325,10 +330,11 @@ def decide(state: PolicyState, signals: LaneSignals, config: ControllerConfig) -
     accept_rates = _accept_rates(state.requests, signals, config.ewma_alpha)
     fleet_accept = _fleet_accept_rate(accept_rates, signals)
     wanted = wanted_draft_len(accept_rates, config)
-    surge = is_arrival_surge(signals.arrival_rate_rps, state.arrival_rate_ewma_rps, config.arrival_surge_ratio)
+    in_flight = signals.requests_per_verify_batch
+    surge = is_arrival_surge(signals.arrival_rate_rps, state.arrival_rate_ewma_rps, in_flight, state.in_flight_last,
+                             config.arrival_surge_ratio)
     load, load_why = classify_load(signals, config)
     current = state.default.draft_len
-    in_flight = signals.requests_per_verify_batch
     load_cap = load_cap_draft_len(min(in_flight, state.in_flight_last), config)
     # Cuts follow the count itself (after lower_dwell), raises its EWMA, and only while the cap holds at
     # 1 / decode_headroom_frac times it: a band that the count's noise (Poisson arrivals) rarely crosses.

@@ -559,12 +559,26 @@ def test_fleet_acceptance_below_raise_min_blocks_the_raise():
 
 def test_arrival_surge_blocks_the_raise_until_the_ewma_catches_up():
     config = _config()
-    state, _ = _run(config, lambda i: _lane(arrival_rps=10.0), {"a": 0.95}, 1)
-    # Arrivals double. The EWMA (alpha 0.3) reaches 20 / 1.5 = 13.3 after 2 decisions, so 2 decisions
-    # count as a surge; then raise_dwell = 3 decisions of headroom.
-    _, decisions = _run(config, lambda i: _lane(arrival_rps=20.0), {"a": 0.95}, 7, state=state)
+    state, _ = _run(config, lambda i: _lane(arrival_rps=10.0, in_flight=5.0), {"a": 0.95}, 1)
+    # Arrivals double and outrun completions (the requests in flight grow). The EWMA (alpha 0.3) reaches
+    # 20 / 1.5 = 13.3 after 2 decisions, so 2 decisions count as a surge; then raise_dwell = 3 decisions of
+    # headroom.
+    _, decisions = _run(config, lambda i: _lane(arrival_rps=20.0, in_flight=6.0 + i), {"a": 0.95}, 7, state=state)
     assert "surging" in decisions[0].reason and "surging" in decisions[1].reason
     assert _defaults(decisions) == [4, 4, 4, 4, 6, 8, 8]
+
+
+def test_bunched_arrivals_that_replace_finished_requests_are_no_surge():
+    """Two clients in a closed loop: their requests end in one step and the next two arrive together, so
+    one interval in three reads 3x the average arrival rate, while the requests in flight stay at 2. The
+    raise proceeds at the pace of a trace without arrivals (raise_dwell = 3, then max_step = 2 a decision).
+    Counting the bunches as surges reset the dwell every third decision, and L never rose."""
+    config = _config()
+    bunched = lambda i: _lane(arrival_rps=4.0 if i % 3 == 2 else 0.0, in_flight=2.0)  # noqa: E731
+    _, decisions = _run(config, bunched, {"a": 0.95, "b": 0.95}, 6)
+    assert not any("surging" in d.reason for d in decisions), [d.reason for d in decisions]
+    _, quiet = _run(config, lambda i: _lane(arrival_rps=0.0, in_flight=2.0), {"a": 0.95, "b": 0.95}, 6)
+    assert _defaults(decisions) == _defaults(quiet) == [4, 4, 6, 8, 8, 8]
 
 
 # --- stability and bounds -----------------------------------------------------------------------------
