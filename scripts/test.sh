@@ -28,8 +28,10 @@ if [ $# -eq 0 ]; then
     # starts and their forward timings (docs/testing.md); after it, nothing does.
     cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc honours OMP_NUM_THREADS, set above
     status=0
-    .venv/bin/python -m pytest -q -n "$(( cores < 8 ? cores : 8 ))" --dist loadgroup -m "not serve" || status=$?
-    .venv/bin/python -m pytest -q -n 0 -m serve || status=$?
+    # Each tier ends with its slowest modules (tests/conftest.py): a CI log says where the time went.
+    .venv/bin/python -m pytest -q -n "$(( cores < 8 ? cores : 8 ))" --dist loadgroup -m "not serve" \
+        --module-durations=10 || status=$?
+    .venv/bin/python -m pytest -q -n 0 -m serve --module-durations=15 || status=$?
     exit "$status"
 fi
 # No path given: pyproject.toml's testpaths (tests/).
