@@ -80,7 +80,21 @@ def apps(pair_paths):
                                        "verify_queue_low": 2, "measure_draft_cost": False,
                                        "step_cost_enabled": False}),
     }):
+        for app in ("good", "bad", "load"):
+            wait_reading(app)
         yield
+
+
+def wait_reading(app: str, bound_s: float = 60.0) -> None:
+    """Until `app`'s controller has read its lanes once: the moves below are timed from there. Just after a
+    deploy, the controller's handles may not know a lane's replicas yet (Serve tells a handle of replicas
+    by long poll), and a read of a lane whose replicas it does not know waits out its timeout (10 s); on
+    this 2-core machine that once cost the first decision 21 s, and a test that started its load at once
+    saw no decision within its bound."""
+    deadline = time.monotonic() + bound_s
+    while controller_state(app)["decision_index"] == 0:
+        assert time.monotonic() < deadline, f"{app}: the controller read no lane within {bound_s} s"
+        time.sleep(0.2)
 
 
 class Load:
