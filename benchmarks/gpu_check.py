@@ -2,6 +2,7 @@
 against HF eager and the memory-bandwidth floor (needs a CUDA device).
 
     python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile] [--attention] [--engine]
+                                               [--engine-config '{"fused_norm_linear": false}']
 
 `--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
 kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the
@@ -39,6 +40,7 @@ LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, interme
 TINYLLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                  num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096)
 CONTEXT = 512
+ENGINE_OVERRIDES: dict = {}  # --engine-config: EngineConfig fields set in every engine and runner built here
 Step = Callable[[], None]  # one timed or profiled step, its inputs reset inside
 
 
@@ -55,9 +57,13 @@ def shaped_models() -> dict:
     return {"draft": random_model(TINYLLAMA).model, "target": random_model(LLAMA2_7B).model}
 
 
+def engine_config(**fields) -> EngineConfig:
+    return EngineConfig(**{**fields, **ENGINE_OVERRIDES})
+
+
 def step_config(max_model_len: int, max_num_seqs: int) -> EngineConfig:
-    return EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk_tokens=64,
-                        idle_prefill_tokens=64)
+    return engine_config(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk_tokens=64,
+                         idle_prefill_tokens=64)
 
 
 def copy_bandwidth_gbs() -> float:
@@ -104,8 +110,8 @@ def engine_greedy_check() -> dict:
     result = {"prompts": len(prompts)}
     for name, chunk, idle, drafter in (("chunked", 32, 64, draft), ("whole_prompts", 256, 1024, draft),
                                        ("nospec", 32, 64, None)):
-        config = EngineConfig(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle,
-                              async_scheduling=True)
+        config = engine_config(max_model_len=320, max_num_seqs=16, prefill_chunk_tokens=chunk,
+                               idle_prefill_tokens=idle, async_scheduling=True)
         engine = EngineCore.colocated(target, drafter, config)
         assert engine.verifier.lane.runner.graphs is not None and engine.verifier.lane.runner.attention_kernel
         outs = run_to_completion(engine, {str(i): (p, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -356,8 +362,8 @@ def engine_loop(out: Path, steps: int = 128, traced: int = 16) -> dict:
     prompt = torch.randint(1, 32000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     result = {}
     for mode in ("nospec", "nospec_host_first", "spec", "spec_host_first"):
-        config = EngineConfig(max_model_len=2048, max_num_seqs=8, num_speculative_tokens=3, num_kv_blocks=1024,
-                              async_scheduling=not mode.endswith("host_first"))
+        config = engine_config(max_model_len=2048, max_num_seqs=8, num_speculative_tokens=3, num_kv_blocks=1024,
+                               async_scheduling=not mode.endswith("host_first"))
         draft = LoadedModel(models["draft"], None, "draft") if mode.startswith("spec") else None
         engine = EngineCore.colocated(LoadedModel(models["target"], None, "target"), draft, config)
         for request in range(2):  # the first warms up; the second is timed, then traced
@@ -419,10 +425,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind: profile_steps.json")
     parser.add_argument("--attention", action="store_true", help="the pool attention alone: attention.json")
     parser.add_argument("--engine", action="store_true", help="the engine's loop at 1 in flight: engine_loop.json")
+    parser.add_argument("--engine-config", type=json.loads, default={}, help="EngineConfig fields, JSON")
     args = parser.parse_args()
+    ENGINE_OVERRIDES.update(args.engine_config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "engine_config": ENGINE_OVERRIDES}
     result["engine_greedy"] = engine_greedy_check()
     print(result, flush=True)  # then each row as it is timed; the whole: gpu_check.json
     if not args.skip_steps:
