@@ -253,10 +253,12 @@ class ControllerServer:
 
     async def step(self) -> None:
         """One decision: read, decide, push where replicas differ, log, export."""
-        decode = await _broadcast(self.decode, "stats")
+        # Both lanes at once: right after a deploy a handle may not know its replicas yet, and a read then
+        # waits out its timeout; one after the other, a decision waited out two.
+        decode, verify = await asyncio.gather(_broadcast(self.decode, "stats"),
+                                              _broadcast(self.verify, "stats") if self.verify is not None else _none())
         if not decode:
             return  # no decode replica running yet
-        verify = await _broadcast(self.verify, "stats") if self.verify is not None else []
         signals = self.reader.read(decode, verify, time.monotonic())
         self.policy, decision = decide(self.policy, signals, self._config_for(decode, verify))
         default, per_request = desired_lengths(decision)
@@ -281,6 +283,10 @@ class ControllerServer:
             log.info("controller: draft_cost_ratio %.3f, measured by the lanes", measured)
         self.draft_cost_ratio = measured
         return self.config.model_copy(update={"draft_cost_ratio": measured})
+
+
+async def _none() -> list:
+    return []
 
 
 async def _broadcast(handle, method: str, *args) -> list:
