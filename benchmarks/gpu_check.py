@@ -2,7 +2,7 @@
 against HF eager and the memory-bandwidth floor (needs a CUDA device).
 
     python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile] [--attention] [--engine]
-                                               [--engine-config '{"fused_norm_linear": false}']
+                                               [--engine-config '{"async_scheduling": false}']
 
 `--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
 kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the

@@ -215,10 +215,6 @@ class EngineArgs(_Strict):
     cuda_graphs: bool | None = Field(default=None, description="Replay decode, verify and whole-prompt "
                                      "prefill forwards as CUDA graphs, captured at replica start. None: on "
                                      "CUDA. false: eager forwards and no capture (vLLM's enforce_eager).")
-    fused_norm_linear: bool | None = Field(default=None, description="At four rows or fewer (decode and draft "
-                                           "steps at small batch), run each RMSNorm of a Llama-family layer "
-                                           "inside the linear after it, and the activation inside the gate/up "
-                                           "linear: seven kernels a layer instead of ten. None: on CUDA.")
     async_scheduling: bool = Field(default=True, description="Launch each decode step (its drafts, then its "
                                    "verify) before the step it follows is read, its inputs taken on the device, "
                                    "so that the host's work between steps overlaps the GPU's (vLLM's async "

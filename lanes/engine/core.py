@@ -59,8 +59,6 @@ class EngineConfig:
     attention_kernel: bool | None = None  # in-place pool attention for decode/verify (None: on CUDA)
     cuda_graphs: bool | None = None  # replay decode/verify forwards as CUDA graphs (None: with the kernel on CUDA)
     fused_layers: bool | None = None  # our fused Llama-family layers instead of HF's modules (None: where supported)
-    # Each norm and the linear after it as one kernel at <= 4 rows (lanes/model/norm_linear.py; None: on CUDA)
-    fused_norm_linear: bool | None = None
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks per model pool (None: from gpu_memory_utilization on CUDA, else
     # max_num_seqs sequences of max_model_len)
@@ -782,8 +780,7 @@ def _runner(model: torch.nn.Module, shape: PoolShape, blocks: int, device, confi
     share = partial(send_forward, tp, index) if rank0 else None
     # Rank 0's pool reads and writes a hand-over's KV over every rank's heads (lanes/parallel/kv_handover.py).
     pool = ShardedKVPool(shape, model.dtype, device, tp, index) if rank0 else KVPool(shape, model.dtype, device)
-    return ModelRunner(model, pool, config.attention_kernel, config.cuda_graphs, config.fused_layers, tp, share,
-                       config.fused_norm_linear)
+    return ModelRunner(model, pool, config.attention_kernel, config.cuda_graphs, config.fused_layers, tp, share)
 
 
 def eos_token_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -3,8 +3,6 @@
 
 Per layer: add + RMSNorm, one QKV GEMM, rotary + KV write, attention (two kernels), o_proj,
 add + RMSNorm, one gate/up GEMM, SiLU-and-multiply, down_proj. HF's eager layer launches ~45.
-At a few rows (a draft or decode step at small batch) each norm and the linear after it are one
-kernel, the activation inside the gate/up one (lanes/model/norm_linear.py): seven a layer.
 Qwen3 and Gemma-3 add an RMSNorm over each query and key head before the rotary (q_norm / k_norm):
 two more norm kernels and a concatenation a layer.
 Gemma's layer is the same stack with its own norm ((1 + w) scaling, in float32), a GELU (tanh)
@@ -28,8 +26,6 @@ from lanes.kv.pool import KVPool
 from lanes.model.attention import PoolAttentionMeta, attend
 from lanes.model.families import rope_parameter_sets
 from lanes.model.fused_ops import add_gemma_rms_norm, add_rms_norm, gelu_tanh_and_mul, rope_store, silu_and_mul
-from lanes.model.norm_linear import fits as norm_linear_fits
-from lanes.model.norm_linear import norm_linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 QK_NORM_TYPES = ("qwen3", "gemma3_text")  # per-head RMSNorm of queries and keys before the rotary
@@ -148,12 +144,9 @@ def _first_half(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 class FusedDecoder:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool, row_linear=F.linear,
-                 fuse_norm_linear: bool = False):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool, row_linear=F.linear):
         """`row_linear`: how o_proj and down_proj are applied, F.linear itself or, over the shards of a
-        tensor-parallel model, F.linear followed by the all-reduce (lanes/parallel/tensor_parallel.py).
-        `fuse_norm_linear`: a Llama-family forward of a few rows runs each norm with the linear after it
-        as one kernel (lanes/model/norm_linear.py; Triton only)."""
+        tensor-parallel model, F.linear followed by the all-reduce (lanes/parallel/tensor_parallel.py)."""
         decoder = model.get_decoder()
         text = model.config.get_text_config()
         gemma = text.model_type in GEMMA_TYPES
@@ -162,13 +155,11 @@ class FusedDecoder:
         self.layers = [_Layer(layer, text) for layer in decoder.layers]
         self.norm = _norm(decoder.norm)
         self.add_norm = add_gemma_rms_norm if gemma else add_rms_norm
-        self.activation = _activation(text)
-        self.act_and_mul = ACTIVATIONS[self.activation]
+        self.act_and_mul = ACTIVATIONS[_activation(text)]
         self.layer_step = self._sandwich_layer if gemma else self._pre_norm_layer
         self.pool = pool
         self.use_triton = use_triton
         self.row_linear = row_linear
-        self.fuse_norm_linear = fuse_norm_linear and use_triton and self.activation == "silu" and not gemma
         tables = self._rope_tables(decoder, pool.shape.capacity_tokens)
         for layer in self.layers:
             layer.cos, layer.sin = tables[layer.layer_type if layer.layer_type in tables else None]
@@ -201,23 +192,12 @@ class FusedDecoder:
                         shape: tuple[int, int], meta: PoolAttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Llama family. hidden [T, H]: the last layer's MLP output, not yet added to `residual` (the
         stream); `shape`: (B, Q) of the T tokens. Returns this layer's (hidden, residual)."""
-        if self.fuse_norm_linear and norm_linear_fits(hidden, layer.qkv_w):
-            return self._pre_norm_layer_fused(layer, hidden, residual, shape, meta)
         normed, residual = add_rms_norm(hidden, residual, *layer.in_norm, self.use_triton)
         attn = self._attention(layer, normed.view(*shape, -1), meta)
         normed, residual = add_rms_norm(self.row_linear(attn, layer.o_w, layer.o_b), residual, *layer.post_norm,
                                         self.use_triton)
         gate_up = F.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
         return self.row_linear(self.act_and_mul(gate_up, self.use_triton), layer.down_w, layer.down_b), residual
-
-    def _pre_norm_layer_fused(self, layer: _Layer, hidden: torch.Tensor, residual: torch.Tensor | None,
-                              shape: tuple[int, int], meta: PoolAttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """_pre_norm_layer in seven kernels: each norm inside the linear after it, the activation too."""
-        qkv, residual = norm_linear(hidden, residual, *layer.in_norm, layer.qkv_w, layer.qkv_b)
-        attn = self._attention_of(layer, qkv.view(*shape, -1), meta)
-        act, residual = norm_linear(self.row_linear(attn, layer.o_w, layer.o_b), residual, *layer.post_norm,
-                                    layer.gate_up_w, layer.gate_up_b, silu_and_mul=True)
-        return self.row_linear(act, layer.down_w, layer.down_b), residual
 
     def _sandwich_layer(self, layer: _Layer, hidden: torch.Tensor, residual: torch.Tensor | None,
                         shape: tuple[int, int], meta: PoolAttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,11 +212,8 @@ class FusedDecoder:
         return self.add_norm(mlp, None, *layer.post_mlp_norm, self.use_triton)[0], residual
 
     def _attention(self, layer: _Layer, normed: torch.Tensor, meta: PoolAttentionMeta) -> torch.Tensor:
-        return self._attention_of(layer, F.linear(normed, layer.qkv_w, layer.qkv_b), meta)
-
-    def _attention_of(self, layer: _Layer, qkv: torch.Tensor, meta: PoolAttentionMeta) -> torch.Tensor:
-        """The attention of the projected qkv [B, Q, (Hq + 2 Hkv) * D] -> [B * Q, Hq * D]."""
-        batch, q_len, _ = qkv.shape
+        batch, q_len, _ = normed.shape
+        qkv = F.linear(normed, layer.qkv_w, layer.qkv_b)  # [B, Q, (Hq + 2 Hkv) * D]
         if layer.qk_norm is not None:
             qkv = self._norm_heads(qkv, layer)
         k_pool, v_pool = self.pool.layer(layer.layer_idx)  # [blocks, Hkv, block_size, D]

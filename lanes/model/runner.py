@@ -41,7 +41,7 @@ class Rows:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None,
                  cuda_graphs: bool | None = None, fused_layers: bool | None = None, tp: TPGroup | None = None,
-                 share_forward: Callable | None = None, fused_norm_linear: bool | None = None):
+                 share_forward: Callable | None = None):
         """`tp`: the group over which `model` (already a shard, lanes/parallel/tensor_parallel.py) and `pool` (this
         rank's KV heads) are split; `share_forward(rows, input_ids, keep, prefill, table_rows)`, on rank
         0 of it, sends each forward's inputs to the workers before running it (lanes/parallel/step.py)."""
@@ -70,9 +70,8 @@ class ModelRunner:
         if tp is not None and not use_fused:
             raise ValueError("tensor parallelism runs the fused Llama-family layers only (engine.fused_layers)")
         row_linear = row_parallel_linear(tp) if tp is not None else torch.nn.functional.linear
-        use_triton = self.device.type == "cuda" or self.attention_kernel
-        fuse_norm = self.device.type == "cuda" if fused_norm_linear is None else fused_norm_linear
-        self.fused = FusedDecoder(model, pool, use_triton, row_linear, fuse_norm) if use_fused else None
+        self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel,
+                                  row_linear) if use_fused else None
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
         # Whole-prompt prefill through our fused layers replays graphs too (HF's modules build masks
