@@ -255,8 +255,8 @@ class ControllerServer:
         """One decision: read, decide, push where replicas differ, log, export."""
         # Both lanes at once: right after a deploy a handle may not know its replicas yet, and a read then
         # waits out its timeout; one after the other, a decision waited out two.
-        decode, verify = await asyncio.gather(_broadcast(self.decode, "stats"),
-                                              _broadcast(self.verify, "stats") if self.verify is not None else _none())
+        decode, verify = await gather_or_cancel(
+            _broadcast(self.decode, "stats"), _broadcast(self.verify, "stats") if self.verify is not None else _none())
         if not decode:
             return  # no decode replica running yet
         signals = self.reader.read(decode, verify, time.monotonic())
@@ -287,6 +287,22 @@ class ControllerServer:
 
 async def _none() -> list:
     return []
+
+
+async def gather_or_cancel(*aws) -> list:
+    """`asyncio.gather`, but the first exception cancels the others before it propagates.
+
+    With plain `gather`, a lane whose read fails at once (DeploymentUnavailableError while it loads) left
+    the other lane's read running to its timeout, behind the next decision's reads.
+    """
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let them finish cancelling
+        raise
 
 
 async def _broadcast(handle, method: str, *args) -> list:
