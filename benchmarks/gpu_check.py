@@ -2,12 +2,13 @@
 against HF eager and the memory-bandwidth floor (needs a CUDA device).
 
     python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile] [--attention] [--engine]
-                                               [--engine-config '{"async_scheduling": false}']
+                                               [--engine-config '{"async_scheduling": false}'] [--int8-linears]
 
 `--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
 kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the
-device's busy time. Writes gpu_check.json (profile_steps.json, attention.json, engine_loop.json); the tables
-and their reading: docs/performance.md.
+device's busy time; `--int8-linears`: the draft's linears alone, bf16 against int8 weights. Writes
+gpu_check.json (profile_steps.json, attention.json, engine_loop.json, int8.json); the tables and their
+reading: docs/performance.md.
 """
 
 import os
@@ -26,6 +27,7 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -228,7 +230,7 @@ def step_table(bandwidth: float) -> list[dict]:
     rows = []
     for name, role, q in (("verify Llama-2-7B, 4 drafts", "target", 5), ("draft TinyLlama, 1 token", "draft", 1)):
         model = shaped_models()[role]
-        runner = build_runner(model, step_config(CONTEXT + 8, 64))
+        runner = build_runner(model, step_config(CONTEXT + 8, 64), draft=role == "draft")
         lane = VerifyLane(runner)
         for batch in (1, 8, 32, 64):
             ours = timed_ms(lane.pool, *verify_step(lane, batch, q - 1)) if q > 1 else decode_forward_ms(runner, batch)
@@ -251,7 +253,7 @@ def floor_table(bandwidth: float) -> dict:
     out = {"draft_vs_verify": [], "contexts": []}
     models = shaped_models()
     short = step_config(CONTEXT + 16, 64)
-    draft, target = build_runner(models["draft"], short), VerifyLane(build_runner(models["target"], short))
+    draft, target = build_runner(models["draft"], short, draft=True), VerifyLane(build_runner(models["target"], short))
     for batch in (1, 64):
         draft_floor = round(floor_ms(models["draft"], batch, CONTEXT, bandwidth), 3)
         verify_floor = floor_ms(models["target"], batch, CONTEXT, bandwidth)
@@ -336,7 +338,7 @@ def profile_steps() -> dict:
     TinyLlama draft at batch 1, L = 4 (GPU time by kernel kind and by kernel)."""
     config = step_config(CONTEXT + 8, 64)
     target, draft = shaped_models()["target"], shaped_models()["draft"]
-    lane, drafter = VerifyLane(build_runner(target, config)), build_runner(draft, config)
+    lane, drafter = VerifyLane(build_runner(target, config)), build_runner(draft, config, draft=True)
     steps = {"verify_7b_b64_l4": (target, lane.runner, 64, 1, lambda: verify_step(lane, 64, 4, draft_probs=False)),
              "verify_7b_b1_l4": (target, lane.runner, 1, 1, lambda: verify_step(lane, 1, 4, draft_probs=False)),
              "decode_7b_b1": (target, lane.runner, 1, 1, lambda: decode_step(lane.runner, 1)),
@@ -417,6 +419,39 @@ def attention_table() -> list[dict]:
     return rows
 
 
+def int8_linears(bandwidth: float) -> list[dict]:
+    """Each of the draft's linears alone, bf16 cuBLAS against the int8 kernel (lanes/model/int8_linear.py), at 1, 4
+    and 64 rows: CUDA-graph time over enough copies of the weight (>= 256 MiB) that none is read from L2, the
+    weight bytes' share of `bandwidth`, and the kernel's largest error against the dequantized weight in F.linear."""
+    from triton.testing import do_bench_cudagraph
+
+    from lanes.model.int8_linear import int8_linear, quantize
+
+    hidden, inter, vocab = TINYLLAMA["hidden_size"], TINYLLAMA["intermediate_size"], TINYLLAMA["vocab_size"]
+    kv = hidden // TINYLLAMA["num_attention_heads"] * TINYLLAMA["num_key_value_heads"]
+    rows_out = []
+    for name, n, k in (("qkv", hidden + 2 * kv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
+                       ("down", hidden, inter), ("lm_head", vocab, hidden)):
+        copies = max(1, -(-256 * 2**20 // (n * k * 2)))
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        packed = [quantize(w) for w in dense]
+        for rows in (1, 4, 64):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            error = (int8_linear(x, packed[0]).float() - F.linear(x, packed[0].dequantize()).float()).abs().max()
+            bf16_us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in dense]) / copies
+            int8_us = 1e3 * do_bench_cudagraph(lambda: [int8_linear(x, w) for w in packed]) / copies
+            row = {"linear": name, "n": n, "k": k, "rows": rows, "bf16_us": round(bf16_us, 2),
+                   "int8_us": round(int8_us, 2), "int8_over_bf16": round(int8_us / bf16_us, 3),
+                   "bf16_bw_share": round(n * k * 2 / bf16_us / 1e3 / bandwidth, 3),
+                   "int8_bw_share": round(n * k / int8_us / 1e3 / bandwidth, 3),
+                   "max_abs_error": round(float(error), 5)}
+            print(row, flush=True)
+            rows_out.append(row)
+        del dense, packed
+        torch.cuda.empty_cache()
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu")
@@ -426,6 +461,7 @@ def main() -> None:
     parser.add_argument("--attention", action="store_true", help="the pool attention alone: attention.json")
     parser.add_argument("--engine", action="store_true", help="the engine's loop at 1 in flight: engine_loop.json")
     parser.add_argument("--engine-config", type=json.loads, default={}, help="EngineConfig fields, JSON")
+    parser.add_argument("--int8-linears", action="store_true", help="the draft's linears, bf16 and int8: int8.json")
     args = parser.parse_args()
     ENGINE_OVERRIDES.update(args.engine_config)
     out = Path(args.out)
@@ -440,6 +476,9 @@ def main() -> None:
         result.setdefault("copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))
         result["floor"] = floor_table(result["copy_bandwidth_gbs"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    if args.int8_linears:
+        (out / "int8.json").write_text(json.dumps(int8_linears(result.setdefault(
+            "copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))), indent=2))
     if args.attention:
         (out / "attention.json").write_text(json.dumps(attention_table(), indent=2))
     if args.engine:

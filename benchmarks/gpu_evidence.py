@@ -75,13 +75,15 @@ def saved_pair(args: argparse.Namespace) -> tuple[SavedPair, int]:
 
 def app_config(mode: str, pair: SavedPair, args: argparse.Namespace, *, engine: dict | None = None) -> dict:
     """configs/<mode>.yaml's args on `pair` (benchmarks/lib/apps.py app_args): the part's engine sizes, L =
-    DRAFT_LEN, one GPU's lane shares (cuda), --engine merged into the engine block; in the controller part,
-    the controller on in the drafting modes, --controller merged into its block."""
+    DRAFT_LEN, one GPU's lane shares (cuda), --engine merged into the engine block, --draft into the draft's; in
+    the controller part, the controller on in the drafting modes, --controller merged into its block."""
     engine = {**engine_args(args.max_model_len, args.max_num_seqs, DRAFT_LEN), **(engine or {}), **args.engine}
     config = app_args(mode, pair.target, pair.draft, dtype=args.dtype, lane_num_cpus=args.lane_num_cpus, engine=engine,
                       one_gpu=args.device == "cuda", controller=args.part == "controller")
     if args.part == "controller" and mode != "nospec":
         config["controller"].update(json.loads(args.controller))
+    if mode != "nospec":
+        config["draft"].update(args.draft)
     return config
 
 
@@ -295,6 +297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default nospec,spec,unified; prefix: default unified,pdv")
     parser.add_argument("--controller", default="{}", help="JSON merged into the controller block (controller part)")
     parser.add_argument("--engine", type=json.loads, default={}, help="JSON merged into every app's engine block")
+    parser.add_argument("--draft", type=json.loads, default={}, help="JSON merged into the drafting modes' draft "
+                        "block, e.g. '{\"quantization\": \"int8\"}'")
     parser.add_argument("--rate-factor", type=float, default=0.9,
                         help="controller: Poisson at this x nospec's completed requests/s at the most in flight")
     parser.add_argument("--min-load-s", type=float, default=15.0, help="a load starts only with this much left")

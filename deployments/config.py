@@ -94,6 +94,18 @@ class NgramSpec(_Strict):
 
 
 class DraftModelSpec(ModelSpec):
+    quantization: Literal["int8"] | None = Field(
+        default=None, description="int8: the draft's linears and LM head read int8 weights with a scale per "
+        "output channel (weight-only; lanes/model/int8_linear.py), half a bf16 draft's bytes a token. The "
+        "output stays lossless (the target verifies every draft); the acceptance rate may change. Llama-family "
+        "drafts in our fused layers, not sharded (tensor_parallel_size 1).")
+
+    @model_validator(mode="after")
+    def _quantized_whole(self) -> Self:
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError("draft.quantization needs draft.tensor_parallel_size 1: int8 weights are not sharded")
+        return self
+
     allow_tokenizer_mismatch: bool = Field(
         default=False, description="Pair a draft whose tokenizer is not the target's (other merges, special "
         "tokens or normalizer) as long as every token id names the same token string in both; off, any "

@@ -83,7 +83,9 @@ def _engine_config(cfg: AppConfig, lane: LaneConfig, name: str) -> EngineConfig:
     pools from that fraction of the device's memory (lanes share GPUs in pd and pdv)."""
     config = cfg.engine.engine_config(cfg.mode)
     share = min(1.0, lane.num_gpus) if lane.num_gpus > 0 else 1.0
-    return replace(config, gpu_memory_utilization=config.gpu_memory_utilization * share, lane_name=name)
+    draft = cfg.draft_model
+    return replace(config, gpu_memory_utilization=config.gpu_memory_utilization * share, lane_name=name,
+                   draft_quantization=draft.quantization if draft is not None else None)
 
 
 def _decode_lane_name(cfg: AppConfig) -> str:

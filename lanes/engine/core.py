@@ -93,6 +93,9 @@ class EngineConfig:
     # unified 1.01-1.14x faster (benchmarks/results/async_scheduling_h100/).
     async_scheduling: bool = True
     fit_max_model_len: bool = False  # max_model_len was left unset: lower it to the longest that fits (CUDA)
+    # "int8": the draft's linears read int8 weights with a scale per output channel (lanes/model/int8_linear.py),
+    # half the bytes of a bf16 draft token; the output stays lossless, its acceptance may change. None: as loaded.
+    draft_quantization: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.num_speculative_tokens <= self.max_draft_len:
@@ -107,6 +110,8 @@ class EngineConfig:
             raise ValueError("max_migrations >= 0 and recover_within_s > 0 required")
         if self.max_oom_attempts < 1:
             raise ValueError("max_oom_attempts must be >= 1")
+        if self.draft_quantization not in (None, "int8"):
+            raise ValueError(f"draft_quantization must be None or 'int8', not {self.draft_quantization!r}")
 
     @property
     def slot_capacity_tokens(self) -> int:
@@ -738,7 +743,8 @@ def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPG
     if device.type == "cuda" and config.num_kv_blocks is None:
         # The pools start with one sequence's blocks, the profile runs over them, and they are resized
         # to what it leaves (lanes/kv/sizing.py).
-        runners = _runners(models, groups, shapes, next(iter(shapes.values())).blocks_per_slot, device, config)
+        runners = _runners(models, groups, shapes, next(iter(shapes.values())).blocks_per_slot, device, config,
+                           draft_index)
         live = [r for r in runners if r is not None]
         draft = runners[draft_index] if draft_index is not None and draft_index < len(runners) else None
         plan = plan_memory(live, config, live.index(draft) if draft is not None else None)
@@ -754,7 +760,7 @@ def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPG
         blocks = num_kv_blocks(list(shapes.values()), dtypes, device, config.max_num_seqs, None, plan)
     else:
         blocks = num_kv_blocks(list(shapes.values()), dtypes, device, config.max_num_seqs, config.num_kv_blocks)
-        runners = _runners(models, groups, shapes, blocks, device, config)
+        runners = _runners(models, groups, shapes, blocks, device, config, draft_index)
     if tp is not None:  # block tables name the same blocks on every rank
         blocks = tp.min_over_ranks(blocks)
     for runner in runners:
@@ -763,8 +769,9 @@ def build_runners(config: EngineConfig, *models: torch.nn.Module | None, tp: TPG
     return runners
 
 
-def _runners(models, groups, shapes, blocks: int, device, config: EngineConfig) -> list[ModelRunner | None]:
-    return [None if m is None else _runner(m, shapes[i], blocks, device, config, g, i)
+def _runners(models, groups, shapes, blocks: int, device, config: EngineConfig,
+             draft_index: int | None) -> list[ModelRunner | None]:
+    return [None if m is None else _runner(m, shapes[i], blocks, device, config, g, i, i == draft_index)
             for i, (m, g) in enumerate(zip(models, groups))]
 
 
@@ -774,13 +781,14 @@ def _pool_shape(model: torch.nn.Module, tp: TPGroup | None, config: EngineConfig
 
 
 def _runner(model: torch.nn.Module, shape: PoolShape, blocks: int, device, config: EngineConfig, tp: TPGroup | None,
-            index: int) -> ModelRunner:
+            index: int, is_draft: bool) -> ModelRunner:
     shape = replace(shape, num_blocks=blocks)
     rank0 = tp is not None and tp.rank == 0
     share = partial(send_forward, tp, index) if rank0 else None
     # Rank 0's pool reads and writes a hand-over's KV over every rank's heads (lanes/parallel/kv_handover.py).
     pool = ShardedKVPool(shape, model.dtype, device, tp, index) if rank0 else KVPool(shape, model.dtype, device)
-    return ModelRunner(model, pool, config.attention_kernel, config.cuda_graphs, config.fused_layers, tp, share)
+    return ModelRunner(model, pool, config.attention_kernel, config.cuda_graphs, config.fused_layers, tp, share,
+                       int8_weights=is_draft and config.draft_quantization == "int8")
 
 
 def eos_token_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

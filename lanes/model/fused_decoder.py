@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lanes.kv.pool import KVPool
+from lanes.model import int8_linear as int8
 from lanes.model.attention import PoolAttentionMeta, attend
 from lanes.model.families import rope_parameter_sets
 from lanes.model.fused_ops import add_gemma_rms_norm, add_rms_norm, gelu_tanh_and_mul, rope_store, silu_and_mul
@@ -146,7 +147,8 @@ def _first_half(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
 class FusedDecoder:
     def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool, row_linear=F.linear):
         """`row_linear`: how o_proj and down_proj are applied, F.linear itself or, over the shards of a
-        tensor-parallel model, F.linear followed by the all-reduce (lanes/parallel/tensor_parallel.py)."""
+        tensor-parallel model, F.linear followed by the all-reduce (lanes/parallel/tensor_parallel.py).
+        `quantize_int8()` switches every linear to int8 weights afterwards."""
         decoder = model.get_decoder()
         text = model.config.get_text_config()
         gemma = text.model_type in GEMMA_TYPES
@@ -159,10 +161,21 @@ class FusedDecoder:
         self.layer_step = self._sandwich_layer if gemma else self._pre_norm_layer
         self.pool = pool
         self.use_triton = use_triton
+        self.linear = F.linear
         self.row_linear = row_linear
         tables = self._rope_tables(decoder, pool.shape.capacity_tokens)
         for layer in self.layers:
             layer.cos, layer.sin = tables[layer.layer_type if layer.layer_type in tables else None]
+
+    def quantize_int8(self) -> None:
+        """Every layer's linears as int8 weights (lanes/model/int8_linear.py): the draft's option. The
+        model's own parameters stay as they are (a prefill through HF's modules, a reference)."""
+        if self.row_linear is not F.linear:
+            raise ValueError("int8 weights and tensor parallelism do not combine (draft.quantization)")
+        for layer in self.layers:
+            layer.qkv_w, layer.o_w = int8.quantize(layer.qkv_w), int8.quantize(layer.o_w)
+            layer.gate_up_w, layer.down_w = int8.quantize(layer.gate_up_w), int8.quantize(layer.down_w)
+        self.linear = self.row_linear = int8.linear
 
     @staticmethod
     def _rope_tables(decoder, positions: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
@@ -196,7 +209,7 @@ class FusedDecoder:
         attn = self._attention(layer, normed.view(*shape, -1), meta)
         normed, residual = add_rms_norm(self.row_linear(attn, layer.o_w, layer.o_b), residual, *layer.post_norm,
                                         self.use_triton)
-        gate_up = F.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
+        gate_up = self.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
         return self.row_linear(self.act_and_mul(gate_up, self.use_triton), layer.down_w, layer.down_b), residual
 
     def _sandwich_layer(self, layer: _Layer, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -207,13 +220,13 @@ class FusedDecoder:
         attn = self._attention(layer, normed.view(*shape, -1), meta)
         attn, _ = self.add_norm(self.row_linear(attn, layer.o_w, layer.o_b), None, *layer.post_norm, self.use_triton)
         normed, residual = self.add_norm(attn, residual, *layer.pre_mlp_norm, self.use_triton)
-        gate_up = F.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
+        gate_up = self.linear(normed, layer.gate_up_w, layer.gate_up_b)  # [T, 2I]
         mlp = self.row_linear(self.act_and_mul(gate_up, self.use_triton), layer.down_w, layer.down_b)
         return self.add_norm(mlp, None, *layer.post_mlp_norm, self.use_triton)[0], residual
 
     def _attention(self, layer: _Layer, normed: torch.Tensor, meta: PoolAttentionMeta) -> torch.Tensor:
         batch, q_len, _ = normed.shape
-        qkv = F.linear(normed, layer.qkv_w, layer.qkv_b)  # [B, Q, (Hq + 2 Hkv) * D]
+        qkv = self.linear(normed, layer.qkv_w, layer.qkv_b)  # [B, Q, (Hq + 2 Hkv) * D]
         if layer.qk_norm is not None:
             qkv = self._norm_heads(qkv, layer)
         k_pool, v_pool = self.pool.layer(layer.layer_idx)  # [blocks, Hkv, block_size, D]

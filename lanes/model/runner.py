@@ -11,6 +11,7 @@ from lanes.device.batching import to_device
 from lanes.kv.pool import KVPool
 from lanes.model.attention import POOL_ATTENTION, PoolAttentionMeta
 from lanes.model.cuda_graphs import GraphedForward, GraphedPrefill
+from lanes.model import int8_linear as int8
 from lanes.model.fused_decoder import FusedDecoder, supports
 from lanes.model.pool_cache import PoolCache
 from lanes.parallel.tensor_parallel import TPGroup, row_parallel_linear
@@ -41,10 +42,12 @@ class Rows:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, attention_kernel: bool | None = None,
                  cuda_graphs: bool | None = None, fused_layers: bool | None = None, tp: TPGroup | None = None,
-                 share_forward: Callable | None = None):
+                 share_forward: Callable | None = None, int8_weights: bool = False):
         """`tp`: the group over which `model` (already a shard, lanes/parallel/tensor_parallel.py) and `pool` (this
         rank's KV heads) are split; `share_forward(rows, input_ids, keep, prefill, table_rows)`, on rank
-        0 of it, sends each forward's inputs to the workers before running it (lanes/parallel/step.py)."""
+        0 of it, sends each forward's inputs to the workers before running it (lanes/parallel/step.py).
+        `int8_weights`: the layers' linears and the LM head read int8 weights (lanes/model/int8_linear.py;
+        the fused layers only)."""
         self.model = model
         self.pool = pool
         self.device = pool.kv.device
@@ -72,6 +75,12 @@ class ModelRunner:
         row_linear = row_parallel_linear(tp) if tp is not None else torch.nn.functional.linear
         self.fused = FusedDecoder(model, pool, self.device.type == "cuda" or self.attention_kernel,
                                   row_linear) if use_fused else None
+        self.head_int8 = None
+        if int8_weights:
+            if self.fused is None:
+                raise ValueError("int8 weights run in the fused Llama-family layers only (draft.quantization)")
+            self.fused.quantize_int8()
+            self.head_int8 = int8.quantize(self.lm_head.weight)
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
         # Whole-prompt prefill through our fused layers replays graphs too (HF's modules build masks
@@ -165,7 +174,10 @@ class ModelRunner:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of hidden states [..., H], soft-capped as HF's forward does (in the model's dtype)."""
-        logits = self.lm_head(hidden)
+        if self.head_int8 is not None:
+            logits = int8.int8_linear(hidden, self.head_int8, self.lm_head.bias)
+        else:
+            logits = self.lm_head(hidden)
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits.float()
