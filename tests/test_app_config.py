@@ -40,3 +40,16 @@ def test_a_lanes_custom_resources_go_to_its_actor_and_each_rank_and_rays_own_nam
     for wrong in ({"GPU": 1}, {"verify_node": 0}):
         with pytest.raises(ValidationError, match="resources"):
             LaneConfig(resources=wrong)
+
+
+def test_draft_quantization_reaches_every_lane_engine_but_not_nospec(pair_paths):
+    from deployments.factories import _engine_config
+
+    target, draft = pair_paths
+    models = {"target": {"path": target}, "draft": {"path": draft, "quantization": "int8"}}
+    for mode in ("unified", "pdv"):
+        cfg = AppConfig(mode=mode, **models)
+        for lane in (cfg.decode_lane, cfg.prefill_lane):
+            assert _engine_config(cfg, lane, "lane").draft_quantization == "int8", (mode, lane)
+    nospec = AppConfig(mode="nospec", **models)  # loads no draft
+    assert _engine_config(nospec, nospec.decode_lane, "lane").draft_quantization is None

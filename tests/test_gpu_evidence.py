@@ -82,9 +82,13 @@ def test_a_sampler_runs_beside_its_load_and_stops_with_it():
 
 def test_controller_part_merges_its_flag_into_the_drafting_modes_block():
     args = SimpleNamespace(part="controller", controller='{"min_draft_len": 2}', dtype="float32", lane_num_cpus=0.25,
-                           max_model_len=128, max_num_seqs=8, device="cpu", engine={"async_scheduling": True})
+                           max_model_len=128, max_num_seqs=8, device="cpu", engine={"async_scheduling": True},
+                           draft={"quantization": "int8"})
     pair = SimpleNamespace(target=Path("/tmp/target"), draft=Path("/tmp/draft"))
     block = app_config("unified", pair, args)["controller"]
+    # --draft reaches the drafting modes' draft block, over the pair's path
+    draft = app_config("pdv", pair, args)["draft"]
+    assert draft["quantization"] == "int8" and draft["path"] == "/tmp/draft"
     assert block["enabled"] and block["initial_draft_len"] == 3 and block["min_draft_len"] == 2
     for mode in ("nospec", "unified", "pdv"):  # --engine reaches every mode's engine, over the part's own sizes
         engine = app_config(mode, pair, args, engine={"max_num_seqs": 4, "async_scheduling": False})["engine"]

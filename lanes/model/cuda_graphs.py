@@ -23,9 +23,11 @@ Off CUDA (tests) a "graph" runs its forward eagerly on the same padded static bu
 bucketing and padding are tested where no GPU is.
 """
 
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -57,7 +59,7 @@ class _Graph:
                 forward(*inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool, stream=stream):
+        with _collector_paused(), torch.cuda.graph(self.graph, pool=mempool, stream=stream):
             self.output = forward(*inputs)
 
     def replay(self) -> torch.Tensor:
@@ -65,6 +67,21 @@ class _Graph:
             return self.forward(*self.inputs)
         self.graph.replay()
         return self.output
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No garbage collection while a graph captures. Destroying a CUDA graph is not permitted during a
+    capture and invalidates it, and an earlier runner's graphs in a reference cycle are destroyed by the
+    collector whenever it runs. torch.cuda.graph no longer collects before it captures (only under
+    torch.compiler.config.force_cudagraph_gc). On an H100 a capture failed so, after 21 such destructions."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _capture(inputs: tuple[torch.Tensor, ...], forward: Callable, mempool, stream, capture_ms: dict, key) -> _Graph:

@@ -50,24 +50,15 @@ def quantize(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q, scale.contiguous(), weight.dtype)
 
 
-def _configs() -> list[triton.Config]:
-    """Tiles timed once per (N, K, path) on the GPU, at the warm-up before a graph's capture. Under
-    Triton's interpreter (CPU tests) one tile: the interpreter runs what a config says, not how fast."""
+def _configs(tiles: tuple[tuple[int, int, int], ...]) -> list[triton.Config]:
+    """Tiles (BLOCK_N, BLOCK_K, warps) timed once per (N, K, row tile) on the GPU, at the warm-up before a
+    graph's capture: four a path, so that a replica's first start compiles and times few. Under Triton's
+    interpreter (CPU tests) one tile: the interpreter runs what a config says, not how fast."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-            for n, k, w in ((8, 512, 2), (8, 1024, 2), (8, 1024, 4), (16, 512, 4), (16, 1024, 4), (32, 256, 4),
-                            (32, 512, 4), (64, 128, 4), (64, 256, 4))]
+        tiles = ((16, 32, 4),)
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in tiles]
 
 
-def _prune(configs, named_args, **kwargs):
-    """tl.dot needs tiles of at least 16 along every side; the one-row path takes any."""
-    if named_args.get("BLOCK_M", kwargs.get("BLOCK_M", 1)) == 1:
-        return list(configs)
-    return [c for c in configs if c.kwargs["BLOCK_N"] >= 16 and c.kwargs["BLOCK_K"] >= 16] or list(configs)
-
-
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _int8_linear_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, rows, N, K, stride_x,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -103,6 +94,13 @@ def _int8_linear_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, rows, N, K, 
                  mask=(m[:, None] < rows) & (n[None, :] < N))
 
 
+# One kernel, two tuners: a row streams along K in long tiles; tl.dot needs tiles of 16 or more along every side.
+_ONE_ROW = triton.autotune(_configs(((8, 512, 2), (8, 1024, 2), (16, 512, 4), (32, 256, 4))), key=["N", "K"])(
+    _int8_linear_kernel)
+_ROW_TILES = triton.autotune(_configs(((16, 512, 4), (32, 256, 4), (64, 128, 4), (64, 256, 4))),
+                             key=["N", "K", "BLOCK_M"])(_int8_linear_kernel)
+
+
 def _block_m(rows: int) -> int:
     """1 (the reduction path), else tl.dot's row tile: 16, 32 or 64, one compile each."""
     return 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
@@ -121,9 +119,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m = _block_m(rows)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, block_m))  # noqa: E731
-    _int8_linear_kernel[grid](x2, weight.q, weight.scale, bias if bias is not None else weight.scale, out, rows, n, k,
-                              x2.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                              UPCAST=INTERPRET or x.dtype == torch.float32)
+    kernel = _ONE_ROW if block_m == 1 else _ROW_TILES
+    kernel[grid](x2, weight.q, weight.scale, bias if bias is not None else weight.scale, out, rows, n, k, x2.stride(0),
+                 HAS_BIAS=bias is not None, BLOCK_M=block_m, UPCAST=INTERPRET or x.dtype == torch.float32)
     return out.view(*x.shape[:-1], n)
 
 
