@@ -67,10 +67,10 @@ def _dequantized_copy(model: LoadedModel) -> LoadedModel:
     return LoadedModel(dense, model.tokenizer, f"{model.name}-dequantized")
 
 
-def test_an_int8_draft_runner_is_the_dequantized_model(float32_pair):
-    """Decode and draft forwards (the kernel) and a prompt (F.linear past 64 rows) both give the logits of
-    the model whose weights are the dequantized ones: the probabilities a draft is sampled from and
-    divided by in rejection sampling are one model's."""
+def test_an_int8_draft_runner_is_one_model_in_every_forward(float32_pair):
+    """Forwards of up to 64 rows (the kernel) give the logits of the model whose weights are the dequantized
+    ones, and a prompt of more rows (cuBLAS on the weights as loaded) the draft's own: the probabilities a
+    draft is sampled from and divided by in rejection sampling are one model's."""
     _, draft = float32_pair
     config = EngineConfig(max_model_len=320, max_num_seqs=2, draft_quantization="int8")
     runner = build_runner(draft.model, config, draft=True)
@@ -78,15 +78,17 @@ def test_an_int8_draft_runner_is_the_dequantized_model(float32_pair):
     assert isinstance(layer.qkv_w, Int8Weight) and isinstance(layer.down_w, Int8Weight)
     assert runner.head_int8 is not None
     prompt = torch.tensor([random_prompts(1, 128, 80, 80, seed=3)[0]])
-    slot = runner.pool.allocate()
-    runner.pool.reserve([slot], [prompt.shape[1]])
-    whole = runner.forward(runner.rows([slot], [0]), prompt[:, :76], prefill=True)[0]  # 76 rows: F.linear
-    tail = runner.forward(runner.rows([slot], [76]), prompt[:, 76:])[0]  # 4 rows: the kernel's tiles
+    small, large = runner.pool.allocate(), runner.pool.allocate()
+    runner.pool.reserve([small, large], [64, 80])
+    head = runner.forward(runner.rows([small], [0]), prompt[:, :60], prefill=True)[0]  # 60 rows
+    tail = runner.forward(runner.rows([small], [60]), prompt[:, 60:64])[0]  # 4 rows, after them
+    whole = runner.forward(runner.rows([large], [0]), prompt, prefill=True)[0]  # 80 rows
     with torch.no_grad():
-        reference = _dequantized_copy(draft).model(prompt).logits[0].float()
-    torch.testing.assert_close(whole, reference[:76], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(tail, reference[76:], rtol=1e-4, atol=1e-4)
-    assert not torch.equal(reference, draft.model(prompt).logits[0].float())  # the quantization is not a no-op
+        dequantized = _dequantized_copy(draft).model(prompt[:, :64]).logits[0].float()
+        loaded = draft.model(prompt).logits[0].float()
+    torch.testing.assert_close(torch.cat([head, tail]), dequantized, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(whole, loaded, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(dequantized, loaded[:64], rtol=1e-4, atol=1e-4)  # the quantization is not a no-op
 
 
 def test_greedy_output_with_an_int8_draft_is_the_targets(float32_pair):
@@ -107,3 +109,11 @@ def test_the_config_names_what_is_not_supported():
     with pytest.raises(ValidationError, match="tensor_parallel_size 1"):
         DraftModelSpec(path="models/vpd-draft", quantization="int8", tensor_parallel_size=2)
     assert DraftModelSpec(path="models/vpd-draft", quantization="int8").quantization == "int8"
+
+
+def test_past_the_kernels_rows_the_weight_as_loaded_runs_where_it_is_kept():
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(40, 24, generator=gen)
+    x = torch.randn(65, 24, generator=gen)
+    assert torch.equal(int8_linear(x, quantize(dense, keep_dense=True)), F.linear(x, dense))
+    torch.testing.assert_close(int8_linear(x, quantize(dense)), F.linear(x, quantize(dense).dequantize()))

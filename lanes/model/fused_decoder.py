@@ -144,6 +144,10 @@ def _first_half(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
     return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
 
 
+def _int8(weight: torch.Tensor) -> int8.Int8Weight:
+    return int8.quantize(weight, keep_dense=True)
+
+
 class FusedDecoder:
     def __init__(self, model: torch.nn.Module, pool: KVPool, use_triton: bool, row_linear=F.linear):
         """`row_linear`: how o_proj and down_proj are applied, F.linear itself or, over the shards of a
@@ -169,12 +173,12 @@ class FusedDecoder:
 
     def quantize_int8(self) -> None:
         """Every layer's linears as int8 weights (lanes/model/int8_linear.py): the draft's option. The
-        model's own parameters stay as they are (a prefill through HF's modules, a reference)."""
+        weights as loaded stay, for forwards of many rows (prompts), where cuBLAS runs them."""
         if self.row_linear is not F.linear:
             raise ValueError("int8 weights and tensor parallelism do not combine (draft.quantization)")
         for layer in self.layers:
-            layer.qkv_w, layer.o_w = int8.quantize(layer.qkv_w), int8.quantize(layer.o_w)
-            layer.gate_up_w, layer.down_w = int8.quantize(layer.gate_up_w), int8.quantize(layer.down_w)
+            layer.qkv_w, layer.o_w = _int8(layer.qkv_w), _int8(layer.o_w)
+            layer.gate_up_w, layer.down_w = _int8(layer.gate_up_w), _int8(layer.down_w)
         self.linear = self.row_linear = int8.linear
 
     @staticmethod

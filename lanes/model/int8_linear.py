@@ -9,8 +9,12 @@ are the quantized model's own, tests/test_int8_linear.py).
 
 One kernel, two paths. One row (a draft token at batch 1): a program owns BLOCK_N output channels and
 streams their int8 rows along K, summing in float32. 2-64 rows: tensor-core tiles (tl.dot), the int8
-tile converted to the activations' dtype, exact for integers up to 127. Past 64 rows (prompt prefill)
-the weight is dequantized once and cuBLAS runs the GEMM: there the step is compute-bound.
+tile converted to the activations' dtype, exact for integers up to 127. Past 64 rows (prompt prefill,
+and at high batch the draft's forwards over the tokens a verify accepted) cuBLAS runs the GEMM on the
+weight as loaded, which stays in memory. Dequantized there once a call instead, a served unified engine
+at 64 in flight gave 0.59x the bf16 draft's tok/s on an H100 (benchmarks/results/int8_draft_h100/). Each
+forward is one model's either way, so the probabilities a token was drafted from are the ones its
+verification divides by.
 """
 
 import os
@@ -28,11 +32,13 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A linear's weight [N, K] as int8 `q` with per-output-channel `scale` [N] (float32): W ≈ q * scale[:, None]."""
+    """A linear's weight [N, K] as int8 `q` with per-output-channel `scale` [N] (float32): W ≈ q * scale[:, None].
+    `dense`: the weight as loaded, for forwards of more rows than the kernel takes (None: dequantized there)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype  # the weight's dtype before quantization: what dequantize returns
+    dense: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -42,12 +48,13 @@ class Int8Weight:
         return (self.q.to(torch.float32) * self.scale[:, None]).to(self.dtype)
 
 
-def quantize(weight: torch.Tensor) -> Int8Weight:
-    """Symmetric per-output-channel int8: each row's largest magnitude maps to 127."""
+def quantize(weight: torch.Tensor, keep_dense: bool = False) -> Int8Weight:
+    """Symmetric per-output-channel int8: each row's largest magnitude maps to 127. `keep_dense`: hold a
+    reference to `weight` (no copy) for forwards past MAX_KERNEL_ROWS."""
     w = weight.detach().to(torch.float32)
     scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return Int8Weight(q, scale.contiguous(), weight.dtype)
+    return Int8Weight(q, scale.contiguous(), weight.dtype, weight.detach() if keep_dense else None)
 
 
 def _configs(tiles: tuple[tuple[int, int, int], ...]) -> list[triton.Config]:
@@ -108,12 +115,14 @@ def _block_m(rows: int) -> int:
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight.dequantize(), bias) for x [..., K]: the kernel up to MAX_KERNEL_ROWS rows of a
-    dtype it takes, on a GPU (or under the interpreter), else the dequantized weight through F.linear."""
+    dtype it takes, on a GPU (or under the interpreter); else F.linear on the weight as loaded where it
+    is kept, or on the dequantized one."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     if not 0 < rows <= MAX_KERNEL_ROWS or x.dtype not in KERNEL_DTYPES or not (x.is_cuda or INTERPRET):
-        return F.linear(x, weight.dequantize().to(x.dtype), bias)
+        dense = weight.dense if weight.dense is not None else weight.dequantize()
+        return F.linear(x, dense.to(x.dtype), bias)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)

@@ -80,7 +80,7 @@ class ModelRunner:
             if self.fused is None:
                 raise ValueError("int8 weights run in the fused Llama-family layers only (draft.quantization)")
             self.fused.quantize_int8()
-            self.head_int8 = int8.quantize(self.lm_head.weight)
+            self.head_int8 = int8.quantize(self.lm_head.weight, keep_dense=True)
         use_graphs = self.device.type == "cuda" and self.attention_kernel if cuda_graphs is None else cuda_graphs
         self.graphs = GraphedForward(self._logits, pool.pad_slot, self.device, pool.shape.num_slots) if use_graphs else None
         # Whole-prompt prefill through our fused layers replays graphs too (HF's modules build masks
