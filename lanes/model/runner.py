@@ -9,9 +9,9 @@ import torch
 
 from lanes.device.batching import to_device
 from lanes.kv.pool import KVPool
+from lanes.model import int8_linear as int8
 from lanes.model.attention import POOL_ATTENTION, PoolAttentionMeta
 from lanes.model.cuda_graphs import GraphedForward, GraphedPrefill
-from lanes.model import int8_linear as int8
 from lanes.model.fused_decoder import FusedDecoder, supports
 from lanes.model.pool_cache import PoolCache
 from lanes.parallel.tensor_parallel import TPGroup, row_parallel_linear
