@@ -179,7 +179,7 @@ class FusedDecoder:
         for layer in self.layers:
             layer.qkv_w, layer.o_w = _int8(layer.qkv_w), _int8(layer.o_w)
             layer.gate_up_w, layer.down_w = _int8(layer.gate_up_w), _int8(layer.down_w)
-        self.linear = self.row_linear = int8.linear
+        self.linear = self.row_linear = int8.int8_linear  # every linear is int8 now
 
     @staticmethod
     def _rope_tables(decoder, positions: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:

@@ -133,9 +133,3 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
                  HAS_BIAS=bias is not None, BLOCK_M=block_m, UPCAST=INTERPRET or x.dtype == torch.float32)
     return out.view(*x.shape[:-1], n)
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for either kind of weight: the fused layers' linear where some weights are int8."""
-    if isinstance(weight, Int8Weight):
-        return int8_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
