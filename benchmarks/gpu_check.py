@@ -3,12 +3,14 @@ against HF eager and the memory-bandwidth floor (needs a CUDA device).
 
     python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile] [--attention] [--engine]
                                                [--engine-config '{"async_scheduling": false}'] [--int8-linears]
+                                               [--int8-tiles] [--draft] [--one-row-tiles '[[8, 2048, 4]]']
 
 `--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
 kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the
-device's busy time; `--int8-linears`: the draft's linears alone, bf16 against int8 weights. Writes
-gpu_check.json (profile_steps.json, attention.json, engine_loop.json, int8.json); the tables and their
-reading: docs/performance.md.
+device's busy time; `--int8-linears`: the draft's linears alone, bf16 against int8 weights; `--int8-tiles`: the
+int8 kernel at each candidate tile; `--draft`: the draft's step alone; `--one-row-tiles`: the tiles the int8
+kernel's one-row tuner times in this process. Writes gpu_check.json (profile_steps.json, attention.json,
+engine_loop.json, int8.json, int8_tiles.json); the tables and their reading: docs/performance.md.
 """
 
 import os
@@ -427,11 +429,8 @@ def int8_linears(bandwidth: float) -> list[dict]:
 
     from lanes.model.int8_linear import int8_linear, quantize
 
-    hidden, inter, vocab = TINYLLAMA["hidden_size"], TINYLLAMA["intermediate_size"], TINYLLAMA["vocab_size"]
-    kv = hidden // TINYLLAMA["num_attention_heads"] * TINYLLAMA["num_key_value_heads"]
     rows_out = []
-    for name, n, k in (("qkv", hidden + 2 * kv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
-                       ("down", hidden, inter), ("lm_head", vocab, hidden)):
+    for name, n, k in draft_linears():
         copies = max(1, -(-256 * 2**20 // (n * k * 2)))
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
         packed = [quantize(w) for w in dense]
@@ -452,6 +451,69 @@ def int8_linears(bandwidth: float) -> list[dict]:
     return rows_out
 
 
+ONE_ROW_TILES = ((8, 512, 2), (8, 1024, 2), (16, 512, 4), (32, 256, 4), (2, 4096, 4), (4, 2048, 4), (4, 4096, 8),
+                 (8, 2048, 4), (8, 2048, 8), (16, 2048, 8), (8, 4096, 8), (16, 1024, 4))
+ROW_TILE_TILES = ((16, 512, 4), (32, 256, 4), (64, 128, 4), (64, 256, 4), (16, 1024, 4), (32, 512, 4), (16, 2048, 8),
+                  (32, 1024, 8))
+
+
+def int8_tile_sweep(bandwidth: float) -> list[dict]:
+    """The int8 kernel at each tile (BLOCK_N, BLOCK_K, warps), one row and 16, over each of the draft's linears:
+    which tiles its two tuners should time (lanes/model/int8_linear.py). Same timing as int8_linears."""
+    from triton.testing import do_bench_cudagraph
+
+    from lanes.model.int8_linear import _int8_linear_kernel, quantize
+
+    rows_out = []
+    for name, n, k in draft_linears():
+        copies = max(1, -(-256 * 2**20 // (n * k)))
+        packed = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
+        for rows, tiles in ((1, ONE_ROW_TILES), (16, ROW_TILE_TILES)):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            for block_n, block_k, warps in tiles:
+                def launch(w, block_n=block_n, block_k=block_k, warps=warps):
+                    _int8_linear_kernel[(-(-n // block_n), 1)](
+                        x, w.q, w.scale, w.scale, out, rows, n, k, k, HAS_BIAS=False, BLOCK_M=rows, BLOCK_N=block_n,
+                        BLOCK_K=block_k, UPCAST=False, num_warps=warps)
+                try:
+                    us = 1e3 * do_bench_cudagraph(lambda: [launch(w) for w in packed]) / copies
+                except Exception as error:  # a tile the compiler refuses (shared memory, registers): say so
+                    rows_out.append({"linear": name, "rows": rows, "tile": [block_n, block_k, warps],
+                                     "error": str(error).splitlines()[0][:200]})
+                    continue
+                rows_out.append({"linear": name, "n": n, "k": k, "rows": rows, "tile": [block_n, block_k, warps],
+                                 "us": round(us, 2), "bw_share": round(n * k / us / 1e3 / bandwidth, 3)})
+                print(rows_out[-1], flush=True)
+        del packed
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def draft_linears() -> tuple[tuple[str, int, int], ...]:
+    """(name, N, K) of each linear of the TinyLlama-shaped draft, QKV and gate/up concatenated as the runner does."""
+    hidden, inter, vocab = TINYLLAMA["hidden_size"], TINYLLAMA["intermediate_size"], TINYLLAMA["vocab_size"]
+    kv = hidden // TINYLLAMA["num_attention_heads"] * TINYLLAMA["num_key_value_heads"]
+    return (("qkv", hidden + 2 * kv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
+            ("down", hidden, inter), ("lm_head", vocab, hidden))
+
+
+def draft_table(bandwidth: float) -> list[dict]:
+    """The draft's step alone at L = 1..4, batch 1 and 64, greedy, over its floor (the weights as loaded)."""
+    model = shaped_models()["draft"]
+    runner = build_runner(model, step_config(CONTEXT + 16, 64), draft=True)
+    rows = []
+    for batch in (1, 64):
+        floor = floor_ms(model, batch, CONTEXT, bandwidth)
+        for draft_len in (1, 2, 3, 4):
+            ms = timed_ms(runner.pool, *draft_step(runner, batch, draft_len))
+            rows.append({"batch": batch, "L": draft_len, "draft_greedy_ms": round(ms, 3),
+                         "floor_one_draft_token_ms": round(floor, 3),
+                         "draft_per_token_over_floor": round(ms / draft_len / floor, 2)})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu")
@@ -462,23 +524,37 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="the engine's loop at 1 in flight: engine_loop.json")
     parser.add_argument("--engine-config", type=json.loads, default={}, help="EngineConfig fields, JSON")
     parser.add_argument("--int8-linears", action="store_true", help="the draft's linears, bf16 and int8: int8.json")
+    parser.add_argument("--int8-tiles", action="store_true", help="the int8 kernel at each tile: int8_tiles.json")
+    parser.add_argument("--one-row-tiles", type=json.loads, default=None,
+                        help="[[BLOCK_N, BLOCK_K, warps], ...]: the tiles the int8 kernel's one-row tuner times")
+    parser.add_argument("--draft", action="store_true", help="the draft's step alone, L = 1..4 (gpu_check.json)")
     args = parser.parse_args()
     ENGINE_OVERRIDES.update(args.engine_config)
+    if args.one_row_tiles is not None:  # before any kernel is tuned
+        from lanes.model import int8_linear
+        int8_linear._ONE_ROW.configs = int8_linear._configs(tuple(map(tuple, args.one_row_tiles)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "engine_config": ENGINE_OVERRIDES}
     result["engine_greedy"] = engine_greedy_check()
     print(result, flush=True)  # then each row as it is timed; the whole: gpu_check.json
+
+    def bandwidth() -> float:  # measured once, by whichever part needs it first
+        if "copy_bandwidth_gbs" not in result:
+            result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
+        return result["copy_bandwidth_gbs"]
+
     if not args.skip_steps:
-        result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
-        result["steps"] = step_table(result["copy_bandwidth_gbs"])
+        result["steps"] = step_table(bandwidth())
     if args.floor:
-        result.setdefault("copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))
-        result["floor"] = floor_table(result["copy_bandwidth_gbs"])
+        result["floor"] = floor_table(bandwidth())
+    if args.draft:
+        result["draft"] = draft_table(bandwidth())
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     if args.int8_linears:
-        (out / "int8.json").write_text(json.dumps(int8_linears(result.setdefault(
-            "copy_bandwidth_gbs", round(copy_bandwidth_gbs(), 1))), indent=2))
+        (out / "int8.json").write_text(json.dumps(int8_linears(bandwidth()), indent=2))
+    if args.int8_tiles:
+        (out / "int8_tiles.json").write_text(json.dumps(int8_tile_sweep(bandwidth()), indent=2))
     if args.attention:
         (out / "attention.json").write_text(json.dumps(attention_table(), indent=2))
     if args.engine:
