@@ -4,12 +4,13 @@ against HF eager and the memory-bandwidth floor (needs a CUDA device).
     python benchmarks/gpu_check.py --out OUT   [--skip-steps] [--floor] [--profile] [--attention] [--engine]
                                                [--engine-config '{"async_scheduling": false}'] [--int8-linears]
                                                [--int8-tiles] [--draft] [--one-row-tiles '[[8, 2048, 4]]']
+                                               [--row-tiles '[[32, 512, 4]]']
 
 `--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
 kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the
 device's busy time; `--int8-linears`: the draft's linears alone, bf16 against int8 weights; `--int8-tiles`: the
-int8 kernel at each candidate tile; `--draft`: the draft's step alone; `--one-row-tiles`: the tiles the int8
-kernel's one-row tuner times in this process. Writes gpu_check.json (profile_steps.json, attention.json,
+int8 kernel at each candidate tile; `--draft`: the draft's step alone; `--one-row-tiles` / `--row-tiles`: the
+tiles the int8 kernel's tuners time in this process. Writes gpu_check.json (profile_steps.json, attention.json,
 engine_loop.json, int8.json, int8_tiles.json); the tables and their reading: docs/performance.md.
 """
 
@@ -527,12 +528,14 @@ def main() -> None:
     parser.add_argument("--int8-tiles", action="store_true", help="the int8 kernel at each tile: int8_tiles.json")
     parser.add_argument("--one-row-tiles", type=json.loads, default=None,
                         help="[[BLOCK_N, BLOCK_K, warps], ...]: the tiles the int8 kernel's one-row tuner times")
+    parser.add_argument("--row-tiles", type=json.loads, default=None, help="the same for its 2-64 row tuner")
     parser.add_argument("--draft", action="store_true", help="the draft's step alone, L = 1..4 (gpu_check.json)")
     args = parser.parse_args()
     ENGINE_OVERRIDES.update(args.engine_config)
-    if args.one_row_tiles is not None:  # before any kernel is tuned
-        from lanes.model import int8_linear
-        int8_linear._ONE_ROW.configs = int8_linear._configs(tuple(map(tuple, args.one_row_tiles)))
+    from lanes.model import int8_linear
+    for tuner, tiles in ((int8_linear._ONE_ROW, args.one_row_tiles), (int8_linear._ROW_TILES, args.row_tiles)):
+        if tiles is not None:  # before any kernel is tuned
+            tuner.configs = int8_linear._configs(tuple(map(tuple, tiles)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "engine_config": ENGINE_OVERRIDES}
