@@ -435,7 +435,7 @@ def int8_linears(bandwidth: float) -> list[dict]:
         copies = max(1, -(-256 * 2**20 // (n * k * 2)))
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
         packed = [quantize(w) for w in dense]
-        for rows in (1, 4, 64):
+        for rows in (1, 4, 16, 32, 64):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             error = (int8_linear(x, packed[0]).float() - F.linear(x, packed[0].dequantize()).float()).abs().max()
             bf16_us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in dense]) / copies
@@ -529,6 +529,7 @@ def main() -> None:
     parser.add_argument("--one-row-tiles", type=json.loads, default=None,
                         help="[[BLOCK_N, BLOCK_K, warps], ...]: the tiles the int8 kernel's one-row tuner times")
     parser.add_argument("--row-tiles", type=json.loads, default=None, help="the same for its 2-64 row tuner")
+    parser.add_argument("--max-kernel-rows", type=int, default=None, help="the int8 kernel's most rows a call")
     parser.add_argument("--draft", action="store_true", help="the draft's step alone, L = 1..4 (gpu_check.json)")
     args = parser.parse_args()
     ENGINE_OVERRIDES.update(args.engine_config)
@@ -536,6 +537,8 @@ def main() -> None:
     for tuner, tiles in ((int8_linear._ONE_ROW, args.one_row_tiles), (int8_linear._ROW_TILES, args.row_tiles)):
         if tiles is not None:  # before any kernel is tuned
             tuner.configs = int8_linear._configs(tuple(map(tuple, tiles)))
+    if args.max_kernel_rows is not None:
+        int8_linear.MAX_KERNEL_ROWS = args.max_kernel_rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "engine_config": ENGINE_OVERRIDES}

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from deployments.config import DraftModelSpec
 from lanes.engine.core import EngineConfig, build_runner
-from lanes.model.int8_linear import Int8Weight, int8_linear, quantize
+from lanes.model.int8_linear import MAX_KERNEL_ROWS, Int8Weight, int8_linear, quantize
 from lanes.model.loader import LoadedModel
 from lanes.sample.params import SamplingParams
 from tests.conftest import make_pair
@@ -34,12 +34,12 @@ def test_quantize_keeps_every_weight_within_half_a_step_of_its_row():
     assert ((q.dequantize() - weight).abs() <= q.scale[:, None] / 2 + 1e-7).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 40, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_kernel_equals_the_dequantized_linear(rows, dtype, with_bias):
-    """One row: the reduction path; 3-64: tensor-core tiles of 16 and 64 rows; 65: the dequantized
-    weight through F.linear. N and K are not multiples of any tile."""
+    """One row: the reduction path; up to MAX_KERNEL_ROWS: tensor-core tiles; past it: the dequantized weight
+    through F.linear. N and K are not multiples of any tile."""
     gen = torch.Generator().manual_seed(rows)
     weight = quantize(torch.randn(72, 88, generator=gen))
     x = torch.randn(rows, 88, generator=gen).to(dtype)
@@ -68,9 +68,9 @@ def _dequantized_copy(model: LoadedModel) -> LoadedModel:
 
 
 def test_an_int8_draft_runner_is_one_model_in_every_forward(float32_pair):
-    """Forwards of up to 64 rows (the kernel) give the logits of the model whose weights are the dequantized
-    ones, and a prompt of more rows (cuBLAS on the weights as loaded) the draft's own: the probabilities a
-    draft is sampled from and divided by in rejection sampling are one model's."""
+    """Forwards of up to MAX_KERNEL_ROWS (the kernel) give the logits of the model whose weights are the
+    dequantized ones, and a prompt of more rows (cuBLAS on the weights as loaded) the draft's own: the
+    probabilities a draft is sampled from and divided by in rejection sampling are one model's."""
     _, draft = float32_pair
     config = EngineConfig(max_model_len=320, max_num_seqs=2, draft_quantization="int8")
     runner = build_runner(draft.model, config, draft=True)
@@ -79,16 +79,16 @@ def test_an_int8_draft_runner_is_one_model_in_every_forward(float32_pair):
     assert runner.head_int8 is not None
     prompt = torch.tensor([random_prompts(1, 128, 80, 80, seed=3)[0]])
     small, large = runner.pool.allocate(), runner.pool.allocate()
-    runner.pool.reserve([small, large], [64, 80])
-    head = runner.forward(runner.rows([small], [0]), prompt[:, :60], prefill=True)[0]  # 60 rows
-    tail = runner.forward(runner.rows([small], [60]), prompt[:, 60:64])[0]  # 4 rows, after them
+    runner.pool.reserve([small, large], [20, 80])
+    head = runner.forward(runner.rows([small], [0]), prompt[:, :16], prefill=True)[0]  # 16 rows
+    tail = runner.forward(runner.rows([small], [16]), prompt[:, 16:20])[0]  # 4 rows, after them
     whole = runner.forward(runner.rows([large], [0]), prompt, prefill=True)[0]  # 80 rows
     with torch.no_grad():
-        dequantized = _dequantized_copy(draft).model(prompt[:, :64]).logits[0].float()
+        dequantized = _dequantized_copy(draft).model(prompt[:, :20]).logits[0].float()
         loaded = draft.model(prompt).logits[0].float()
     torch.testing.assert_close(torch.cat([head, tail]), dequantized, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(whole, loaded, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(dequantized, loaded[:64], rtol=1e-4, atol=1e-4)  # the quantization is not a no-op
+    assert not torch.allclose(dequantized, loaded[:20], rtol=1e-4, atol=1e-4)  # the quantization is not a no-op
 
 
 def test_greedy_output_with_an_int8_draft_is_the_targets(float32_pair):
@@ -114,6 +114,6 @@ def test_the_config_names_what_is_not_supported():
 def test_past_the_kernels_rows_the_weight_as_loaded_runs_where_it_is_kept():
     gen = torch.Generator().manual_seed(5)
     dense = torch.randn(40, 24, generator=gen)
-    x = torch.randn(65, 24, generator=gen)
+    x = torch.randn(MAX_KERNEL_ROWS + 1, 24, generator=gen)
     assert torch.equal(int8_linear(x, quantize(dense, keep_dense=True)), F.linear(x, dense))
     torch.testing.assert_close(int8_linear(x, quantize(dense)), F.linear(x, quantize(dense).dequantize()))

@@ -8,13 +8,14 @@ quantized draft changes the acceptance rate, never the output's distribution (th
 are the quantized model's own, tests/test_int8_linear.py).
 
 One kernel, two paths. One row (a draft token at batch 1): a program owns BLOCK_N output channels and
-streams their int8 rows along K, summing in float32. 2-64 rows: tensor-core tiles (tl.dot), the int8
-tile converted to the activations' dtype, exact for integers up to 127. Past 64 rows (prompt prefill,
-and at high batch the draft's forwards over the tokens a verify accepted) cuBLAS runs the GEMM on the
-weight as loaded, which stays in memory. Dequantized there once a call instead, a served unified engine
-at 64 in flight gave 0.59x the bf16 draft's tok/s on an H100 (benchmarks/results/int8_draft_h100/). Each
-forward is one model's either way, so the probabilities a token was drafted from are the ones its
-verification divides by.
+streams their int8 rows along K, summing in float32. 2-16 rows: tensor-core tiles (tl.dot), the int8
+tile converted to the activations' dtype, exact for integers up to 127. Past 16 rows (prompt prefill,
+and at batch > 16 the draft's forwards) cuBLAS runs the GEMM on the weight as loaded, which stays in
+memory: on an H100 the kernel took 0.53-1.00x cuBLAS's time on the bf16 weights at 16 rows, but up to
+1.28x at 32 and 1.54x at 64 (benchmarks/results/int8_tiles_h100/). Dequantized there once a call
+instead, a served unified engine at 64 in flight gave 0.59x the bf16 draft's tok/s
+(benchmarks/results/int8_draft_h100/). Each forward is one model's either way, so the probabilities a
+token was drafted from are the ones its verification divides by.
 """
 
 import os
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests run the kernel in Triton's interpreter
-MAX_KERNEL_ROWS = 64  # more rows (prompts, catch-up at high batch): cuBLAS on the weight as loaded (`dense`)
+MAX_KERNEL_ROWS = 16  # more rows (prompts, batches past 16): cuBLAS on the weight as loaded (`dense`)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -112,7 +113,7 @@ _ROW_TILES = triton.autotune(_configs(ROW_TILES), key=["N", "K", "BLOCK_M"])(_in
 
 
 def _block_m(rows: int) -> int:
-    """1 (the reduction path), else tl.dot's row tile: 16, 32 or 64, one compile each."""
+    """1 (the reduction path), else tl.dot's row tile: a power of two, at least 16."""
     return 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
 
 
