@@ -423,32 +423,42 @@ def attention_table() -> list[dict]:
 
 
 def int8_linears(bandwidth: float) -> list[dict]:
-    """Each of the draft's linears alone, bf16 cuBLAS against the int8 kernel (lanes/model/int8_linear.py), at 1, 4
-    and 64 rows: CUDA-graph time over enough copies of the weight (>= 256 MiB) that none is read from L2, the
-    weight bytes' share of `bandwidth`, and the kernel's largest error against the dequantized weight in F.linear."""
+    """Each of the draft's linears alone, bf16 cuBLAS against the int8 kernel (lanes/model/int8_linear.py), at 1 to
+    64 rows: CUDA-graph time over enough copies of the weight (>= 256 MiB) that none is read from L2, the
+    weight bytes' share of `bandwidth`, and the kernel's largest error against the dequantized weight in F.linear.
+    The kernel runs at every row count here, also past the MAX_KERNEL_ROWS where the engine stops it."""
+    from lanes.model import int8_linear as int8_module
+
+    engine_rows, int8_module.MAX_KERNEL_ROWS = int8_module.MAX_KERNEL_ROWS, 64
+    try:
+        return [row for name, n, k in draft_linears() for row in _int8_linear_rows(name, n, k, bandwidth)]
+    finally:
+        int8_module.MAX_KERNEL_ROWS = engine_rows  # for the engines built after this
+
+
+def _int8_linear_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
     from lanes.model.int8_linear import int8_linear, quantize
 
     rows_out = []
-    for name, n, k in draft_linears():
-        copies = max(1, -(-256 * 2**20 // (n * k * 2)))
-        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-        packed = [quantize(w) for w in dense]
-        for rows in (1, 4, 16, 32, 64):
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            error = (int8_linear(x, packed[0]).float() - F.linear(x, packed[0].dequantize()).float()).abs().max()
-            bf16_us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in dense]) / copies
-            int8_us = 1e3 * do_bench_cudagraph(lambda: [int8_linear(x, w) for w in packed]) / copies
-            row = {"linear": name, "n": n, "k": k, "rows": rows, "bf16_us": round(bf16_us, 2),
-                   "int8_us": round(int8_us, 2), "int8_over_bf16": round(int8_us / bf16_us, 3),
-                   "bf16_bw_share": round(n * k * 2 / bf16_us / 1e3 / bandwidth, 3),
-                   "int8_bw_share": round(n * k / int8_us / 1e3 / bandwidth, 3),
-                   "max_abs_error": round(float(error), 5)}
-            print(row, flush=True)
-            rows_out.append(row)
-        del dense, packed
-        torch.cuda.empty_cache()
+    copies = max(1, -(-256 * 2**20 // (n * k * 2)))
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+    packed = [quantize(w) for w in dense]
+    for rows in (1, 4, 16, 32, 64):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        error = (int8_linear(x, packed[0]).float() - F.linear(x, packed[0].dequantize()).float()).abs().max()
+        bf16_us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in dense]) / copies
+        int8_us = 1e3 * do_bench_cudagraph(lambda: [int8_linear(x, w) for w in packed]) / copies
+        row = {"linear": name, "n": n, "k": k, "rows": rows, "bf16_us": round(bf16_us, 2),
+               "int8_us": round(int8_us, 2), "int8_over_bf16": round(int8_us / bf16_us, 3),
+               "bf16_bw_share": round(n * k * 2 / bf16_us / 1e3 / bandwidth, 3),
+               "int8_bw_share": round(n * k / int8_us / 1e3 / bandwidth, 3),
+               "max_abs_error": round(float(error), 5)}
+        print(row, flush=True)
+        rows_out.append(row)
+    del dense, packed
+    torch.cuda.empty_cache()
     return rows_out
 
 
