@@ -105,7 +105,7 @@ def _int8_linear_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, rows, N, K, 
 # One kernel, two tuners: a row streams along K in long tiles; tl.dot needs tiles of 16 or more along every side.
 # The tiles are each draft linear's fastest in a sweep of twelve (one row) and eight (16 rows) on an H100
 # (`gpu_check.py --int8-tiles`, benchmarks/results/int8_tiles_h100/). The small linears (QKV, o_proj, down_proj)
-# want few channels a program and the whole K in one or two loads: more bytes in flight, fewer round trips.
+# want few channels a program and long loads along K (2,048): more bytes in flight, fewer round trips.
 ONE_ROW_TILES = ((4, 2048, 4), (8, 512, 2), (8, 2048, 8), (16, 512, 4))
 ROW_TILES = ((32, 256, 4), (32, 512, 4), (64, 128, 4), (64, 256, 4))
 _ONE_ROW = triton.autotune(_configs(ONE_ROW_TILES), key=["N", "K"])(_int8_linear_kernel)
