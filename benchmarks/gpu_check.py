@@ -6,12 +6,13 @@ against HF eager and the memory-bandwidth floor (needs a CUDA device).
                                                [--int8-tiles] [--draft] [--one-row-tiles '[[8, 2048, 4]]']
                                                [--row-tiles '[[32, 512, 4]]']
 
-`--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768; `--profile`: GPU time by
-kernel; `--attention`: the pool attention alone; `--engine`: the engine's loop at 1 in flight against the
-device's busy time; `--int8-linears`: the draft's linears alone, bf16 against int8 weights; `--int8-tiles`: the
-int8 kernel at each candidate tile; `--draft`: the draft's step alone; `--one-row-tiles` / `--row-tiles`: the
-tiles the int8 kernel's tuners time in this process. Writes gpu_check.json (profile_steps.json, attention.json,
-engine_loop.json, int8.json, int8_tiles.json); the tables and their reading: docs/performance.md.
+`--floor`: the draft at L = 1..4 beside the 7B verify, and contexts to 32,768, each 7B step also pipelined as async
+scheduling launches them (`pipelined_verify_ms`); `--profile`: GPU time by kernel; `--attention`: the pool attention
+alone; `--engine`: the engine's loop at 1 in flight against the device's busy time; `--int8-linears`: the draft's
+linears alone, bf16 against int8 weights; `--int8-tiles`: the int8 kernel at each candidate tile; `--draft`: the
+draft's step alone; `--one-row-tiles` / `--row-tiles`: the tiles the int8 kernel's tuners time in this process.
+Writes gpu_check.json (profile_steps.json, attention.json, engine_loop.json, int8.json, int8_tiles.json); the
+tables and their reading: docs/performance.md.
 """
 
 import os
@@ -168,6 +169,44 @@ def verify_step(lane: VerifyLane, batch: int, drafts: int, context: int = CONTEX
     return step, slots
 
 
+def pipelined_verify_ms(lane: VerifyLane, batch: int, drafts: int, context: int = CONTEXT, steps: int = 8,
+                        repeats: int = 5) -> tuple[float, float]:
+    """The engine's cadence under async scheduling: each verify of `drafts` tokens a row (0: a decode step)
+    launched after the one before it and before that one is read (`PendingVerify.launch_next`), so that the
+    host's work overlaps the device's. Returns (median ms between two steps' results over `steps` steps,
+    the mean context those steps read). Rows start at `context` tokens of random KV; each step commits its
+    accepted drafts and one token, so the context grows (a step reserves at most 2 * drafts + 1 past it)."""
+    slots = fill_pool(lane.runner, batch, context - 1)
+    device = lane.pool.kv.device
+    tokens = torch.randint(0, lane.runner.vocab_size, (batch, drafts), device=device)
+    params, seeds = [SamplingParams(max_tokens=4 * steps * (drafts + 1))] * batch, list(range(batch))
+    first = VerifyBatch(slots, [context] * batch, [1] * batch, tokens, None, [drafts] * batch, params, seeds)
+    after = VerifyBatch(slots, None, None, tokens, None, [drafts] * batch, params, seeds)
+    times_ms, contexts = [], []
+    for _ in range(repeats + 1):  # the first, a warm-up
+        lane.pool.lengths[slots] = context - 1
+        num_tokens, pending = [context] * batch, lane.launch(first)
+        read, read_at = [], []  # perf_counter after each step's result, and the context that step read
+
+        def advance(pending):
+            nonlocal num_tokens
+            following = pending.launch_next(after, num_tokens)
+            accepted = pending.result().num_accepted
+            read.append(time.perf_counter())
+            read_at.append(sum(num_tokens) / batch)
+            num_tokens = [n + a + 1 for n, a in zip(num_tokens, accepted)]
+            return following
+
+        for _ in range(steps + 1):
+            pending = advance(pending)
+        pending.result()  # the last one launched, untimed
+        times_ms.append((read[-1] - read[0]) * 1e3 / steps)
+        contexts += read_at[1:]
+    for s in slots:
+        lane.pool.free(s)
+    return statistics.median(times_ms[1:]), statistics.mean(contexts[steps:])
+
+
 def decode_step(runner, batch: int, context: int = CONTEXT) -> tuple[Step, list[int]]:
     """One decode forward (1 new token a row) over `batch` rows of `context` tokens of random KV, and its slots."""
     slots = fill_pool(runner, batch, context)
@@ -250,6 +289,14 @@ def step_table(bandwidth: float) -> list[dict]:
     return rows
 
 
+def pipelined_row(name: str, lane: VerifyLane, batch: int, drafts: int, context: int, bandwidth: float,
+                  model) -> dict:
+    """`pipelined_verify_ms` as columns, over the floor at the mean context its steps read."""
+    ms, mean_context = pipelined_verify_ms(lane, batch, drafts, context)
+    return {f"{name}_pipelined_ms": round(ms, 3), f"{name}_pipelined_context": round(mean_context, 1),
+            f"{name}_pipelined_over_floor": round(ms / floor_ms(model, batch, mean_context, bandwidth), 2)}
+
+
 def floor_table(bandwidth: float) -> dict:
     """Each step over its floor: the draft at L = 1..4 (greedy and sampled) beside the 7B verify at L, at
     batch 1 and 64; the 7B decode (1 token) and verify (4 drafts) at batch 1 over long contexts."""
@@ -267,6 +314,7 @@ def floor_table(bandwidth: float) -> dict:
                 row[f"draft_{label}_ms"] = round(ms, 3)
             row["verify_ms"] = round(timed_ms(target.pool, *verify_step(target, batch, draft_len)), 3)
             row["verify_over_floor"] = round(row["verify_ms"] / verify_floor, 2)
+            row.update(pipelined_row("verify", target, batch, draft_len, CONTEXT, bandwidth, models["target"]))
             row["draft_per_token_over_floor"] = round(row["draft_greedy_ms"] / draft_len / draft_floor, 2)
             print(row, flush=True)
             out["draft_vs_verify"].append(row)
@@ -279,7 +327,9 @@ def floor_table(bandwidth: float) -> dict:
         verify = timed_ms(lane.pool, *verify_step(lane, 1, 4, context))
         row = {"context": context, "floor_ms": round(floor, 3), "decode_ms": round(decode, 3),
                "verify_L4_ms": round(verify, 3), "decode_over_floor": round(decode / floor, 2),
-               "verify_over_floor": round(verify / floor, 2)}
+               "verify_over_floor": round(verify / floor, 2),
+               **pipelined_row("decode", lane, 1, 0, context, bandwidth, models["target"]),
+               **pipelined_row("verify_L4", lane, 1, 4, context, bandwidth, models["target"])}
         print(row, flush=True)
         out["contexts"].append(row)
         del lane

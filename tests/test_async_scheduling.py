@@ -6,9 +6,10 @@ the engine must fall back to reading first wherever the next step needs the host
 import pytest
 import torch
 
-from lanes.engine.core import EngineConfig, EngineCore
+from lanes.engine.core import EngineConfig, EngineCore, build_runner
 from lanes.sample.params import SamplingParams
 from lanes.spec.ngram import NgramProposer
+from lanes.spec.verify import VerifyLane
 from tests.conftest import VOCAB
 from tests.engine_helpers import hf_greedy, random_prompts, run_to_completion, small_engine
 
@@ -167,3 +168,17 @@ def test_prompt_lookup_and_penalties_keep_the_host_in_the_loop(llama_pair):
     outputs = run_to_completion(spec_off, _requests(prompts))
     assert spec_off.num_steps_ahead > 0  # speculation switched off by the controller: it decodes ahead
     assert outputs["1"] == hf_greedy(target, prompts[1], 9)
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_the_benchmarks_pipelined_steps_commit_each_steps_tokens_and_give_back_their_slots(llama_pair, drafts):
+    """benchmarks/gpu_check.py times the 7B's steps chained as async scheduling chains them: the context each
+    timed step reads must be what the steps before it committed (one token each without drafts)."""
+    from benchmarks.gpu_check import pipelined_verify_ms
+
+    target, _ = llama_pair
+    lane = VerifyLane(build_runner(target.model, EngineConfig(max_model_len=96, max_num_seqs=2)))
+    ms, mean_context = pipelined_verify_ms(lane, 2, drafts, context=40, steps=4, repeats=2)
+    # Steps 2-5 are timed; before step n a row holds 40 + (n - 1) tokens at least, 40 + (n - 1) * (drafts + 1) at most.
+    assert ms > 0 and (mean_context == 42.5 if drafts == 0 else 42.5 <= mean_context <= 40 + 2.5 * (drafts + 1))
+    assert lane.pool.num_used == 0
