@@ -183,28 +183,24 @@ def pipelined_verify_ms(lane: VerifyLane, batch: int, drafts: int, context: int 
     first = VerifyBatch(slots, [context] * batch, [1] * batch, tokens, None, [drafts] * batch, params, seeds)
     after = VerifyBatch(slots, None, None, tokens, None, [drafts] * batch, params, seeds)
     times_ms, contexts = [], []
-    for _ in range(repeats + 1):  # the first, a warm-up
+    for repeat in range(repeats + 1):  # the first, a warm-up
         lane.pool.lengths[slots] = context - 1
         num_tokens, pending = [context] * batch, lane.launch(first)
         read, read_at = [], []  # perf_counter after each step's result, and the context that step read
-
-        def advance(pending):
-            nonlocal num_tokens
+        for _ in range(steps + 1):
             following = pending.launch_next(after, num_tokens)
             accepted = pending.result().num_accepted
             read.append(time.perf_counter())
             read_at.append(sum(num_tokens) / batch)
             num_tokens = [n + a + 1 for n, a in zip(num_tokens, accepted)]
-            return following
-
-        for _ in range(steps + 1):
-            pending = advance(pending)
+            pending = following
         pending.result()  # the last one launched, untimed
-        times_ms.append((read[-1] - read[0]) * 1e3 / steps)
-        contexts += read_at[1:]
+        if repeat:
+            times_ms.append((read[-1] - read[0]) * 1e3 / steps)
+            contexts += read_at[1:]
     for s in slots:
         lane.pool.free(s)
-    return statistics.median(times_ms[1:]), statistics.mean(contexts[steps:])
+    return statistics.median(times_ms), statistics.mean(contexts)
 
 
 def decode_step(runner, batch: int, context: int = CONTEXT) -> tuple[Step, list[int]]:
