@@ -6,7 +6,10 @@ nospec, at 1 to 256 in flight and Poisson; its state every 0.5 s) and the prefix
                                                                (CPU dry run: the path, not the numbers)
 
 Apps on the constructed pair at agreement 0.8, through Serve's proxy; <part>.json and <part>.md rewritten
-under --out after every point, within --budget-s. Workloads, goals and the device calls: docs/gpu_runs.md.
+under --out after every point, within --budget-s. In the controller part each one-process mode's engine first
+runs the same closed loops in process, without Serve (benchmarks/lib/in_process.py; --no-in-process skips it),
+so that every served point stands beside its in-process one. Workloads, goals and the device calls:
+docs/gpu_runs.md.
 """
 
 import argparse
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks is
 from benchmarks.constructed_pair import shape_configs  # noqa: E402
 from benchmarks.lib.apps import AppRun, app_args, engine_args, run_app, sized_args  # noqa: E402
 from benchmarks.lib.cluster import STARTED_S, git_commit, log, machine, serving, start_model_cluster  # noqa: E402
+from benchmarks.lib.in_process import ENGINE_MODES, EngineLoad, measure_apart  # noqa: E402
 from benchmarks.lib.loads import Load  # noqa: E402
 from benchmarks.lib.pairs import SavedPair, save_pair  # noqa: E402
 from benchmarks.lib.results import ratio, row, rows_table, script_parser, verdict, write_document  # noqa: E402
@@ -37,7 +41,8 @@ DRAFT_LEN = 3
 SEED = 0
 FIRST_PROMPT_ID = 16  # prompts draw ids from here up, as every recorded run did
 GOALS = {  # by part and check: (comparison, value)
-    "controller": {"every point": (">=", 0.97), "1 and 16 in flight": (">=", 1.3)},
+    "controller": {"every point": (">=", 0.97), "1 and 16 in flight": (">=", 1.3),
+                   "nospec served / in process": (">=", 0.9)},
     "prefix": {"ttft_p50 off / on": (">=", 3.0)},
 }
 # The controller's signals each sample keeps (controller_sampler), averaged per point (trace_by_point).
@@ -202,6 +207,38 @@ def controller_checks(report: Report, modes: list[str], loads: list[str]) -> lis
     return checks
 
 
+def engine_loads(loads: list[Load]) -> list[EngineLoad]:
+    """The closed loops of `loads` (settling and measured), for the same engine in process."""
+    return [EngineLoad(load.name, [r.prompt for r in load.requests], load.requests[0].output_len,
+                       load.arrivals.concurrency, load.measured)
+            for load in loads if isinstance(load.arrivals, ClosedLoop)]
+
+
+def served_over_in_process(report: Report, in_process: dict[str, dict]) -> list[dict]:
+    """Each mode's in-process row beside its served one at the same load: served / in process for tok/s,
+    and both TTFTs and TPOTs."""
+    rows = []
+    for mode, result in in_process.items():
+        for engine in result["rows"]:
+            served = row_of(report, mode, engine["load"])
+            rows.append({"mode": mode, "load": engine["load"], "in-process tok_s": engine["tok_s"],
+                         "served tok_s": served.get("tok_s"),
+                         "served / in process": ratio(served.get("tok_s"), engine["tok_s"]),
+                         **{f"{metric} {way}": value for metric in ("ttft_ms p50", "tpot_ms p50")
+                            for way, value in (("in process", engine[metric]), ("served", served.get(metric)))},
+                         "in-process completed": f"{engine['completed']} of {engine['submitted']}",
+                         "L in process": result["draft_len"]})
+    return rows
+
+
+def in_process_checks(rows: list[dict]) -> list[dict]:
+    """nospec, the baseline, served at >= 0.9x its speed in process at every closed loop: else the mode
+    comparison does not count."""
+    return [check(GOALS["controller"]["nospec served / in process"], r["served / in process"], mode="nospec",
+                  load=r["load"], served_over_in_process=r["served / in process"])
+            for r in rows if r["mode"] == "nospec"]
+
+
 def trace_by_point(trace: list[dict]) -> list[dict]:
     """What the controller saw and set during each point: mean L and the mean of each signal."""
     rows = []
@@ -233,6 +270,14 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
         f"poisson: {args.rate_factor} x nospec's completed requests/s at {top}, the same arrival times for every "
         "mode. Each closed loop is measured after an unmeasured one at the same C (controller_loads)."]
     trace = report.doc["controller_trace"] = []  # the sampler's, filled as the apps run
+    # The same engines in process first (each in a process of its own, gone before any app deploys).
+    in_process = {}
+    for mode in (m for m in modes if args.in_process and m in ENGINE_MODES):
+        log(f"{mode} in process")
+        in_process[mode] = measure_apart(configs[mode], engine_loads(controller_loads(requests, concurrencies, args,
+                                                                                      {"rate_of": top})))
+        report.doc.setdefault("in_process", {})[mode] = in_process[mode]
+        report.write()
     for index, mode in enumerate(modes):
         share_s = (deadline_s - time.monotonic()) / (len(modes) - index)
         # nospec runs first and fixes the rate; the others get its rate and arrival times (none: skipped, as
@@ -245,8 +290,11 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
         if mode == "nospec":
             nospec = next((point.summary for load, point in run.points if load.name == top), None)
             report.doc["poisson_rate_rps"] = args.rate_factor * nospec.request_throughput_rps if nospec else None
+        side_by_side = served_over_in_process(report, in_process)
         report.doc["checks"] = controller_checks(report, [m for m in modes if m != "nospec"],
-                                                 [f"c{c}" for c in concurrencies] + ["poisson"])
+                                                 [f"c{c}" for c in concurrencies] + ["poisson"]) + \
+            in_process_checks(side_by_side)
+        report.doc["table:Served beside the same engine in process (no Serve, no controller: L fixed)"] = side_by_side
         report.doc["table:What the controller saw and set, per point (means over 0.5 s samples)"] = \
             trace_by_point(trace)
         report.write()
@@ -302,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate-factor", type=float, default=0.9,
                         help="controller: Poisson at this x nospec's completed requests/s at the most in flight")
     parser.add_argument("--min-load-s", type=float, default=15.0, help="a load starts only with this much left")
+    parser.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="controller: first the closed loops on each one-process mode's engine, without Serve")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the most in flight, at least 8")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output + 64")
     args = sized_args(parser, PRESETS, argv)  # and the dtype: lib/apps.py's PRESETS

@@ -116,3 +116,42 @@ def test_each_controller_point_follows_an_unmeasured_one_at_its_concurrency():
     assert len(by_name["settle c1"].requests) == 6 and len(by_name["settle c8"].requests) == 24
     measured = {r for load in loads if load.measured for r in load.requests}
     assert not measured & set(by_name["settle c8"].requests)
+
+
+def test_the_in_process_engine_runs_the_closed_loops_it_is_given_and_counts_every_request():
+    """The served app's engine without Serve (benchmarks/lib/in_process.py): built from the app's config as its
+    replica builds it, the settling loops unmeasured, every measured request completed with all its tokens."""
+    from benchmarks.lib.in_process import EngineLoad, measure
+    from deployments.config import DEFAULT_DRAFT, DEFAULT_TARGET
+    from tests.serve_helpers import app_config as served_config
+
+    config = served_config("spec", DEFAULT_TARGET, DEFAULT_DRAFT)
+    prompts = [f"def f{i}(x):" for i in range(6)]
+    result = measure(config, [EngineLoad("settle c2", prompts[4:], 8, 2, measured=False),
+                              EngineLoad("c1", prompts[:1], 8, 1), EngineLoad("c2", prompts[:4], 8, 2)])
+    assert [r["load"] for r in result["rows"]] == ["c1", "c2"] and result["draft_len"] == 3
+    for row in result["rows"]:
+        assert row["completed"] == row["submitted"] and row["failed"] == 0, row
+        assert row["tok_s"] > 0 and row["ttft_ms p50"] > 0 and row["tpot_ms p50"] > 0, row
+    with pytest.raises(ValueError, match="pdv"):
+        measure(served_config("pdv", DEFAULT_TARGET, DEFAULT_DRAFT), [])
+
+
+def test_served_rows_stand_beside_their_in_process_ones_and_nospec_must_keep_09():
+    from benchmarks.gpu_evidence import engine_loads, in_process_checks, served_over_in_process
+
+    args = SimpleNamespace(max_num_seqs=8, single_requests=2, requests_per_slot=2, min_measured_requests=4,
+                           settle_requests_per_slot=1)
+    requests = [SimpleNamespace(prompt=f"t{i}", output_len=4) for i in range(2 * 8 + 8 + 8)]
+    loads = engine_loads(controller_loads(requests, [1, 8], args, {"rate_of": "c8"}))
+    assert [(load.name, load.concurrency, load.measured) for load in loads] == [
+        ("settle c1", 1, False), ("c1", 1, True), ("settle c8", 8, False), ("c8", 8, True)]  # no warm-up, no Poisson
+    assert loads[1].prompts == ["t0", "t1"] and loads[1].output_len == 4
+    report = _report([("nospec", "c1", 90.0, None), ("nospec", "c8", 85.0, None), ("spec", "c1", 150.0, 0.7)])
+    engine = {"nospec": {"draft_len": 0, "rows": [{"load": load, "tok_s": 100.0, "ttft_ms p50": 5.0,
+                                                    "tpot_ms p50": 1.0, "completed": 2, "submitted": 2}
+                                                   for load in ("c1", "c8")]}}
+    rows = served_over_in_process(report, engine)
+    assert [(r["load"], r["served / in process"], r["ttft_ms p50 served"]) for r in rows] == [("c1", 0.9, 90.0),
+                                                                                          ("c8", 0.85, 85.0)]
+    assert [c["verdict"] for c in in_process_checks(rows)] == ["met", "MISSED"]
