@@ -26,7 +26,10 @@ ROWS = (
     ("+ transformers' modeling (AttentionInterface)", f"{FLOOR}; from transformers import AttentionInterface"),
     ("the engine process (lanes.engine.process, deployments.factories)",
      "import lanes.engine.process, deployments.factories"),
-    ("a replica (deployments.app: every deployment's module)", "import deployments.app"),
+    ("the ingress replica (deployments.api.ingress)", "import deployments.api.ingress"),
+    ("a lane replica (its deployment's module, deployments.factories)",
+     "import deployments.replicas.engine_replica, deployments.factories"),
+    ("the controller replica (controller.actor)", "import controller.actor"),
 )
 
 
