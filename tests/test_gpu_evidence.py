@@ -1,6 +1,6 @@
 """The pure pieces of the GPU scripts (benchmarks/gpu_evidence.py, gpu_check.py): the workloads built from
-token ids, the checks against the goals, the bandwidth floor. No Ray, no model: the device runs are what
-measure."""
+token ids, the checks against the goals, the bandwidth floor, and the in-process reference's closed loops on the
+shipped pair. No Ray: the device runs are what measure."""
 
 import asyncio
 from pathlib import Path

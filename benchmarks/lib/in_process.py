@@ -18,6 +18,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 
+from deployments.config import AppConfig
+from deployments.factories import build_engine
+from lanes.sample.params import SamplingParams
+
 ENGINE_MODES = ("nospec", "spec", "unified")  # the modes whose whole engine runs in one process
 
 
@@ -34,8 +38,6 @@ class EngineLoad:
 
 def closed_loop(engine, load: EngineLoad) -> dict:
     """Run `load` on `engine` (an EngineCore); every request counted: completed (all its tokens) or failed."""
-    from lanes.sample.params import SamplingParams
-
     params = SamplingParams(max_tokens=load.output_len, temperature=0.0, ignore_eos=True)
     waiting = [(f"{load.name}-{i}", prompt) for i, prompt in enumerate(load.prompts)][::-1]
     running: dict[str, dict] = {}
@@ -74,12 +76,6 @@ def _median(values: list[float]) -> float | None:
 def measure(config: dict, loads: list[EngineLoad]) -> dict:
     """Build the decode lane's engine of `config` (an app's args) as its replica does, then run `loads` in
     order; the measured ones' rows, and the seconds the build took (weights, graphs, cost probe)."""
-    import os
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from deployments.config import AppConfig
-    from deployments.factories import build_engine
-
     cfg = AppConfig.model_validate(config)
     if cfg.mode not in ENGINE_MODES:
         raise ValueError(f"mode {cfg.mode!r} has no engine in one process; in process: {ENGINE_MODES}")
