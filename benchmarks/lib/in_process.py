@@ -7,7 +7,7 @@ the next added as soon as one ends, with the prompts and lengths the served poin
 no proxy, no draft-length controller: L stays at the config's `num_speculative_tokens`.
 
 TTFT here runs from `add_request` to the step that returns the request's first token; TPOT from that step to
-its last, over the tokens after the first (loadtest/summary.py's definitions, on the engine's clock).
+its last, over the tokens after the first (loadtest/records.py's definitions, on the engine's clock).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def closed_loop(engine, load: EngineLoad) -> dict:
             if out.finished:
                 request.update(end_s=now_s, ok=out.finish_reason == "length" and request["tokens"] == load.output_len)
                 ended.append(running.pop(out.request_id))
+        if running and not engine.has_work:  # dropped without a last output: failed, not waited for forever
+            ended += [dict(r, ok=False) for r in running.values()]
+            running.clear()
     wall_s = time.perf_counter() - began_s
     done = [r for r in ended if r["ok"]]
     ttft_ms = [1e3 * (r["first_s"] - r["added_s"]) for r in done]
