@@ -155,3 +155,26 @@ def test_served_rows_stand_beside_their_in_process_ones_and_nospec_must_keep_09(
     assert [(r["load"], r["served / in process"], r["ttft_ms p50 served"]) for r in rows] == [("c1", 0.9, 90.0),
                                                                                           ("c8", 0.85, 85.0)]
     assert [c["verdict"] for c in in_process_checks(rows)] == ["met", "MISSED"]
+
+
+def test_a_request_the_engine_drops_without_a_last_output_counts_as_failed():
+    from benchmarks.lib.in_process import EngineLoad, closed_loop
+    from lanes.engine.outputs import RequestOutput
+
+    class Dropping:  # ends "x-1" as asked and forgets "x-0" without a last output (the loop hung on it before)
+        def __init__(self):
+            self.ids = []
+
+        def add_request(self, request_id, prompt, params):
+            self.ids.append(request_id)
+
+        def step(self):
+            return [RequestOutput(i, [7, 7], "", finished=True, finish_reason="length") for i in self.ids
+                    if i.endswith("1")]
+
+        @property
+        def has_work(self):
+            return False
+
+    row = closed_loop(Dropping(), EngineLoad("x", ["a", "b"], 2, 2))
+    assert (row["submitted"], row["completed"], row["failed"]) == (2, 1, 1)
