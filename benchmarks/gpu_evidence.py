@@ -272,10 +272,10 @@ def part_controller(args: argparse.Namespace, report: Report, port: int, deadlin
     trace = report.doc["controller_trace"] = []  # the sampler's, filled as the apps run
     # The same engines in process first (each in a process of its own, gone before any app deploys).
     in_process = {}
+    closed = engine_loads(controller_loads(requests, concurrencies, args, {"rate_of": top}))
     for mode in (m for m in modes if args.in_process and m in ENGINE_MODES):
         log(f"{mode} in process")
-        in_process[mode] = measure_apart(configs[mode], engine_loads(controller_loads(requests, concurrencies, args,
-                                                                                      {"rate_of": top})))
+        in_process[mode] = measure_apart(configs[mode], closed)
         report.doc.setdefault("in_process", {})[mode] = in_process[mode]
         report.write()
     for index, mode in enumerate(modes):

@@ -7,12 +7,12 @@ the next added as soon as one ends, with the prompts and lengths the served poin
 no proxy, no draft-length controller: L stays at the config's `num_speculative_tokens`.
 
 TTFT here runs from `add_request` to the step that returns the request's first token; TPOT from that step to
-its last, over the tokens after the first (loadtest/records.py's definitions, on the engine's clock).
+its last, over the tokens after the first, and tok/s over the loop's first arrival to its last end: the
+load tester's own records and summary (loadtest/), on the engine's clock.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +21,8 @@ from multiprocessing import get_context
 from deployments.config import AppConfig
 from deployments.factories import build_engine
 from lanes.sample.params import SamplingParams
+from loadtest.records import RequestRecord
+from loadtest.summary import Summary, summarize
 
 ENGINE_MODES = ("nospec", "spec", "unified")  # the modes whose whole engine runs in one process
 
@@ -37,16 +39,18 @@ class EngineLoad:
 
 
 def closed_loop(engine, load: EngineLoad) -> dict:
-    """Run `load` on `engine` (an EngineCore); every request counted: completed (all its tokens) or failed."""
+    """Run `load` on `engine` (an EngineCore); every request a RequestRecord, completed (all its tokens) or
+    failed, summarized as the load tester summarizes a served point (loadtest/summary.py)."""
     params = SamplingParams(max_tokens=load.output_len, temperature=0.0, ignore_eos=True)
-    waiting = [(f"{load.name}-{i}", prompt) for i, prompt in enumerate(load.prompts)][::-1]
+    waiting = list(enumerate(load.prompts))[::-1]
     running: dict[str, dict] = {}
-    ended: list[dict] = []
+    records: list[RequestRecord] = []
     began_s = time.perf_counter()
     while waiting or running:
         while waiting and len(running) < load.concurrency:
-            request_id, prompt = waiting.pop()
-            running[request_id] = {"added_s": time.perf_counter(), "first_s": None, "tokens": 0}
+            index, prompt = waiting.pop()
+            request_id = f"{load.name}-{index}"
+            running[request_id] = {"index": index, "added_s": time.perf_counter(), "first_s": None, "tokens": 0}
             engine.add_request(request_id, prompt, params)
         outputs = engine.step()
         now_s = time.perf_counter()
@@ -58,22 +62,31 @@ def closed_loop(engine, load: EngineLoad) -> dict:
                 request["first_s"] = now_s
             request["tokens"] += len(out.token_ids)
             if out.finished:
-                request.update(end_s=now_s, ok=out.finish_reason == "length" and request["tokens"] == load.output_len)
-                ended.append(running.pop(out.request_id))
+                del running[out.request_id]
+                ok = out.finish_reason == "length" and request["tokens"] == load.output_len
+                records.append(_record(request, load.output_len, began_s, now_s, ok))
         if running and not engine.has_work:  # dropped without a last output: failed, not waited for forever
-            ended += [dict(r, ok=False) for r in running.values()]
+            records += [_record(request, load.output_len, began_s, now_s, False) for request in running.values()]
             running.clear()
-    wall_s = time.perf_counter() - began_s
-    done = [r for r in ended if r["ok"]]
-    ttft_ms = [1e3 * (r["first_s"] - r["added_s"]) for r in done]
-    tpot_ms = [1e3 * (r["end_s"] - r["first_s"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
-    return {"load": load.name, "submitted": len(load.prompts), "completed": len(done),
-            "failed": len(ended) - len(done), "tok_s": round(sum(r["tokens"] for r in done) / wall_s, 1),
-            "ttft_ms p50": _median(ttft_ms), "tpot_ms p50": _median(tpot_ms), "wall_s": round(wall_s, 2)}
+    s = summarize(records)
+    return {"load": load.name, "submitted": s.submitted, "completed": s.completed, "failed": s.failed,
+            "tok_s": round(s.output_token_throughput_tps, 1), "ttft_ms p50": _p50(s, "ttft_ms"),
+            "tpot_ms p50": _p50(s, "tpot_ms"), "wall_s": round(s.wall_s, 2)}
 
 
-def _median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 2) if values else None
+def _record(request: dict, output_len: int, began_s: float, now_s: float, ok: bool) -> RequestRecord:
+    """A request that ended at `now_s`: completed with all its tokens (`ok`), or failed."""
+    first_s, tokens = request["first_s"], request["tokens"]
+    ttft_ms = None if first_s is None else 1e3 * (first_s - request["added_s"])
+    tpot_ms = 1e3 * (now_s - first_s) / (tokens - 1) if ok and tokens > 1 else None
+    return RequestRecord(request["index"], "normal", 0, output_len, "completed" if ok else "failed",
+                         request["added_s"] - began_s, now_s - began_s, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                         completion_tokens=tokens, error=None if ok else "ended without all its tokens")
+
+
+def _p50(summary: Summary, metric: str) -> float | None:
+    value = summary.latency_ms[metric].p50
+    return None if value is None else round(value, 2)
 
 
 def measure(config: dict, loads: list[EngineLoad]) -> dict:
