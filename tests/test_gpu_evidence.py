@@ -161,7 +161,7 @@ def test_a_request_the_engine_drops_without_a_last_output_counts_as_failed():
     from benchmarks.lib.in_process import EngineLoad, closed_loop
     from lanes.engine.outputs import RequestOutput
 
-    class Dropping:  # ends "x-1" as asked and forgets "x-0" without a last output (the loop hung on it before)
+    class Dropping:  # ends "x-1" as asked and forgets "x-0" without a last output (unguarded, the loop would wait forever)
         def __init__(self):
             self.ids = []
 
